@@ -1,0 +1,192 @@
+#!/usr/bin/env bash
+# Start a recipe on a list of GPUs or on N CPU processes, with the launcher the recipe declares.
+# Run ./launch.sh --help for usage.
+set -euo pipefail
+
+usage() {
+  cat <<'EOF'
+usage: ./launch.sh [--dry-run] RECIPE [DEVICES] [recipe args...]
+
+  DEVICES   0,1,3   GPUs 0, 1 and 3 (nvidia-smi numbering), one process each
+            cpu     2 processes on the CPU (gloo backend)
+            cpu:N   N processes on the CPU
+            omitted all visible GPUs, or cpu:2 when there is none
+
+  --dry-run (or LAUNCH_DRY_RUN=1) prints the command and its environment instead of running it.
+
+Environment: MASTER_PORT (default: a free port), MASTER_ADDR (default 127.0.0.1),
+NNODES and NODE_RANK for multi-node (then MASTER_ADDR and MASTER_PORT are required),
+PYTHON (default python3), OMP_NUM_THREADS (default: cores / processes).
+
+The recipe names its launcher in a line '# launcher: torchrun|torch.distributed.launch|python'.
+
+examples:
+  ./launch.sh recipes/ddp_torchrun.py 0,1,3 --dataset cifar100
+  ./launch.sh recipes/ddp_torchrun.py cpu:2 --arch tiny --epochs 1
+EOF
+}
+
+fail() {
+  echo "launch.sh: error: $*" >&2
+  exit 2
+}
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+python=${PYTHON:-python3}
+dry_run=${LAUNCH_DRY_RUN:-0}
+
+while [[ $# -gt 0 && $1 == -* ]]; do
+  case $1 in
+    --dry-run) dry_run=1 ;;
+    -h | --help) usage; exit 0 ;;
+    *) fail "unknown option '$1'; launch.sh takes --dry-run or --help before RECIPE, recipe flags after DEVICES" ;;
+  esac
+  shift
+done
+[[ $# -ge 1 ]] || { usage >&2; exit 2; }
+
+# ---- recipe: a path from here, or from the repo root; it names its own launcher
+recipe=$1
+shift
+if [[ ! -f $recipe ]]; then
+  [[ -f $here/$recipe ]] || fail "recipe '$recipe' not found; try one of: $(cd "$here" && echo recipes/*.py)"
+  recipe=$here/$recipe
+fi
+launcher=$(head -n 40 "$recipe" | sed -n 's/^# launcher: *\([A-Za-z._]*\) *$/\1/p' | head -n 1)
+case $launcher in
+  torchrun | torch.distributed.launch | python) ;;
+  "") fail "$recipe has no '# launcher: torchrun|torch.distributed.launch|python' line in its first 40 lines; add one" ;;
+  *) fail "$recipe names launcher '$launcher'; use torchrun, torch.distributed.launch or python" ;;
+esac
+
+# ---- devices -> CUDA_VISIBLE_DEVICES and the process count (never torch.cuda.device_count() of the box)
+gpu_count() {
+  # nvidia-smi lists every GPU of the machine in PCI order; CUDA_DEVICE_ORDER=PCI_BUS_ID below makes
+  # CUDA number them the same way, so "0,1,3" means what nvidia-smi shows.
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    timeout 10 nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true
+  else
+    echo 0
+  fi
+}
+
+devices=""
+if [[ $# -gt 0 && $1 != -* ]]; then
+  devices=$1
+  shift
+fi
+if [[ -z $devices ]]; then
+  if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
+    devices=$CUDA_VISIBLE_DEVICES
+  else
+    count=$(gpu_count)
+    if ((count > 0)); then
+      devices=$(seq -s, 0 $((count - 1)))
+    else
+      devices=cpu:2
+      echo "launch.sh: no GPU found, running cpu:2 (2 processes, gloo); pass DEVICES to choose" >&2
+    fi
+  fi
+fi
+
+if [[ $devices == cpu ]]; then
+  devices=cpu:2
+fi
+if [[ $devices == cpu:* ]]; then
+  n=${devices#cpu:}
+  if ! [[ $n =~ ^[0-9]+$ ]] || ((10#$n < 1)); then
+    fail "bad DEVICES '$devices': cpu:N needs a whole number N >= 1, e.g. cpu:2"
+  fi
+  nprocs=$((10#$n))
+  visible=""
+  where="cpu"
+elif [[ $devices =~ ^[0-9]+(,[0-9]+)*$ ]]; then
+  IFS=, read -ra ids <<<"$devices"
+  declare -A seen=()
+  visible=""
+  for id in "${ids[@]}"; do
+    id=$((10#$id))
+    [[ -z ${seen[$id]:-} ]] || fail "GPU $id is listed twice in '$devices'; list each GPU once, e.g. $(tr ',' '\n' <<<"$devices" | sort -nu | paste -sd,)"
+    seen[$id]=1
+    visible+=${visible:+,}$id
+  done
+  count=$(gpu_count)
+  ((count > 0)) || fail "DEVICES '$devices' asks for GPUs, but nvidia-smi finds none on this machine; use cpu or cpu:N, e.g. cpu:2"
+  for id in "${!seen[@]}"; do
+    ((id < count)) || fail "GPU $id does not exist: this machine has $count GPU(s), ids 0-$((count - 1)); e.g. $(seq -s, 0 $((count - 1)))"
+  done
+  nprocs=${#ids[@]}
+  where="GPU $visible"
+elif [[ $devices =~ ^[0-9,]+$ ]]; then
+  fail "bad GPU list '$devices': an empty entry between commas; write ids separated by single commas, e.g. 0,1,3"
+else
+  fail "bad DEVICES '$devices': expected a GPU list like 0,1,3, or cpu, or cpu:N"
+fi
+
+# ---- rendezvous: nodes, address, port
+nnodes=${NNODES:-1}
+node_rank=${NODE_RANK:-0}
+if ! [[ $nnodes =~ ^[0-9]+$ ]] || ((nnodes < 1)); then
+  fail "NNODES='$nnodes' must be a whole number >= 1"
+fi
+if ! [[ $node_rank =~ ^[0-9]+$ ]] || ((node_rank >= nnodes)); then
+  fail "NODE_RANK='$node_rank' must be 0..$((nnodes - 1)) (NNODES=$nnodes)"
+fi
+if ((nnodes > 1)) && [[ -z ${MASTER_ADDR:-} || -z ${MASTER_PORT:-} ]]; then
+  fail "NNODES=$nnodes needs MASTER_ADDR (node 0's address) and MASTER_PORT, set the same on every node"
+fi
+master_addr=${MASTER_ADDR:-127.0.0.1}
+
+port_is_free() {
+  # SO_REUSEADDR as torch's TCPStore sets it, so a port in TIME_WAIT is not reported busy.
+  "$python" -c 'import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    s.bind(("", int(sys.argv[1])))
+except OSError:
+    sys.exit(1)' "$1"
+}
+
+if [[ -n ${MASTER_PORT:-} ]]; then
+  if ! [[ $MASTER_PORT =~ ^[0-9]+$ ]] || ((MASTER_PORT < 1 || MASTER_PORT > 65535)); then
+    fail "MASTER_PORT='$MASTER_PORT' is not a port number (1-65535)"
+  fi
+  # Only node 0 listens on it; on other nodes it is a port of MASTER_ADDR.
+  if ((node_rank == 0)) && ! port_is_free "$MASTER_PORT"; then
+    fail "MASTER_PORT=$MASTER_PORT is already in use (another job on this machine?); unset MASTER_PORT to get a free port, or pick another"
+  fi
+  master_port=$MASTER_PORT
+else
+  # The kernel hands out an unused port, so two jobs started at once get different ones.
+  master_port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])') ||
+    fail "could not run '$python' to pick a free port; set PYTHON to your environment's python"
+fi
+
+# ---- command
+cores=$(nproc)
+threads=${OMP_NUM_THREADS:-$((cores / nprocs > 0 ? cores / nprocs : 1))}
+case $launcher in
+  torchrun) cmd=("$python" -m torch.distributed.run) ;;  # = torchrun, from the same environment
+  torch.distributed.launch) cmd=("$python" -m torch.distributed.launch) ;;
+  python) cmd=("$python") ;;
+esac
+if [[ $launcher != python ]]; then
+  cmd+=(--nnodes="$nnodes" --node-rank="$node_rank" --nproc-per-node="$nprocs"
+    --master-addr="$master_addr" --master-port="$master_port")
+fi
+cmd+=("$recipe" "$@")
+env_vars=(CUDA_VISIBLE_DEVICES="$visible" CUDA_DEVICE_ORDER=PCI_BUS_ID OMP_NUM_THREADS="$threads"
+  MASTER_ADDR="$master_addr" MASTER_PORT="$master_port" NNODES="$nnodes" NODE_RANK="$node_rank"
+  NPROC_PER_NODE="$nprocs")
+
+echo "launch.sh: $nprocs process(es) per node on $where, $nnodes node(s), $launcher, master $master_addr:$master_port" >&2
+if [[ $dry_run == 1 ]]; then
+  line=""
+  for word in "${env_vars[@]}" "${cmd[@]}"; do
+    [[ $word =~ ^[A-Za-z0-9_./:=,@%+-]*$ ]] || word=$(printf '%q' "$word")
+    line+=${line:+ }$word
+  done
+  echo "$line"
+  exit 0
+fi
+exec env "${env_vars[@]}" "${cmd[@]}"

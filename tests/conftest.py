@@ -1,0 +1,69 @@
+"""Helpers for running launch.sh and recipes as a user would, and for making real on-disk data."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCH = REPO / "launch.sh"
+
+
+def launch(*args, env=None, cwd=REPO, timeout=300):
+    """Run ./launch.sh with this interpreter as PYTHON. Returns the CompletedProcess."""
+    full_env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
+    for name in ("CUDA_VISIBLE_DEVICES", "MASTER_PORT", "MASTER_ADDR", "NNODES", "NODE_RANK", "LAUNCH_DRY_RUN"):
+        if env is None or name not in env:
+            full_env.pop(name, None)
+    return subprocess.run([str(LAUNCH), *map(str, args)], env=full_env, cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def result_of(proc):
+    """The recipe's single RESULT line as a dict; fails with the output if the run failed."""
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, f"expected one RESULT line (rank 0 only), got {len(lines)}:\n{proc.stdout}"
+    return json.loads(lines[0][len("RESULT "):])
+
+
+def make_imagefolder(root, classes=3, train_per_class=20, val_per_class=7, size=24, seed=0):
+    """root/{train,val}/class_k/*.png: each class a distinct colour plus noise, so it is learnable."""
+    rng = np.random.default_rng(seed)
+    colours = rng.integers(0, 256, size=(classes, 3))
+    for split, per_class in (("train", train_per_class), ("val", val_per_class)):
+        for k in range(classes):
+            folder = Path(root) / split / f"class_{k}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(per_class):
+                noise = rng.normal(0, 40, size=(size, size, 3))
+                pixels = np.clip(colours[k] + noise, 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(folder / f"{i:03d}.png")
+    return Path(root)
+
+
+@pytest.fixture(scope="session")
+def imagefolder(tmp_path_factory):
+    return make_imagefolder(tmp_path_factory.mktemp("imagefolder"))
+
+
+@pytest.fixture
+def fake_gpus(tmp_path):
+    """A stand-in nvidia-smi (the real one cannot run without a GPU) listing n GPUs; returns env with PATH."""
+
+    def make(n):
+        bin_dir = tmp_path / f"fake_nvidia_smi_{n}"
+        bin_dir.mkdir()
+        script = bin_dir / "nvidia-smi"
+        lines = "".join(f'echo "GPU {i}: Fake GPU (UUID: GPU-{i:08d})"\n' for i in range(n))
+        body = lines if n else 'echo "No devices were found"\nexit 6\n'
+        script.write_text("#!/bin/sh\n" + body)
+        script.chmod(0o755)
+        return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+    return make

@@ -1,0 +1,197 @@
+"""launch.sh: device parsing, bad input, ports, launcher choice, multi-node, via --dry-run (no torch import)."""
+
+import shlex
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import LAUNCH, REPO, launch
+
+
+def dry_run(*args, env=None, cwd=REPO):
+    """Returns (env dict, argv list, stderr) of the command launch.sh would run."""
+    proc = launch("--dry-run", *args, env=env, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr
+    words = shlex.split(proc.stdout.strip())
+    env_words = [w for w in words if "=" in w and not w.startswith("-") and w.split("=")[0].isupper()]
+    return dict(w.split("=", 1) for w in env_words), words[len(env_words):], proc.stderr
+
+
+def flag(argv, name):
+    return next(a.split("=", 1)[1] for a in argv if a.startswith(f"--{name}="))
+
+
+@pytest.mark.parametrize(("devices", "visible", "nprocs"), [
+    ("0,1,3", "0,1,3", 3),
+    ("2", "2", 1),
+    ("3,0", "3,0", 2),
+    ("cpu", "", 2),
+    ("cpu:3", "", 3),
+    ("cpu:1", "", 1),
+])
+def test_device_forms(devices, visible, nprocs, fake_gpus):
+    env, argv, _ = dry_run("recipes/ddp_torchrun.py", devices, "--epochs", "1", env=fake_gpus(4))
+    assert env["CUDA_VISIBLE_DEVICES"] == visible
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"  # ids mean what nvidia-smi shows
+    assert flag(argv, "nproc-per-node") == str(nprocs)
+    assert argv[-3:] == ["recipes/ddp_torchrun.py", "--epochs", "1"]
+
+
+def test_devices_omitted_uses_all_gpus(fake_gpus):
+    env, argv, _ = dry_run("recipes/ddp_torchrun.py", "--lr", "0.1", env=fake_gpus(3))
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2"
+    assert flag(argv, "nproc-per-node") == "3"
+    assert argv[-2:] == ["--lr", "0.1"]  # a recipe flag is not taken for DEVICES
+
+
+def test_devices_omitted_respects_cuda_visible_devices(fake_gpus):
+    env, argv, _ = dry_run("recipes/ddp_torchrun.py", env={**fake_gpus(4), "CUDA_VISIBLE_DEVICES": "1,2"})
+    assert env["CUDA_VISIBLE_DEVICES"] == "1,2"
+    assert flag(argv, "nproc-per-node") == "2"
+
+
+def test_devices_omitted_without_gpu_runs_cpu2_and_says_so(fake_gpus):
+    env, argv, stderr = dry_run("recipes/ddp_torchrun.py", env=fake_gpus(0))
+    assert env["CUDA_VISIBLE_DEVICES"] == ""
+    assert flag(argv, "nproc-per-node") == "2"
+    assert "no GPU found, running cpu:2" in stderr
+
+
+@pytest.mark.parametrize(("devices", "gpus", "message"), [
+    ("0,,1", 4, "bad GPU list '0,,1': an empty entry between commas"),
+    (",1", 4, "an empty entry between commas"),
+    ("a,b", 4, "bad DEVICES 'a,b': expected a GPU list like 0,1,3, or cpu, or cpu:N"),
+    ("0,1,1", 4, "GPU 1 is listed twice in '0,1,1'; list each GPU once, e.g. 0,1"),
+    ("0,7", 4, "GPU 7 does not exist: this machine has 4 GPU(s), ids 0-3; e.g. 0,1,2,3"),
+    ("0,1", 0, "DEVICES '0,1' asks for GPUs, but nvidia-smi finds none on this machine; use cpu or cpu:N"),
+    ("cpu:0", 0, "cpu:N needs a whole number N >= 1"),
+    ("cpu:two", 0, "cpu:N needs a whole number N >= 1"),
+])
+def test_bad_devices(devices, gpus, message, fake_gpus):
+    start = time.monotonic()
+    proc = launch("recipes/ddp_torchrun.py", devices, env=fake_gpus(gpus))
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("launch.sh: error: ") and message in lines[0], proc.stderr
+    assert elapsed < 1.0
+
+
+def test_missing_recipe_lists_the_real_ones():
+    proc = launch("recipes/nope.py", "cpu")
+    assert proc.returncode == 2
+    assert "recipe 'recipes/nope.py' not found; try one of:" in proc.stderr
+    assert "recipes/ddp_torchrun.py" in proc.stderr and "recipes/dp.py" in proc.stderr
+
+
+def test_recipe_without_launcher_marker(tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text("print('hi')\n")
+    proc = launch(script, "cpu")
+    assert proc.returncode == 2
+    assert "has no '# launcher: torchrun|torch.distributed.launch|python' line" in proc.stderr
+
+
+def test_unknown_launch_option():
+    proc = launch("--fast", "recipes/dp.py")
+    assert proc.returncode == 2 and "unknown option '--fast'" in proc.stderr
+
+
+@pytest.mark.parametrize(("marker", "module"), [
+    ("torchrun", ["-m", "torch.distributed.run"]),
+    ("torch.distributed.launch", ["-m", "torch.distributed.launch"]),
+    ("python", []),
+])
+def test_launcher_comes_from_the_recipe_marker(tmp_path, marker, module):
+    script = tmp_path / "r.py"
+    script.write_text(f'"""doc"""\n# launcher: {marker}\n')
+    env, argv, _ = dry_run(script, "cpu:2", "--x", "1")
+    assert argv[0] == sys.executable and argv[1:1 + len(module)] == module
+    assert argv[-3:] == [str(script), "--x", "1"]
+    if marker == "python":  # no launcher flags; the recipe reads the environment (mp.spawn does)
+        assert not any(a.startswith("--nproc-per-node") for a in argv)
+        assert env["NPROC_PER_NODE"] == "2" and env["MASTER_PORT"].isdigit()
+    else:
+        assert flag(argv, "nproc-per-node") == "2" and flag(argv, "nnodes") == "1"
+
+
+def test_real_recipes_declare_their_launchers():
+    assert dry_run("recipes/dp.py", "cpu")[1][:2] == [sys.executable, "recipes/dp.py"]
+    assert dry_run("recipes/ddp_torchrun.py", "cpu")[1][:3] == [sys.executable, "-m", "torch.distributed.run"]
+
+
+def test_works_from_another_directory(tmp_path):
+    _, argv, _ = dry_run("recipes/ddp_torchrun.py", "cpu", cwd=tmp_path)
+    assert argv[-1] == str(REPO / "recipes/ddp_torchrun.py")
+    proc = subprocess.run([str(LAUNCH), "--help"], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0 and "usage: ./launch.sh" in proc.stdout
+
+
+def test_launch_dry_run_env_equals_flag():
+    proc = launch("recipes/ddp_torchrun.py", "cpu", env={"LAUNCH_DRY_RUN": "1", "MASTER_PORT": "29613"})
+    assert proc.returncode == 0 and "--master-port=29613" in proc.stdout
+
+
+def test_master_port_from_environment_is_used():
+    env, argv, _ = dry_run("recipes/ddp_torchrun.py", "cpu", env={"MASTER_PORT": "29614"})
+    assert env["MASTER_PORT"] == "29614" and flag(argv, "master-port") == "29614"
+    assert flag(argv, "master-addr") == "127.0.0.1"
+
+
+def test_busy_master_port_fails_clearly():
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = launch("recipes/ddp_torchrun.py", "cpu", env={"MASTER_PORT": str(port)})
+    assert proc.returncode == 2
+    assert f"MASTER_PORT={port} is already in use" in proc.stderr and "unset MASTER_PORT" in proc.stderr
+
+
+@pytest.mark.parametrize("port", ["0", "70000", "http"])
+def test_bad_master_port(port):
+    proc = launch("recipes/ddp_torchrun.py", "cpu", env={"MASTER_PORT": port})
+    assert proc.returncode == 2 and "is not a port number" in proc.stderr
+
+
+def test_jobs_started_together_get_different_free_ports():
+    procs = [subprocess.Popen([str(LAUNCH), "--dry-run", "recipes/ddp_torchrun.py", "cpu"], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable}) for _ in range(6)]
+    ports = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=30)
+        ports.append(int(out.split("MASTER_PORT=")[1].split()[0]))
+    assert len(set(ports)) == len(ports)
+    for port in ports:  # and each was free when picked
+        with socket.socket() as s:
+            s.bind(("", port))
+
+
+def test_multi_node_environment_is_passed_to_torchrun():
+    env, argv, _ = dry_run("recipes/ddp_torchrun.py", "cpu:2",
+                           env={"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500"})
+    assert flag(argv, "nnodes") == "2" and flag(argv, "node-rank") == "1"
+    assert flag(argv, "master-addr") == "10.1.2.3" and flag(argv, "master-port") == "29500"
+    assert env["NODE_RANK"] == "1"
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"NNODES": "2"}, "NNODES=2 needs MASTER_ADDR (node 0's address) and MASTER_PORT"),
+    ({"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}, "NODE_RANK='2' must be 0..1"),
+    ({"NNODES": "0"}, "NNODES='0' must be a whole number >= 1"),
+])
+def test_bad_multi_node_environment(env, message):
+    proc = launch("recipes/ddp_torchrun.py", "cpu", env=env)
+    assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_cpu_threads_split_across_processes():
+    env, _, _ = dry_run("recipes/ddp_torchrun.py", "cpu:2")
+    cores = int(subprocess.run(["nproc"], capture_output=True, text=True).stdout)
+    assert env["OMP_NUM_THREADS"] == str(max(1, cores // 2))
+    env, _, _ = dry_run("recipes/ddp_torchrun.py", "cpu:2", env={"OMP_NUM_THREADS": "7"})
+    assert env["OMP_NUM_THREADS"] == "7"
