@@ -1,0 +1,21 @@
+"""Shared pieces that are not what a recipe teaches: meters, logging, data, models, DataLoaderX."""
+
+from common.data import build_datasets, prepare_dataset
+from common.loader import DataLoaderX
+from common.models import build_model, check_arch
+from common.utils import AverageMeter, accuracy, die, peak_memory_mb, print0, result_line, unused_parameters_error
+
+__all__ = [
+    "AverageMeter",
+    "DataLoaderX",
+    "accuracy",
+    "build_datasets",
+    "build_model",
+    "check_arch",
+    "die",
+    "peak_memory_mb",
+    "prepare_dataset",
+    "print0",
+    "result_line",
+    "unused_parameters_error",
+]

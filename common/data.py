@@ -1,0 +1,110 @@
+"""Dataset builders: synthetic (learnable, no files), CIFAR-100 (torchvision) and ImageFolder (your data).
+
+build_datasets() returns (train_set, val_set, num_classes) and raises DataError with a one-line,
+actionable message on missing or malformed data; recipes turn that into `error: ...` and exit 2.
+"""
+
+import os
+
+import torch
+import torchvision
+import torchvision.transforms as T
+from torch.utils.data import Dataset
+
+CIFAR_MEAN, CIFAR_STD = (0.507, 0.487, 0.441), (0.267, 0.256, 0.276)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+DEFAULT_IMAGE_SIZE = {"synthetic": 32, "cifar100": 32, "imagefolder": 224}
+
+
+class DataError(Exception):
+    """Missing or malformed data; the message says what to do."""
+
+
+class SyntheticImages(Dataset):
+    """Random images whose class is learnable: each class has its own mean colour and pattern.
+
+    Sample i is generated from (seed, split, i) alone, so every rank and every DataLoader worker
+    sees the same sample for the same index, and the data needs no memory up front.
+    """
+
+    def __init__(self, num_samples, num_classes=10, image_size=32, split="train", seed=0):
+        self.num_samples, self.num_classes, self.image_size = num_samples, num_classes, image_size
+        self.base_seed = seed * 1_000_003 + (0 if split == "train" else 500_009)
+        g = torch.Generator().manual_seed(seed)
+        colour = torch.randn(num_classes, 3, 1, 1, generator=g)
+        pattern = torch.randn(num_classes, 3, 4, 4, generator=g)
+        pattern = torch.nn.functional.interpolate(pattern, size=image_size, mode="bilinear")
+        self.prototypes = 0.5 * colour + 0.5 * pattern
+
+    def __len__(self):
+        return self.num_samples
+
+    def __getitem__(self, index):
+        if not 0 <= index < self.num_samples:
+            raise IndexError(index)
+        g = torch.Generator().manual_seed(self.base_seed + index)
+        label = int(torch.randint(self.num_classes, (1,), generator=g))
+        noise = torch.randn(3, self.image_size, self.image_size, generator=g)
+        return self.prototypes[label] + noise, label
+
+
+def prepare_dataset(name, root):
+    """Download what needs downloading. Call on one process per node, then barrier, then build."""
+    if name != "cifar100":
+        return
+    try:
+        torchvision.datasets.CIFAR100(root, train=True, download=True)
+    except Exception as exc:  # URLError offline, HTTPError, disk full: all need the same advice
+        raise DataError(
+            f"could not download CIFAR-100 into {root!r} ({type(exc).__name__}: {exc}). Offline? copy "
+            f"cifar-100-python.tar.gz from a machine with internet into {root!r}, "
+            "or use --dataset synthetic / --dataset imagefolder"
+        ) from exc
+
+
+def build_datasets(name, root=None, image_size=None, synthetic_train=2048, synthetic_val=500):
+    size = image_size or DEFAULT_IMAGE_SIZE[name]
+    if name == "synthetic":
+        return (
+            SyntheticImages(synthetic_train, image_size=size, split="train"),
+            SyntheticImages(synthetic_val, image_size=size, split="val"),
+            10,
+        )
+    if name == "cifar100":
+        train_tf = T.Compose([T.RandomCrop(size, padding=4), T.RandomHorizontalFlip(), T.ToTensor(),
+                              T.Normalize(CIFAR_MEAN, CIFAR_STD)])
+        val_tf = T.Compose([T.Resize(size), T.ToTensor(), T.Normalize(CIFAR_MEAN, CIFAR_STD)])
+        try:
+            train = torchvision.datasets.CIFAR100(root, train=True, transform=train_tf)
+            val = torchvision.datasets.CIFAR100(root, train=False, transform=val_tf)
+        except RuntimeError as exc:
+            raise DataError(f"no CIFAR-100 in {root!r} ({exc}); run once online to download it") from exc
+        return train, val, 100
+    if name == "imagefolder":
+        return _imagefolder(root, size)
+    raise DataError(f"unknown dataset {name!r}; use synthetic, cifar100 or imagefolder")
+
+
+def _imagefolder(root, size):
+    layout = "expected ROOT/train/<class>/*.png|jpg and ROOT/val/<class>/*.png|jpg"
+    for split in ("train", "val"):
+        path = os.path.join(root, split)
+        if not os.path.isdir(path):
+            raise DataError(f"--data-root {root!r} has no {split}/ folder; {layout}")
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise DataError(f"cannot read {path!r} (permissions); {layout}")
+    train_tf = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(),
+                          T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    val_tf = T.Compose([T.Resize(size * 8 // 7), T.CenterCrop(size), T.ToTensor(),
+                        T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    try:
+        train = torchvision.datasets.ImageFolder(os.path.join(root, "train"), transform=train_tf)
+        val = torchvision.datasets.ImageFolder(os.path.join(root, "val"), transform=val_tf)
+    except (FileNotFoundError, PermissionError) as exc:
+        raise DataError(f"{exc}; {layout}") from exc
+    if train.classes != val.classes:
+        only_train = sorted(set(train.classes) - set(val.classes))[:3]
+        only_val = sorted(set(val.classes) - set(train.classes))[:3]
+        raise DataError(f"train/ and val/ under {root!r} have different class folders "
+                        f"(only in train: {only_train}, only in val: {only_val}); labels would not match")
+    return train, val, len(train.classes)

@@ -1,0 +1,138 @@
+"""DataLoaderX: a DataLoader that loads ahead in a background thread and, on CUDA, copies each
+batch to the GPU on a side stream, so the next batch's copy overlaps the current step's compute.
+
+    loader = DataLoaderX(device, dataset, batch_size=64, sampler=sampler, num_workers=4, pin_memory=True)
+    for images, targets in loader:     # already on `device`
+        ...
+
+Guarantees: the same batches in the same order as the DataLoader it extends; an exception raised
+while loading (in a worker or in the thread) is re-raised in the loop, never swallowed or hung on;
+leaving the loop early (break, exception) stops the thread and the DataLoader's workers.
+"""
+
+import queue
+import threading
+
+import torch
+from torch.utils.data import DataLoader
+
+_END = object()
+
+
+class _Failure:
+    def __init__(self, exc):
+        self.exc = exc
+
+
+def _to_device(batch, device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)  # async only from pinned memory: pass pin_memory=True
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def _record_stream(batch, stream):
+    # The copy was allocated on the side stream; tell the caching allocator the compute stream uses it
+    # too, or its memory could be handed to the next copy while this step still reads it.
+    if isinstance(batch, torch.Tensor):
+        batch.record_stream(stream)
+    elif isinstance(batch, (list, tuple)):
+        for b in batch:
+            _record_stream(b, stream)
+    elif isinstance(batch, dict):
+        for b in batch.values():
+            _record_stream(b, stream)
+
+
+def _put(q, stop, item):
+    while not stop.is_set():  # a timeout, not a blocking put: a consumer that left must not strand us
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            pass
+    return False
+
+
+def _produce(batches, q, stop, device, stream):
+    # A plain function, not a method: a thread holding the iterator would keep it alive after `break`.
+    try:
+        if stream is not None:
+            torch.cuda.set_device(device)  # the current device is per thread and defaults to GPU 0
+        for batch in batches:
+            event = None
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    batch = _to_device(batch, device)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+            if stop.is_set() or not _put(q, stop, (batch, event)):
+                return
+        _put(q, stop, (_END, None))
+    except BaseException as exc:  # re-raised in the consumer's loop
+        _put(q, stop, (_Failure(exc), None))
+
+
+class _PrefetchIterator:
+    def __init__(self, batches, device, depth):
+        self.device = device
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.queue = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=_produce, args=(batches, self.queue, self.stop, device, stream),
+                                       name="DataLoaderX-producer", daemon=True)
+        self.thread.start()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.stop.is_set():
+            raise StopIteration
+        while True:
+            try:
+                item, event = self.queue.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self.thread.is_alive():
+                    self.close()
+                    raise RuntimeError("DataLoaderX: the prefetch thread ended without a batch or an error") from None
+        if item is _END:
+            self.close()
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self.close()
+            raise item.exc
+        if event is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(event)  # this batch's copy is done before the step reads it
+            _record_stream(item, compute)
+        return item
+
+    def close(self):
+        self.stop.set()
+        while True:  # drop prefetched batches so their memory is freed now
+            try:
+                self.queue.get_nowait()
+            except queue.Empty:
+                break
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=10)
+
+    def __del__(self):
+        self.close()
+
+
+class DataLoaderX(DataLoader):
+    """DataLoader plus background prefetch to `device` (see module docstring). prefetch: batches ahead."""
+
+    def __init__(self, device, *args, prefetch=2, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.device = torch.device(device)
+        self.prefetch = prefetch
+
+    def __iter__(self):
+        return _PrefetchIterator(super().__iter__(), self.device, self.prefetch)

@@ -1,0 +1,49 @@
+"""Model builders: torchvision classifiers by name, plus tiny CNNs for fast CPU runs and tests."""
+
+import difflib
+
+import torch.nn as nn
+import torchvision
+
+
+class TinyCNN(nn.Module):
+    """Two conv layers and no BatchNorm: fast on CPU, and its result does not depend on world size.
+
+    unused_branch=True adds a head that forward() never calls. Its parameters get no gradient, which
+    DDP rejects unless find_unused_parameters=True (the DDP error write-up 000 hit).
+    """
+
+    def __init__(self, num_classes, unused_branch=False):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        )
+        self.fc = nn.Linear(32, num_classes)
+        self.aux_head = nn.Linear(32, num_classes) if unused_branch else None
+
+    def forward(self, x):
+        return self.fc(self.features(x))
+
+
+TINY = {"tiny": {"unused_branch": False}, "tiny_unused": {"unused_branch": True}}
+
+
+def arch_names():
+    return sorted(TINY) + sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def check_arch(arch):
+    """Raise ValueError naming the closest known architectures when `arch` is unknown."""
+    names = arch_names()
+    if arch not in names:
+        close = difflib.get_close_matches(arch, names, n=3) or ["tiny", "resnet18", "resnet50"]
+        raise ValueError(f"unknown --arch {arch!r}; did you mean {', '.join(close)}?")
+
+
+def build_model(arch, num_classes):
+    check_arch(arch)
+    if arch in TINY:
+        return TinyCNN(num_classes, **TINY[arch])
+    return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)

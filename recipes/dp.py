@@ -1,0 +1,182 @@
+"""nn.DataParallel: one process drives every visible GPU; each batch is split across them.
+
+    ./launch.sh recipes/dp.py 0,1,3 --dataset cifar100 --epochs 30    # GPUs 0, 1 and 3, one process
+    ./launch.sh recipes/dp.py cpu --dataset synthetic --arch tiny     # CPU: DataParallel passes through
+
+Without launch.sh: `CUDA_VISIBLE_DEVICES=0,1,3 python recipes/dp.py ...`.
+
+What it shows: the smallest change from one GPU (wrap the model, nothing else), and why DDP
+(recipes/ddp_torchrun.py) is preferred anyway: every step DataParallel copies the model from GPU 0
+to the others, gathers all outputs on GPU 0 (so GPU 0 needs more memory than the rest and can run
+out first), and runs the replicas from threads of one Python process, where the GIL serialises them.
+DDP runs one process per GPU and only all-reduces gradients. --batch-size is the whole batch,
+split across the GPUs; --workers all belong to the one process.
+"""
+# launcher: python
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.nn import DataParallel
+from torch.utils.data import DataLoader, RandomSampler
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
+from common.data import DataError, build_datasets, prepare_dataset
+from common.models import build_model, check_arch
+from common.utils import AverageMeter, accuracy, die, peak_memory_mb, print0, result_line
+
+
+# ------------------------------------------------------------------------------------------- args
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dataset", choices=["synthetic", "cifar100", "imagefolder"], default="synthetic")
+    p.add_argument("--data-root", default="./data", help="cifar100: download dir; imagefolder: has train/ val/")
+    p.add_argument("--image-size", type=int, help="default: 32 (synthetic, cifar100), 224 (imagefolder)")
+    p.add_argument("--synthetic-train", type=int, default=2048, help="synthetic: training samples")
+    p.add_argument("--synthetic-val", type=int, default=500, help="synthetic: validation samples")
+    p.add_argument("--arch", default="resnet18", help="torchvision model name, or tiny / tiny_unused")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=128, help="whole batch, split across the GPUs")
+    p.add_argument("--workers", type=int, default=4, help="DataLoader workers (one process)")
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs, benchmarks)")
+    p.add_argument("--out-dir", default="runs/dp", help="model.pt is written here")
+    return p.parse_args()
+
+
+def check_args(args, world_size):
+    # Every rank runs this before any collective, so a bad flag fails in seconds, not at a timeout.
+    if args.batch_size < world_size or args.batch_size % world_size:
+        die(f"--batch-size {args.batch_size} is the GLOBAL batch and must be a multiple of the "
+            f"{world_size} processes; try --batch-size {max(1, args.batch_size // world_size) * world_size}")
+    for flag, value, low in [("--epochs", args.epochs, 1), ("--workers", args.workers, 0),
+                             ("--max-steps", args.max_steps or 1, 1), ("--image-size", args.image_size or 1, 1),
+                             ("--synthetic-train", args.synthetic_train, 1),
+                             ("--synthetic-val", args.synthetic_val, 1)]:
+        if value < low:
+            die(f"{flag} {value} must be >= {low}")
+    if args.lr <= 0:
+        die("--lr must be > 0")
+    try:
+        check_arch(args.arch)
+    except ValueError as exc:
+        die(str(exc))
+
+
+# ------------------------------------------------------------------------------------------- eval
+@torch.no_grad()
+def evaluate(model, loader, criterion, device):
+    """Top-1/top-5 over the whole validation set (all_reduce is a no-op without a process group)."""
+    model.eval()
+    loss, top1, top5 = AverageMeter(), AverageMeter(), AverageMeter()
+    for images, targets in loader:
+        images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        output = model(images)
+        acc1, acc5 = accuracy(output, targets, topk=(1, 5))
+        loss.update(criterion(output, targets).item(), images.size(0))
+        top1.update(acc1, images.size(0))
+        top5.update(acc5, images.size(0))
+    for meter in (loss, top1, top5):
+        meter.all_reduce(device)
+    return loss.avg, top1.avg, top5.avg, top1.count
+
+
+def main():
+    args = parse_args()
+
+    # ------------------------------------------------------------------------ distributed setup
+    # One process, whatever the GPU count: DataParallel fans each batch out to threads.
+    rank, local_rank, world_size, is_main = 0, 0, 1, True
+    check_args(args, world_size)
+    num_gpus = torch.cuda.device_count()
+    device = torch.device("cuda", local_rank) if num_gpus else torch.device("cpu")  # outputs gather here
+    batch_per_process = args.batch_size
+    workers_per_process = args.workers
+    print0(f"setup: DataParallel over {num_gpus} GPU(s) in 1 process" if num_gpus else
+           "setup: no GPU, 1 CPU process (DataParallel passes through)", f"batch={args.batch_size}",
+           f"(~{args.batch_size // max(num_gpus, 1)} per GPU)" if num_gpus > 1 else "", f"workers={args.workers}")
+
+    # ------------------------------------------------------------------------------------ data
+    try:
+        prepare_dataset(args.dataset, args.data_root)
+        train_set, val_set, num_classes = build_datasets(
+            args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val)
+    except DataError as exc:
+        die(str(exc))
+    train_sampler = RandomSampler(train_set, generator=torch.Generator().manual_seed(args.seed))
+    train_loader = DataLoader(train_set, batch_size=batch_per_process, sampler=train_sampler,
+                              num_workers=workers_per_process, pin_memory=device.type == "cuda",
+                              drop_last=True, persistent_workers=workers_per_process > 0)
+    val_loader = DataLoader(val_set, batch_size=batch_per_process,
+                            num_workers=workers_per_process, pin_memory=device.type == "cuda")
+    if len(train_loader) == 0:
+        die(f"{len(train_set)} training samples make no full batch of {args.batch_size}; lower --batch-size")
+    print0(f"data: {args.dataset} train={len(train_set)} val={len(val_set)} classes={num_classes} "
+           f"steps_per_epoch={len(train_loader)}")
+
+    # ----------------------------------------------------------------------------------- model
+    torch.manual_seed(args.seed)
+    model = build_model(args.arch, num_classes).to(device)  # the replicas are copied from GPU 0 each step
+    model = DataParallel(model)  # all visible GPUs; on CPU it calls the model directly
+    torch.manual_seed(args.seed + rank)
+    criterion = torch.nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
+
+    # ----------------------------------------------------------------------------------- train
+    total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
+    step, train_time, train_images = 0, 0.0, 0
+    for epoch in range(args.epochs):
+        model.train()
+        loss_meter, acc_meter = AverageMeter(), AverageMeter()
+        start = time.perf_counter()
+        bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", leave=False, disable=not (is_main and sys.stdout.isatty()))
+        for images, targets in bar:
+            images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            output = model(images)  # scatter the batch, run replicas in threads, gather on GPU 0
+            loss = criterion(output, targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # gradients of all replicas are summed into the GPU 0 model
+            optimizer.step()
+            loss_meter.update(loss.item(), images.size(0))
+            acc_meter.update(accuracy(output, targets)[0], images.size(0))
+            step += 1
+            if step >= total_steps:
+                break
+        scheduler.step()
+        epoch_time = time.perf_counter() - start
+        train_time += epoch_time
+        loss_meter.all_reduce(device)
+        acc_meter.all_reduce(device)
+        train_images += loss_meter.count
+
+        # -------------------------------------------------------------------------------- eval
+        val_loss, val_acc1, val_acc5, val_samples = evaluate(model, val_loader, criterion, device)
+        eta = datetime.timedelta(seconds=round(train_time / step * (total_steps - step)))
+        print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
+               f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
+               f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={eta}")
+        if step >= total_steps:
+            break
+
+    # ------------------------------------------------------------------------------------ save
+    peak = torch.tensor(peak_memory_mb(device))  # GPU 0: the fullest one under DataParallel
+    if is_main:
+        os.makedirs(args.out_dir, exist_ok=True)
+        path = os.path.join(args.out_dir, "model.pt")
+        torch.save(model.module.state_dict(), path)  # .module: keys without the "module." prefix
+        print0(f"saved: {path}")
+    print0(result_line(recipe="dp", world_size=world_size, device=device.type, steps=step,
+                       train_loss=round(loss_meter.avg, 6), val_acc1=round(val_acc1, 4), val_samples=val_samples,
+                       images_per_sec=round(train_images / train_time, 2), peak_mem_mb=round(peak.item(), 1)))
+
+
+if __name__ == "__main__":
+    main()
