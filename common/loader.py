@@ -12,6 +12,7 @@ leaving the loop early (break, exception) stops the thread and the DataLoader's 
 
 import queue
 import threading
+import traceback
 
 import torch
 from torch.utils.data import DataLoader
@@ -57,8 +58,12 @@ def _put(q, stop, item):
     return False
 
 
-def _produce(batches, q, stop, device, stream):
+def _produce(box, q, stop, device, stream):
     # A plain function, not a method: a thread holding the iterator would keep it alive after `break`.
+    # It holds the only reference to the DataLoader iterator (popped from `box`), so the iterator, and
+    # with it the worker processes, is shut down here when this function returns, not at some later
+    # garbage collection (which can even run inside a freshly forked worker of the next epoch).
+    batches = box.pop()
     try:
         if stream is not None:
             torch.cuda.set_device(device)  # the current device is per thread and defaults to GPU 0
@@ -73,6 +78,8 @@ def _produce(batches, q, stop, device, stream):
                 return
         _put(q, stop, (_END, None))
     except BaseException as exc:  # re-raised in the consumer's loop
+        traceback.clear_frames(exc.__traceback__)  # its frames would keep `batches` alive
+        del batches
         _put(q, stop, (_Failure(exc), None))
 
 
@@ -82,7 +89,7 @@ class _PrefetchIterator:
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.queue = queue.Queue(maxsize=depth)
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=_produce, args=(batches, self.queue, self.stop, device, stream),
+        self.thread = threading.Thread(target=_produce, args=([batches], self.queue, self.stop, device, stream),
                                        name="DataLoaderX-producer", daemon=True)
         self.thread.start()
 
