@@ -65,10 +65,10 @@ def check_args(args, world_size):
         die(f"--batch-size {args.batch_size} is the GLOBAL batch and must be a multiple of the "
             f"{world_size} processes; try --batch-size {max(1, args.batch_size // world_size) * world_size}")
     for flag, value, low in [("--epochs", args.epochs, 1), ("--workers", args.workers, 0),
-                             ("--max-steps", args.max_steps or 1, 1), ("--image-size", args.image_size or 1, 1),
+                             ("--max-steps", args.max_steps, 1), ("--image-size", args.image_size, 1),
                              ("--synthetic-train", args.synthetic_train, 1),
                              ("--synthetic-val", args.synthetic_val, 1)]:
-        if value < low:
+        if value is not None and value < low:
             die(f"{flag} {value} must be >= {low}")
     if args.lr <= 0 or args.dist_timeout <= 0:
         die("--lr and --dist-timeout must be > 0")
@@ -195,6 +195,8 @@ def main():
         train_images += loss_meter.count
 
         # -------------------------------------------------------------------------------- eval
+        # model.module, not the DDP wrapper: its forward may broadcast buffers, a collective that would
+        # hang on a rank whose shard has fewer batches (or none). Every rank still evaluates.
         val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device)
         eta = datetime.timedelta(seconds=round(train_time / step * (total_steps - step)))
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "

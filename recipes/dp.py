@@ -57,10 +57,10 @@ def check_args(args, world_size):
         die(f"--batch-size {args.batch_size} is the GLOBAL batch and must be a multiple of the "
             f"{world_size} processes; try --batch-size {max(1, args.batch_size // world_size) * world_size}")
     for flag, value, low in [("--epochs", args.epochs, 1), ("--workers", args.workers, 0),
-                             ("--max-steps", args.max_steps or 1, 1), ("--image-size", args.image_size or 1, 1),
+                             ("--max-steps", args.max_steps, 1), ("--image-size", args.image_size, 1),
                              ("--synthetic-train", args.synthetic_train, 1),
                              ("--synthetic-val", args.synthetic_val, 1)]:
-        if value < low:
+        if value is not None and value < low:
             die(f"{flag} {value} must be >= {low}")
     if args.lr <= 0:
         die("--lr must be > 0")
@@ -99,9 +99,8 @@ def main():
     device = torch.device("cuda", local_rank) if num_gpus else torch.device("cpu")  # outputs gather here
     batch_per_process = args.batch_size
     workers_per_process = args.workers
-    print0(f"setup: DataParallel over {num_gpus} GPU(s) in 1 process" if num_gpus else
-           "setup: no GPU, 1 CPU process (DataParallel passes through)", f"batch={args.batch_size}",
-           f"(~{args.batch_size // max(num_gpus, 1)} per GPU)" if num_gpus > 1 else "", f"workers={args.workers}")
+    where = f"DataParallel over {num_gpus} GPU(s)" if num_gpus else "no GPU, DataParallel passes through"
+    print0(f"setup: 1 process, {where}, batch={args.batch_size} (split across the GPUs), workers={args.workers}")
 
     # ------------------------------------------------------------------------------------ data
     try:

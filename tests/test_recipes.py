@@ -112,6 +112,7 @@ def test_unused_parameters_fail_clearly_then_train_with_the_flag(tmp_path):
      "error: --data-root '/nonexistent' has no train/ folder; expected ROOT/train/<class>/*.png|jpg"),
     (["--workers", "-1"], "error: --workers -1 must be >= 0"),
     (["--lr", "0"], "error: --lr"),
+    (["--max-steps", "0"], "error: --max-steps 0 must be >= 1"),
 ])
 @pytest.mark.parametrize("recipe", ["ddp_torchrun", "dp"])
 def test_bad_flags_give_one_line_and_exit_2(recipe, args, message):
