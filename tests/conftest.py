@@ -24,6 +24,14 @@ def launch(*args, env=None, cwd=REPO, timeout=300):
                           timeout=timeout)
 
 
+def run_direct(recipe, *args, timeout=300):
+    """`python recipes/RECIPE.py ...` without a launcher (a world of one process), on the CPU."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, f"recipes/{recipe}.py", *map(str, args)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def result_of(proc):
     """The recipe's single RESULT line as a dict; fails with the output if the run failed."""
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"

@@ -1,15 +1,12 @@
 """dp.py and ddp_torchrun.py, run for real through launch.sh (gloo on CPU) and read back from RESULT."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from conftest import REPO, launch, result_of
+from conftest import launch, result_of, run_direct
 from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
 
-from common.data import build_datasets
+from common.data import SyntheticImages, build_datasets
 from common.models import build_model
 
 TINY = ["--arch", "tiny", "--workers", "0"]
@@ -79,11 +76,7 @@ def test_imagefolder_eval_is_exact(imagefolder, tmp_path, recipe, devices):
 def test_two_ranks_on_half_batches_match_one_process_on_the_full_batch(tmp_path):
     common = ["--dataset", "synthetic", *TINY, "--batch-size", "32", "--max-steps", "6", "--lr", "0.05"]
     two = launch("recipes/ddp_torchrun.py", "cpu:2", *common, "--out-dir", tmp_path / "two")
-    # Plain python, no launcher: the recipe makes a world of one process.
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    one = subprocess.run([sys.executable, "recipes/ddp_torchrun.py", *common, "--out-dir", tmp_path / "one"],
-                         cwd=REPO, env={**env, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"},
-                         capture_output=True, text=True, timeout=300)
+    one = run_direct("ddp_torchrun", *common, "--out-dir", tmp_path / "one")  # no launcher: a world of 1
     assert result_of(two)["steps"] == result_of(one)["steps"] == 6
     assert "setup: world_size=1 backend=gloo" in one.stdout
     a = torch.load(tmp_path / "two/model.pt", weights_only=True)
@@ -116,8 +109,7 @@ def test_unused_parameters_fail_clearly_then_train_with_the_flag(tmp_path):
 ])
 @pytest.mark.parametrize("recipe", ["ddp_torchrun", "dp"])
 def test_bad_flags_give_one_line_and_exit_2(recipe, args, message):
-    proc = subprocess.run([sys.executable, f"recipes/{recipe}.py", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    proc = run_direct(recipe, *args)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and message in proc.stderr, proc.stderr
 
@@ -128,3 +120,37 @@ def test_global_batch_must_split_evenly_across_processes(tmp_path):
     assert ("error: --batch-size 5 is the GLOBAL batch and must be a multiple of the 2 processes; "
             "try --batch-size 4") in proc.stderr
     assert proc.stderr.count("error: --batch-size") == 1  # said once, by rank 0
+
+
+def reference_training(epochs, steps_per_epoch, batch, lr, set_epoch):
+    """What ddp_torchrun.py should compute at world size 1, written out plainly."""
+    torch.manual_seed(0)
+    model = build_model("tiny", 10)
+    train = SyntheticImages(steps_per_epoch * batch)
+    sampler = DistributedSampler(train, num_replicas=1, rank=0, shuffle=True, seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
+    for epoch in range(epochs):
+        if set_epoch:
+            sampler.set_epoch(epoch)
+        for x, y in DataLoader(train, batch_size=batch, sampler=sampler, drop_last=True):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        scheduler.step()
+    return model.state_dict()
+
+
+def test_training_matches_a_plain_reference_loop_including_the_per_epoch_shuffle(tmp_path):
+    # Catches a missing set_epoch (the same order every epoch), a wrong LR schedule or optimizer.
+    args = ["--dataset", "synthetic", *TINY, "--epochs", "3", "--batch-size", "64", "--lr", "0.05",
+            "--synthetic-train", "128", "--synthetic-val", "10", "--out-dir", tmp_path]
+    proc = run_direct("ddp_torchrun", *args)
+    assert result_of(proc)["steps"] == 6
+    saved = torch.load(tmp_path / "model.pt", weights_only=True)
+    expected = reference_training(epochs=3, steps_per_epoch=2, batch=64, lr=0.05, set_epoch=True)
+    same_order_every_epoch = reference_training(epochs=3, steps_per_epoch=2, batch=64, lr=0.05, set_epoch=False)
+    for name in saved:
+        torch.testing.assert_close(saved[name], expected[name], rtol=0, atol=1e-6, msg=name)
+    assert max((saved[n] - same_order_every_epoch[n]).abs().max() for n in saved) > 1e-4
