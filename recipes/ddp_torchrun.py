@@ -38,7 +38,7 @@ from common.utils import AverageMeter, accuracy, die, peak_memory_mb, print0, re
 
 
 # ------------------------------------------------------------------------------------------- args
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dataset", choices=["synthetic", "cifar100", "imagefolder"], default="synthetic")
     p.add_argument("--data-root", default="./data", help="cifar100: download dir; imagefolder: has train/ val/")
@@ -56,7 +56,7 @@ def parse_args():
     p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
     p.add_argument("--find-unused-parameters", action="store_true",
                    help="needed when some parameters get no gradient in a step")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def check_args(args, world_size):
@@ -144,7 +144,8 @@ def main():
                               drop_last=True, persistent_workers=workers_per_process > 0)
     # DistributedSampler pads val with repeated samples; a strided shard counts each sample once.
     val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=batch_per_process,
-                            num_workers=workers_per_process, pin_memory=device.type == "cuda")
+                            num_workers=workers_per_process, pin_memory=device.type == "cuda",
+                            persistent_workers=workers_per_process > 0)
     if len(train_loader) == 0:
         die(f"{len(train_set)} training samples make no full batch of {args.batch_size}; lower --batch-size")
     print0(f"data: {args.dataset} train={len(train_set)} val={len(val_set)} classes={num_classes} "

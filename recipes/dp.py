@@ -33,7 +33,7 @@ from common.utils import AverageMeter, accuracy, die, peak_memory_mb, print0, re
 
 
 # ------------------------------------------------------------------------------------------- args
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dataset", choices=["synthetic", "cifar100", "imagefolder"], default="synthetic")
     p.add_argument("--data-root", default="./data", help="cifar100: download dir; imagefolder: has train/ val/")
@@ -48,7 +48,7 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs, benchmarks)")
     p.add_argument("--out-dir", default="runs/dp", help="model.pt is written here")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def check_args(args, world_size):
@@ -114,7 +114,8 @@ def main():
                               num_workers=workers_per_process, pin_memory=device.type == "cuda",
                               drop_last=True, persistent_workers=workers_per_process > 0)
     val_loader = DataLoader(val_set, batch_size=batch_per_process,
-                            num_workers=workers_per_process, pin_memory=device.type == "cuda")
+                            num_workers=workers_per_process, pin_memory=device.type == "cuda",
+                            persistent_workers=workers_per_process > 0)
     if len(train_loader) == 0:
         die(f"{len(train_set)} training samples make no full batch of {args.batch_size}; lower --batch-size")
     print0(f"data: {args.dataset} train={len(train_set)} val={len(val_set)} classes={num_classes} "

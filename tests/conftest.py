@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,16 +21,28 @@ def launch(*args, env=None, cwd=REPO, timeout=300):
     for name in ("CUDA_VISIBLE_DEVICES", "MASTER_PORT", "MASTER_ADDR", "NNODES", "NODE_RANK", "LAUNCH_DRY_RUN"):
         if env is None or name not in env:
             full_env.pop(name, None)
-    return subprocess.run([str(LAUNCH), *map(str, args)], env=full_env, cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout)
+    return run_group([str(LAUNCH), *map(str, args)], env=full_env, cwd=cwd, timeout=timeout)
+
+
+def run_group(argv, env, cwd, timeout):
+    """subprocess.run in a new session; on timeout the whole group (launcher, ranks, workers) is killed,
+    so a hung test cannot leave orphaned training processes behind."""
+    with subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
 
 
 def run_direct(recipe, *args, timeout=300):
     """`python recipes/RECIPE.py ...` without a launcher (a world of one process), on the CPU."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, f"recipes/{recipe}.py", *map(str, args)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_group([sys.executable, f"recipes/{recipe}.py", *map(str, args)], env=env, cwd=REPO, timeout=timeout)
 
 
 def result_of(proc):
