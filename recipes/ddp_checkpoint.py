@@ -1,0 +1,326 @@
+"""DDP checkpoints: rank 0 saves, barrier, every rank loads; atomic writes; exact resume.
+
+    ./launch.sh recipes/ddp_checkpoint.py 0,1,3 --dataset cifar100 --epochs 30
+    ./launch.sh recipes/ddp_checkpoint.py 0,1,3 --dataset cifar100 --epochs 30 --resume auto   # after a crash
+    ./launch.sh recipes/ddp_checkpoint.py cpu:2 --arch tiny --epochs 3 --resume auto
+    ./launch.sh recipes/ddp_checkpoint.py cpu:2 --arch tiny --init-from runs/dp/model.pt      # start from weights
+
+What it shows (the rest is recipes/ddp_torchrun.py):
+- Each epoch rank 0 writes OUT_DIR/latest.pt: model (no "module." prefix), optimizer, LR scheduler,
+  epoch, step, best accuracy, every rank's RNG state and the args. When validation accuracy improves
+  it also writes best.pt. Then dist.barrier(), then every rank loads latest.pt with
+  map_location=its own device (write-up 000's save -> barrier -> load): without the barrier a fast
+  rank reads a half-written file; without map_location every rank loads onto the GPU it was saved from.
+  (This reload also proves the file loads on every rank now, not on the day you need it. The shared
+  file needs a filesystem every node can see.)
+- Writes are atomic: a temp file in the same directory, then os.replace. A crash mid-write leaves the
+  previous checkpoint whole.
+- --resume PATH|auto restores all of it and continues: the same losses and, on CPU, bitwise the same
+  weights as a run that never stopped. The DataLoader workers are not persistent here because each
+  epoch's worker seeds come from the RNG state that is checkpointed, so a resumed epoch replays the same
+  augmentation. Files hold only tensors and plain types, so torch.load(weights_only=True) (torch >= 2.6's
+  default) reads them. An AMP run also saves scaler.state_dict() (see recipes/torch_amp.py).
+- --init-from loads weights saved with or without the "module." prefix (a DDP/DataParallel wrapper's
+  state_dict, or recipes/dp.py's model.pt) into the plain model.
+- Validation runs on every rank. Running it on rank 0 alone through the DDP wrapper hangs: the wrapper's
+  forward can start a collective that the other ranks, already waiting at the barrier, never join
+  (write-up 000). For rank-0-only inference, call model.module(x), which has no collectives.
+"""
+# launcher: torchrun
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Subset
+from torch.utils.data.distributed import DistributedSampler
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
+from common.data import DataError, build_datasets, prepare_dataset
+from common.models import build_model, check_arch
+from common.utils import AverageMeter, accuracy, die, peak_memory_mb, print0, result_line, unused_parameters_error
+
+
+# ------------------------------------------------------------------------------------------- args
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dataset", choices=["synthetic", "cifar100", "imagefolder"], default="synthetic")
+    p.add_argument("--data-root", default="./data", help="cifar100: download dir; imagefolder: has train/ val/")
+    p.add_argument("--image-size", type=int, help="default: 32 (synthetic, cifar100), 224 (imagefolder)")
+    p.add_argument("--synthetic-train", type=int, default=2048, help="synthetic: training samples")
+    p.add_argument("--synthetic-val", type=int, default=500, help="synthetic: validation samples")
+    p.add_argument("--arch", default="resnet18", help="torchvision model name, or tiny / tiny_unused")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=128, help="GLOBAL batch, split evenly across processes")
+    p.add_argument("--workers", type=int, default=4, help="TOTAL DataLoader workers, split across processes")
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs, benchmarks)")
+    p.add_argument("--out-dir", default="runs/ddp_checkpoint", help="latest.pt, best.pt, model.pt")
+    p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
+    p.add_argument("--find-unused-parameters", action="store_true",
+                   help="needed when some parameters get no gradient in a step")
+    p.add_argument("--resume", help="a latest.pt to continue from, or 'auto': OUT_DIR/latest.pt if it exists")
+    p.add_argument("--init-from", help="weights to start from (a state_dict, with or without 'module.')")
+    return p.parse_args(argv)
+
+
+def check_args(args, world_size):
+    # Every rank runs this before any collective, so a bad flag fails in seconds, not at a timeout.
+    if args.batch_size < world_size or args.batch_size % world_size:
+        die(f"--batch-size {args.batch_size} is the GLOBAL batch and must be a multiple of the "
+            f"{world_size} processes; try --batch-size {max(1, args.batch_size // world_size) * world_size}")
+    for flag, value, low in [("--epochs", args.epochs, 1), ("--workers", args.workers, 0),
+                             ("--max-steps", args.max_steps, 1), ("--image-size", args.image_size, 1),
+                             ("--synthetic-train", args.synthetic_train, 1),
+                             ("--synthetic-val", args.synthetic_val, 1)]:
+        if value is not None and value < low:
+            die(f"{flag} {value} must be >= {low}")
+    if args.lr <= 0 or args.dist_timeout <= 0:
+        die("--lr and --dist-timeout must be > 0")
+    try:
+        check_arch(args.arch)
+    except ValueError as exc:
+        die(str(exc))
+    for flag, path in (("--resume", args.resume), ("--init-from", args.init_from)):
+        if path and path != "auto" and not os.path.isfile(path):
+            die(f"{flag} {path}: no such file")
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+def save_atomic(obj, path):
+    """torch.save to a temp file in the same directory, then rename over `path` (atomic on POSIX)."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_file(path, device):
+    try:
+        return torch.load(path, map_location=device, weights_only=True)  # map_location: onto THIS rank's device
+    except Exception as exc:  # truncated, not a zip, pickled objects: the same advice for all
+        die(f"cannot load {path} ({type(exc).__name__}): truncated, or not a checkpoint of these recipes")
+
+
+def load_weights(model, state, path):
+    """Strict load that also takes keys saved from a DDP/DataParallel wrapper ("module.conv1.weight")."""
+    state = {k.removeprefix("module."): v for k, v in state.items()}
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    wrong = [k for k in expected if k in state and state[k].shape != expected[k].shape]
+    if missing or unexpected or wrong:
+        die(f"{path} does not fit this --arch: missing {missing[:3]}, unexpected {unexpected[:3]}, "
+            f"wrong shape {wrong[:3]}")
+    model.load_state_dict(state)
+
+
+def rng_state(device):
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+# ------------------------------------------------------------------------------------------- eval
+@torch.no_grad()
+def evaluate(model, loader, criterion, device):
+    """Each rank scores its own shard (no padded duplicates); sums are all-reduced, so the result
+    equals one process scoring the whole set. Call it on every rank: a collective waits for all."""
+    model.eval()
+    loss, top1, top5 = AverageMeter(), AverageMeter(), AverageMeter()
+    for images, targets in loader:
+        images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        output = model(images)
+        acc1, acc5 = accuracy(output, targets, topk=(1, 5))
+        loss.update(criterion(output, targets).item(), images.size(0))
+        top1.update(acc1, images.size(0))
+        top5.update(acc5, images.size(0))
+    for meter in (loss, top1, top5):
+        meter.all_reduce(device)
+    return loss.avg, top1.avg, top5.avg, top1.count
+
+
+def main():
+    args = parse_args()
+
+    # ------------------------------------------------------------------------ distributed setup
+    # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; plain python: a world of 1.
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    is_main = rank == 0
+    check_args(args, world_size)
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            die(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
+                "start one process per listed GPU (./launch.sh RECIPE 0,1 does)")
+        # Before any CUDA work, or every process also puts a context on GPU 0 (write-up 000).
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    # torch's default timeout is 30 min: a rank that died would leave the others hanging that long.
+    timeout = datetime.timedelta(seconds=args.dist_timeout)
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    batch_per_process = args.batch_size // world_size
+    workers_per_process = args.workers // world_size
+    print0(f"setup: world_size={world_size} backend={backend} device={device.type} "
+           f"global_batch={args.batch_size} ({batch_per_process} per process x {world_size}), "
+           f"workers={workers_per_process} per process")
+
+    # ------------------------------------------------------------------------------------ data
+    try:
+        if local_rank == 0:  # one download per node; the others wait at the barrier
+            prepare_dataset(args.dataset, args.data_root)
+        dist.barrier()
+        train_set, val_set, num_classes = build_datasets(
+            args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val)
+    except DataError as exc:
+        die(str(exc))
+    # Same seed on every rank: each process sees a different shard of one shared permutation.
+    train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    # Not persistent: workers are re-seeded from the (checkpointed) RNG each epoch, so resume is exact.
+    train_loader = DataLoader(train_set, batch_size=batch_per_process, sampler=train_sampler,
+                              num_workers=workers_per_process, pin_memory=device.type == "cuda", drop_last=True)
+    # DistributedSampler pads val with repeated samples; a strided shard counts each sample once.
+    val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=batch_per_process,
+                            num_workers=workers_per_process, pin_memory=device.type == "cuda",
+                            persistent_workers=workers_per_process > 0)
+    if len(train_loader) == 0:
+        die(f"{len(train_set)} training samples make no full batch of {args.batch_size}; lower --batch-size")
+    print0(f"data: {args.dataset} train={len(train_set)} val={len(val_set)} classes={num_classes} "
+           f"steps_per_epoch={len(train_loader)}")
+
+    # Start the validation workers now. The training workers are forked again every epoch, and on
+    # Python <= 3.11 a fork just after another loader shut down can deadlock the child (CPython gh-112275).
+    iter(val_loader)
+
+    # ----------------------------------------------------------------------------------- model
+    torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
+    model = build_model(args.arch, num_classes).to(device)
+    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
+                find_unused_parameters=args.find_unused_parameters)
+    torch.manual_seed(args.seed + rank)  # from here on, augmentation and dropout differ per rank
+    criterion = torch.nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
+    latest, best = os.path.join(args.out_dir, "latest.pt"), os.path.join(args.out_dir, "best.pt")
+    start_epoch, step, best_acc1 = 0, 0, float("-inf")
+    if args.init_from:
+        state = load_file(args.init_from, device)
+        load_weights(model.module, state.get("model", state), args.init_from)  # a checkpoint or bare weights
+        print0(f"init: weights from {args.init_from}")
+    resume = args.resume
+    if resume == "auto":
+        resume = latest if os.path.isfile(latest) else None
+        if resume is None:
+            print0(f"resume: no {latest} yet, starting from scratch")
+    if resume:
+        ckpt = load_file(resume, device)
+        load_weights(model.module, ckpt["model"], resume)
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        start_epoch, step, best_acc1 = ckpt["epoch"], ckpt["step"], ckpt["best_acc1"]
+        if ckpt["args"]["epochs"] != args.epochs:  # the cosine schedule was laid out for that many epochs
+            die(f"{resume} was trained with --epochs {ckpt['args']['epochs']}; resume with the same --epochs")
+        if len(ckpt["rng"]) == world_size:  # each rank continues its own random stream
+            torch.set_rng_state(ckpt["rng"][rank]["cpu"].cpu())
+            if device.type == "cuda":
+                torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"].cpu(), device)
+        else:
+            print0(f"resume: saved with {len(ckpt['rng'])} ranks, now {world_size}: random streams start afresh")
+        print0(f"resume: {resume} at epoch {start_epoch} step {step} best_acc1={best_acc1:.2f}")
+    # ----------------------------------------------------------------------------------- train
+    total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
+    train_time, train_images = 0.0, 0
+    if start_epoch >= args.epochs:
+        die(f"{resume} already finished all {args.epochs} epochs; nothing to resume")
+    for epoch in range(start_epoch, args.epochs):
+        train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
+        model.train()
+        loss_meter, acc_meter = AverageMeter(), AverageMeter()
+        start = time.perf_counter()
+        bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", leave=False, disable=not (is_main and sys.stdout.isatty()))
+        for images, targets in bar:
+            images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            try:
+                output = model(images)  # DDP checks here that the last backward reduced every gradient
+            except RuntimeError as exc:
+                hint = unused_parameters_error(exc, model.module)
+                if hint is None:
+                    raise
+                die(hint, code=1)
+            loss = criterion(output, targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # DDP averages gradients across ranks during backward
+            optimizer.step()
+            loss_meter.update(loss.item(), images.size(0))
+            acc_meter.update(accuracy(output, targets)[0], images.size(0))
+            step += 1
+            if step >= total_steps:
+                break
+        scheduler.step()
+        epoch_time = time.perf_counter() - start
+        train_time += epoch_time
+        loss_meter.all_reduce(device)
+        acc_meter.all_reduce(device)
+        train_images += loss_meter.count
+
+        # -------------------------------------------------------------------------------- eval
+        # model.module, not the DDP wrapper: its forward may broadcast buffers, a collective that would
+        # hang on a rank whose shard has fewer batches (or none). Every rank still evaluates.
+        val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device)
+        eta = datetime.timedelta(seconds=round(train_time / step * (total_steps - step)))
+        print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
+               f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
+               f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={eta}")
+
+        # ------------------------------------------------- checkpoint: rank 0 saves, barrier, all load
+        rngs = [None] * world_size
+        dist.all_gather_object(rngs, rng_state(device))  # a collective: every rank calls it
+        improved = val_acc1 > best_acc1  # val_acc1 is all-reduced, so every rank agrees
+        best_acc1 = max(best_acc1, val_acc1)
+        if is_main:
+            os.makedirs(args.out_dir, exist_ok=True)
+            save_atomic({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                         "scheduler": scheduler.state_dict(), "epoch": epoch + 1, "step": step,
+                         "best_acc1": best_acc1, "rng": rngs, "args": vars(args)}, latest)
+            if improved:
+                save_atomic({"model": model.module.state_dict(), "epoch": epoch + 1, "val_acc1": val_acc1}, best)
+                print0(f"best: epoch={epoch + 1} val_acc1={val_acc1:.2f} saved {best}")
+        dist.barrier()  # nobody reads latest.pt before rank 0 has finished writing it
+        load_weights(model.module, load_file(latest, device)["model"], latest)
+        if step >= total_steps:
+            break
+
+    # ------------------------------------------------------------------------------------ save
+    peak = torch.tensor(peak_memory_mb(device), device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if is_main:
+        os.makedirs(args.out_dir, exist_ok=True)
+        path = os.path.join(args.out_dir, "model.pt")
+        torch.save(model.module.state_dict(), path)  # .module: keys without the "module." prefix
+        print0(f"saved: {path}")
+    print0(result_line(recipe="ddp_checkpoint", world_size=world_size, device=device.type, steps=step,
+                       train_loss=round(loss_meter.avg, 6), val_acc1=round(val_acc1, 4), val_samples=val_samples,
+                       images_per_sec=round(train_images / train_time, 2), peak_mem_mb=round(peak.item(), 1)))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""DDP started by torch.multiprocessing.spawn from a plain `python` process: no launcher needed.
+
+    ./launch.sh recipes/ddp_spawn.py 0,1,3 --dataset cifar100 --epochs 30      # one worker per GPU
+    ./launch.sh recipes/ddp_spawn.py cpu:2 --dataset synthetic --arch tiny     # 2 CPU workers (gloo)
+    ./launch.sh recipes/ddp_spawn.py 0,1,2,3 --arch tiny --model-parallel      # 2 workers x 2 GPUs each
+    ./launch.sh recipes/ddp_spawn.py cpu:2 --arch tiny --model-parallel        # the same, both halves on CPU
+
+Without launch.sh: `CUDA_VISIBLE_DEVICES=0,1 python recipes/ddp_spawn.py ...` (--nproc N on CPU).
+
+What it shows (the rest is recipes/ddp_torchrun.py): main() spawns the workers and each one joins
+the group through tcp://MASTER_ADDR:MASTER_PORT with an explicit rank and world size (launch.sh picks a
+free port; without it a free one is picked here). The `if __name__ == "__main__":` guard is required:
+spawn re-imports this file in every worker. On CPU each worker gets cores/workers threads (2 workers
+x all cores each run several times slower). A worker that raises ends the whole program with a
+non-zero exit and that worker's traceback.
+
+--model-parallel (write-up 003): each worker owns one model split across two devices, the
+convolutions on cuda:2r and the classifier on cuda:2r+1 (both "cpu" on CPU), and DDP wraps it
+without device_ids, which is how DDP takes a module that spans devices.
+"""
+# launcher: python
+
+import argparse
+import datetime
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Subset
+from torch.utils.data.distributed import DistributedSampler
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
+from common.data import DataError, build_datasets, prepare_dataset
+from common.models import build_model, check_arch
+from common.utils import AverageMeter, accuracy, die, peak_memory_mb, print0, result_line, unused_parameters_error
+
+
+# ------------------------------------------------------------------------------------------- args
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dataset", choices=["synthetic", "cifar100", "imagefolder"], default="synthetic")
+    p.add_argument("--data-root", default="./data", help="cifar100: download dir; imagefolder: has train/ val/")
+    p.add_argument("--image-size", type=int, help="default: 32 (synthetic, cifar100), 224 (imagefolder)")
+    p.add_argument("--synthetic-train", type=int, default=2048, help="synthetic: training samples")
+    p.add_argument("--synthetic-val", type=int, default=500, help="synthetic: validation samples")
+    p.add_argument("--arch", default="resnet18", help="torchvision model name, or tiny / tiny_unused")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=128, help="GLOBAL batch, split evenly across processes")
+    p.add_argument("--workers", type=int, default=4, help="TOTAL DataLoader workers, split across processes")
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs, benchmarks)")
+    p.add_argument("--out-dir", default="runs/ddp_spawn", help="model.pt is written here")
+    p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
+    p.add_argument("--find-unused-parameters", action="store_true",
+                   help="needed when some parameters get no gradient in a step")
+    p.add_argument("--nproc", type=int, default=int(os.environ.get("NPROC_PER_NODE", 2)),
+                   help="CPU workers (default: launch.sh's cpu:N, else 2); on GPUs one per visible GPU")
+    p.add_argument("--model-parallel", action="store_true", help="split each worker's model over two devices")
+    return p.parse_args(argv)
+
+
+def check_args(args, world_size):
+    # Every rank runs this before any collective, so a bad flag fails in seconds, not at a timeout.
+    if args.batch_size < world_size or args.batch_size % world_size:
+        die(f"--batch-size {args.batch_size} is the GLOBAL batch and must be a multiple of the "
+            f"{world_size} processes; try --batch-size {max(1, args.batch_size // world_size) * world_size}")
+    for flag, value, low in [("--epochs", args.epochs, 1), ("--workers", args.workers, 0),
+                             ("--max-steps", args.max_steps, 1), ("--image-size", args.image_size, 1),
+                             ("--synthetic-train", args.synthetic_train, 1),
+                             ("--synthetic-val", args.synthetic_val, 1)]:
+        if value is not None and value < low:
+            die(f"{flag} {value} must be >= {low}")
+    if args.lr <= 0 or args.dist_timeout <= 0:
+        die("--lr and --dist-timeout must be > 0")
+    try:
+        check_arch(args.arch)
+    except ValueError as exc:
+        die(str(exc))
+    if args.model_parallel and args.arch not in ("tiny", "tiny_unused"):
+        die("--model-parallel splits the tiny CNN (features | fc); use --arch tiny, or split your model likewise")
+
+
+class TwoDeviceModel(nn.Module):
+    """Model parallelism inside one process: the feature layers on dev0, the classifier on dev1."""
+
+    def __init__(self, model, dev0, dev1):
+        super().__init__()
+        self.dev0, self.dev1 = dev0, dev1
+        self.features = model.features.to(dev0)
+        self.fc = model.fc.to(dev1)
+
+    def forward(self, x):
+        return self.fc(self.features(x.to(self.dev0)).to(self.dev1))  # activations hop between devices
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------- eval
+@torch.no_grad()
+def evaluate(model, loader, criterion, device):
+    """Each rank scores its own shard (no padded duplicates); sums are all-reduced, so the result
+    equals one process scoring the whole set. Call it on every rank: a collective waits for all."""
+    model.eval()
+    loss, top1, top5 = AverageMeter(), AverageMeter(), AverageMeter()
+    for images, targets in loader:
+        output = model(images.to(device, non_blocking=True))  # a split model moves it on itself
+        targets = targets.to(output.device, non_blocking=True)
+        acc1, acc5 = accuracy(output, targets, topk=(1, 5))
+        loss.update(criterion(output, targets).item(), images.size(0))
+        top1.update(acc1, images.size(0))
+        top5.update(acc5, images.size(0))
+    for meter in (loss, top1, top5):
+        meter.all_reduce(device)
+    return loss.avg, top1.avg, top5.avg, top1.count
+
+
+def main():
+    args = parse_args()
+    # One worker per visible GPU (two GPUs each with --model-parallel), or --nproc on CPU.
+    gpus = torch.cuda.device_count()
+    nprocs = (gpus // 2 if args.model_parallel else gpus) if gpus else args.nproc
+    if nprocs < 1:
+        die(f"--model-parallel needs 2 GPUs per worker, {gpus} visible" if gpus else "--nproc must be >= 1")
+    nnodes, node_rank = int(os.environ.get("NNODES", 1)), int(os.environ.get("NODE_RANK", 0))
+    check_args(args, nnodes * nprocs)  # here, before any worker starts: a bad flag exits 2 in seconds
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("MASTER_PORT") or free_port())
+    try:
+        mp.spawn(worker, args=(args, nprocs, nnodes, node_rank, f"tcp://{addr}:{port}"), nprocs=nprocs, join=True)
+    except mp.ProcessRaisedException as exc:  # a worker raised: show its traceback, not spawn's
+        print(f"error: worker {exc.error_index} failed{exc.msg}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except mp.ProcessExitedException as exc:  # a worker exited (die() says why) or was killed
+        print(f"error: worker {exc.error_index} exited with code {exc.exit_code}", file=sys.stderr, flush=True)
+        sys.exit(exc.exit_code if exc.exit_code and exc.exit_code > 0 else 1)
+
+
+def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
+    # ------------------------------------------------------------------------ distributed setup
+    # spawn passes the local rank; the rest follows from the node's place and its worker count.
+    rank = node_rank * nprocs + local_rank
+    world_size = nnodes * nprocs
+    is_main = rank == 0
+    if torch.cuda.is_available():
+        first = 2 * local_rank if args.model_parallel else local_rank
+        # Before any CUDA work, or every process also puts a context on GPU 0 (write-up 000).
+        torch.cuda.set_device(first)
+        device, backend = torch.device("cuda", first), "nccl"
+        out_device = torch.device("cuda", first + 1) if args.model_parallel else device
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
+        device, out_device, backend = torch.device("cpu"), torch.device("cpu"), "gloo"
+    # torch's default timeout is 30 min: a rank that died would leave the others hanging that long.
+    timeout = datetime.timedelta(seconds=args.dist_timeout)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)
+    batch_per_process = args.batch_size // world_size
+    workers_per_process = args.workers // world_size
+    print0(f"setup: world_size={world_size} backend={backend} device={device.type} "
+           f"global_batch={args.batch_size} ({batch_per_process} per process x {world_size}), "
+           f"workers={workers_per_process} per process")
+
+    # ------------------------------------------------------------------------------------ data
+    try:
+        if local_rank == 0:  # one download per node; the others wait at the barrier
+            prepare_dataset(args.dataset, args.data_root)
+        dist.barrier()
+        train_set, val_set, num_classes = build_datasets(
+            args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val)
+    except DataError as exc:
+        die(str(exc))
+    # Same seed on every rank: each process sees a different shard of one shared permutation.
+    train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    train_loader = DataLoader(train_set, batch_size=batch_per_process, sampler=train_sampler,
+                              num_workers=workers_per_process, pin_memory=device.type == "cuda",
+                              drop_last=True, persistent_workers=workers_per_process > 0)
+    # DistributedSampler pads val with repeated samples; a strided shard counts each sample once.
+    val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=batch_per_process,
+                            num_workers=workers_per_process, pin_memory=device.type == "cuda",
+                            persistent_workers=workers_per_process > 0)
+    if len(train_loader) == 0:
+        die(f"{len(train_set)} training samples make no full batch of {args.batch_size}; lower --batch-size")
+    print0(f"data: {args.dataset} train={len(train_set)} val={len(val_set)} classes={num_classes} "
+           f"steps_per_epoch={len(train_loader)}")
+
+    # ----------------------------------------------------------------------------------- model
+    torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
+    model = build_model(args.arch, num_classes).to(device)
+    if args.model_parallel:
+        model = TwoDeviceModel(model, device, out_device)
+        print0(f"model-parallel: features on {device}, fc on {out_device} in every worker")
+    # device_ids only for a single-device module; a model spanning devices must leave it None.
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" and not args.model_parallel else None,
+                find_unused_parameters=args.find_unused_parameters)
+    torch.manual_seed(args.seed + rank)  # from here on, augmentation and dropout differ per rank
+    criterion = torch.nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
+
+    # ----------------------------------------------------------------------------------- train
+    total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
+    step, train_time, train_images = 0, 0.0, 0
+    for epoch in range(args.epochs):
+        train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
+        model.train()
+        loss_meter, acc_meter = AverageMeter(), AverageMeter()
+        start = time.perf_counter()
+        bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", leave=False, disable=not (is_main and sys.stdout.isatty()))
+        for images, targets in bar:
+            images, targets = images.to(device, non_blocking=True), targets.to(out_device, non_blocking=True)
+            try:
+                output = model(images)  # DDP checks here that the last backward reduced every gradient
+            except RuntimeError as exc:
+                hint = unused_parameters_error(exc, model.module)
+                if hint is None:
+                    raise
+                die(hint, code=1)
+            loss = criterion(output, targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # DDP averages gradients across ranks during backward
+            optimizer.step()
+            loss_meter.update(loss.item(), images.size(0))
+            acc_meter.update(accuracy(output, targets)[0], images.size(0))
+            step += 1
+            if step >= total_steps:
+                break
+        scheduler.step()
+        epoch_time = time.perf_counter() - start
+        train_time += epoch_time
+        loss_meter.all_reduce(device)
+        acc_meter.all_reduce(device)
+        train_images += loss_meter.count
+
+        # -------------------------------------------------------------------------------- eval
+        # model.module, not the DDP wrapper: its forward may broadcast buffers, a collective that would
+        # hang on a rank whose shard has fewer batches (or none). Every rank still evaluates.
+        val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device)
+        eta = datetime.timedelta(seconds=round(train_time / step * (total_steps - step)))
+        print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
+               f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
+               f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={eta}")
+        if step >= total_steps:
+            break
+
+    # ------------------------------------------------------------------------------------ save
+    peak = torch.tensor(peak_memory_mb(device), device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if is_main:
+        os.makedirs(args.out_dir, exist_ok=True)
+        path = os.path.join(args.out_dir, "model.pt")
+        torch.save(model.module.state_dict(), path)  # .module: keys without the "module." prefix
+        print0(f"saved: {path}")
+    print0(result_line(recipe="ddp_spawn", world_size=world_size, device=device.type, steps=step,
+                       train_loss=round(loss_meter.avg, 6), val_acc1=round(val_acc1, 4), val_samples=val_samples,
+                       images_per_sec=round(train_images / train_time, 2), peak_mem_mb=round(peak.item(), 1)))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

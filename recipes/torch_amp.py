@@ -1,0 +1,283 @@
+"""DDP with torch.amp: autocast + GradScaler, gradient clipping and gradient accumulation done right.
+
+    ./launch.sh recipes/torch_amp.py 0,1,3 --dataset cifar100 --amp-dtype fp16 --channels-last
+    ./launch.sh recipes/torch_amp.py 0 --amp-dtype bf16 --accum-steps 4 --clip-grad 1.0
+    ./launch.sh recipes/torch_amp.py cpu:2 --arch tiny                # bf16 on CPU (the CPU default)
+    ./launch.sh recipes/torch_amp.py cpu:2 --arch tiny --epochs 3 --resume runs/torch_amp/checkpoint.pt
+
+What it shows (the rest is recipes/ddp_torchrun.py):
+- torch.amp.autocast(device_type, dtype) around forward and loss only; torch.amp.GradScaler(device_type),
+  never the deprecated torch.cuda.amp names.
+- fp16 needs the scaler: small gradients underflow to zero in fp16, so the loss is multiplied up before
+  backward and the gradients divided back before the step (a step with inf/nan gradients is skipped
+  and the scale lowered). bf16 has fp32's exponent range, so it needs no scaler. Default: fp16 on GPU,
+  bf16 on CPU (CPU fp16 kernels run 10-50x slower than fp32; bf16 is fine). fp32 turns AMP off.
+- Clipping: scaler.unscale_(optimizer) before clip_grad_norm_, or the norm is taken of scaled gradients.
+- --accum-steps K: K micro-batches per optimizer step, each loss divided by K, and model.no_sync() on
+  the first K-1 so DDP all-reduces once per step, not K times. --batch-size stays the GLOBAL batch
+  per optimizer step: K=4 computes the same update as K=1 with a quarter of the activation memory.
+- --channels-last: NHWC memory layout, which tensor cores prefer for convolutions under AMP.
+- The scaler's state (current scale, growth tracker) is saved in checkpoint.pt each epoch and restored
+  by --resume (same flags as the interrupted run). recipes/ddp_checkpoint.py does checkpoints in full.
+"""
+# launcher: torchrun
+
+import argparse
+import contextlib
+import datetime
+import itertools
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Subset
+from torch.utils.data.distributed import DistributedSampler
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
+from common.data import DataError, build_datasets, prepare_dataset
+from common.models import build_model, check_arch
+from common.utils import AverageMeter, accuracy, die, peak_memory_mb, print0, result_line, unused_parameters_error
+
+
+# ------------------------------------------------------------------------------------------- args
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dataset", choices=["synthetic", "cifar100", "imagefolder"], default="synthetic")
+    p.add_argument("--data-root", default="./data", help="cifar100: download dir; imagefolder: has train/ val/")
+    p.add_argument("--image-size", type=int, help="default: 32 (synthetic, cifar100), 224 (imagefolder)")
+    p.add_argument("--synthetic-train", type=int, default=2048, help="synthetic: training samples")
+    p.add_argument("--synthetic-val", type=int, default=500, help="synthetic: validation samples")
+    p.add_argument("--arch", default="resnet18", help="torchvision model name, or tiny / tiny_unused")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=128,
+                   help="GLOBAL batch per optimizer step, split across processes and --accum-steps")
+    p.add_argument("--workers", type=int, default=4, help="TOTAL DataLoader workers, split across processes")
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs, benchmarks)")
+    p.add_argument("--out-dir", default="runs/torch_amp", help="model.pt and checkpoint.pt go here")
+    p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
+    p.add_argument("--find-unused-parameters", action="store_true",
+                   help="needed when some parameters get no gradient in a step")
+    p.add_argument("--amp-dtype", choices=["fp16", "bf16", "fp32"], help="default: fp16 on GPU, bf16 on CPU")
+    p.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--clip-grad", type=float, help="clip the gradient norm to this (after unscaling)")
+    p.add_argument("--channels-last", action="store_true", help="NHWC layout for model and inputs")
+    p.add_argument("--resume", help="checkpoint.pt to continue from (model, optimizer, scheduler, scaler)")
+    return p.parse_args(argv)
+
+
+def check_args(args, world_size):
+    # Every rank runs this before any collective, so a bad flag fails in seconds, not at a timeout.
+    if args.accum_steps < 1:
+        die(f"--accum-steps {args.accum_steps} must be >= 1")
+    parts = world_size * args.accum_steps
+    if args.batch_size < parts or args.batch_size % parts:
+        die(f"--batch-size {args.batch_size} is the GLOBAL batch and must be a multiple of {world_size} processes "
+            f"x {args.accum_steps} accumulation steps; try --batch-size {max(1, args.batch_size // parts) * parts}")
+    for flag, value, low in [("--epochs", args.epochs, 1), ("--workers", args.workers, 0),
+                             ("--max-steps", args.max_steps, 1), ("--image-size", args.image_size, 1),
+                             ("--synthetic-train", args.synthetic_train, 1),
+                             ("--synthetic-val", args.synthetic_val, 1)]:
+        if value is not None and value < low:
+            die(f"{flag} {value} must be >= {low}")
+    if args.lr <= 0 or args.dist_timeout <= 0 or (args.clip_grad is not None and args.clip_grad <= 0):
+        die("--lr, --dist-timeout and --clip-grad must be > 0")
+    if args.resume and not os.path.isfile(args.resume):
+        die(f"--resume {args.resume}: no such file")
+    try:
+        check_arch(args.arch)
+    except ValueError as exc:
+        die(str(exc))
+
+
+# ------------------------------------------------------------------------------------------- eval
+@torch.no_grad()
+def evaluate(model, loader, criterion, device):
+    """Each rank scores its own shard (no padded duplicates); sums are all-reduced, so the result
+    equals one process scoring the whole set. Call it on every rank: a collective waits for all."""
+    model.eval()
+    loss, top1, top5 = AverageMeter(), AverageMeter(), AverageMeter()
+    for images, targets in loader:
+        images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        output = model(images)
+        acc1, acc5 = accuracy(output, targets, topk=(1, 5))
+        loss.update(criterion(output, targets).item(), images.size(0))
+        top1.update(acc1, images.size(0))
+        top5.update(acc5, images.size(0))
+    for meter in (loss, top1, top5):
+        meter.all_reduce(device)
+    return loss.avg, top1.avg, top5.avg, top1.count
+
+
+def main():
+    args = parse_args()
+
+    # ------------------------------------------------------------------------ distributed setup
+    # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; plain python: a world of 1.
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    is_main = rank == 0
+    check_args(args, world_size)
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            die(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
+                "start one process per listed GPU (./launch.sh RECIPE 0,1 does)")
+        # Before any CUDA work, or every process also puts a context on GPU 0 (write-up 000).
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    # torch's default timeout is 30 min: a rank that died would leave the others hanging that long.
+    timeout = datetime.timedelta(seconds=args.dist_timeout)
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    batch_per_process = args.batch_size // world_size
+    micro_batch = batch_per_process // args.accum_steps
+    workers_per_process = args.workers // world_size
+    print0(f"setup: world_size={world_size} backend={backend} device={device.type} "
+           f"global_batch={args.batch_size} ({batch_per_process} per process x {world_size}, "
+           f"micro_batch={micro_batch} x {args.accum_steps} accum_steps), workers={workers_per_process} per process")
+    amp_name = args.amp_dtype or ("fp16" if device.type == "cuda" else "bf16")
+    amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[amp_name]
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+
+    # ------------------------------------------------------------------------------------ data
+    try:
+        if local_rank == 0:  # one download per node; the others wait at the barrier
+            prepare_dataset(args.dataset, args.data_root)
+        dist.barrier()
+        train_set, val_set, num_classes = build_datasets(
+            args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val)
+    except DataError as exc:
+        die(str(exc))
+    # Same seed on every rank: each process sees a different shard of one shared permutation.
+    train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    train_loader = DataLoader(train_set, batch_size=micro_batch, sampler=train_sampler,
+                              num_workers=workers_per_process, pin_memory=device.type == "cuda",
+                              drop_last=True, persistent_workers=workers_per_process > 0)
+    # DistributedSampler pads val with repeated samples; a strided shard counts each sample once.
+    val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=batch_per_process,
+                            num_workers=workers_per_process, pin_memory=device.type == "cuda",
+                            persistent_workers=workers_per_process > 0)
+    steps_per_epoch = len(train_loader) // args.accum_steps  # a partial accumulation at the end is dropped
+    if steps_per_epoch == 0:
+        die(f"{len(train_set)} training samples make no full batch of {args.batch_size}; lower --batch-size")
+    print0(f"data: {args.dataset} train={len(train_set)} val={len(val_set)} classes={num_classes} "
+           f"steps_per_epoch={steps_per_epoch}")
+
+    # ----------------------------------------------------------------------------------- model
+    torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
+    model = build_model(args.arch, num_classes).to(device, memory_format=memory_format)
+    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
+                find_unused_parameters=args.find_unused_parameters)
+    torch.manual_seed(args.seed + rank)  # from here on, augmentation and dropout differ per rank
+    criterion = torch.nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
+    # Enabled for fp16 only: with bf16 or fp32 its calls pass straight through.
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+    start_epoch, step = 0, 0
+    if args.resume:
+        ckpt = torch.load(args.resume, map_location=device, weights_only=True)
+        model.module.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        scaler.load_state_dict(ckpt["scaler"])  # without it fp16 restarts at scale 65536 and skips steps
+        start_epoch, step = ckpt["epoch"], ckpt["step"]
+        if ckpt["epochs"] != args.epochs:  # the cosine schedule was laid out for that many epochs
+            die(f"{args.resume} was trained with --epochs {ckpt['epochs']}; resume with the same --epochs")
+        print0(f"resumed: {args.resume} epoch={start_epoch} step={step} scaler={scaler.state_dict()}")
+    print0(f"amp: {amp_name} autocast={amp_dtype != torch.float32} grad_scaler={scaler.is_enabled()}"
+           + (" (bf16 is the CPU default: fp16 is 10-50x slower on CPU)" if args.amp_dtype is None
+              and device.type == "cpu" else ""))
+    # ----------------------------------------------------------------------------------- train
+    total_steps = min(args.epochs * steps_per_epoch, args.max_steps or float("inf"))
+    train_time, train_images = 0.0, 0
+    for epoch in range(start_epoch, args.epochs):
+        train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
+        model.train()
+        loss_meter, acc_meter = AverageMeter(), AverageMeter()
+        start = time.perf_counter()
+        micro_batches = itertools.islice(train_loader, steps_per_epoch * args.accum_steps)
+        bar = tqdm(micro_batches, total=steps_per_epoch * args.accum_steps, desc=f"epoch {epoch + 1}", leave=False,
+                   disable=not (is_main and sys.stdout.isatty()))
+        for i, (images, targets) in enumerate(bar):
+            images = images.to(device, non_blocking=True, memory_format=memory_format)
+            targets = targets.to(device, non_blocking=True)
+            boundary = (i + 1) % args.accum_steps == 0
+            # no_sync: gradients accumulate locally; the boundary micro-step's backward all-reduces the sum.
+            with contextlib.nullcontext() if boundary else model.no_sync():
+                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
+                    try:
+                        output = model(images)  # DDP checks here that the last backward reduced every gradient
+                    except RuntimeError as exc:
+                        hint = unused_parameters_error(exc, model.module)
+                        if hint is None:
+                            raise
+                        die(hint, code=1)
+                    loss = criterion(output, targets)
+                # Backward outside autocast. /K: the K micro-losses add up to the mean over the full batch.
+                scaler.scale(loss / args.accum_steps).backward()
+            loss_meter.update(loss.item(), images.size(0))
+            acc_meter.update(accuracy(output, targets)[0], images.size(0))
+            if not boundary:
+                continue
+            if args.clip_grad:
+                scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+            scaler.step(optimizer)  # skipped if fp16 gradients overflowed (inf/nan)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            if step >= total_steps:
+                break
+        scheduler.step()
+        epoch_time = time.perf_counter() - start
+        train_time += epoch_time
+        loss_meter.all_reduce(device)
+        acc_meter.all_reduce(device)
+        train_images += loss_meter.count
+
+        # -------------------------------------------------------------------------------- eval
+        # model.module, not the DDP wrapper: its forward may broadcast buffers, a collective that would
+        # hang on a rank whose shard has fewer batches (or none). Every rank still evaluates.
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
+            val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device)
+        eta = datetime.timedelta(seconds=round(train_time / step * (total_steps - step)))
+        print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
+               f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
+               f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={eta}")
+        if is_main:  # every epoch, so an interrupted run can --resume with the same flags
+            os.makedirs(args.out_dir, exist_ok=True)
+            torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                        "epoch": epoch + 1, "step": step, "epochs": args.epochs},
+                       os.path.join(args.out_dir, "checkpoint.pt"))
+        if step >= total_steps:
+            break
+
+    # ------------------------------------------------------------------------------------ save
+    peak = torch.tensor(peak_memory_mb(device), device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if is_main:
+        os.makedirs(args.out_dir, exist_ok=True)
+        path = os.path.join(args.out_dir, "model.pt")
+        torch.save(model.module.state_dict(), path)  # .module: keys without the "module." prefix
+        print0(f"saved: {path} and checkpoint.pt, scaler={scaler.state_dict()}")
+    print0(result_line(recipe="torch_amp", world_size=world_size, device=device.type, steps=step,
+                       train_loss=round(loss_meter.avg, 6), val_acc1=round(val_acc1, 4), val_samples=val_samples,
+                       images_per_sec=round(train_images / train_time, 2), peak_mem_mb=round(peak.item(), 1)))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""The sibling recipes: ddp_launch, ddp_spawn, torch_amp, ddp_checkpoint (real gloo runs on CPU)."""
+
+import importlib.util
+import re
+import subprocess
+import time
+
+import pytest
+import torch
+from conftest import REPO, launch, make_imagefolder, result_of, run_direct
+
+from common.models import build_model
+
+TINY = ["--arch", "tiny", "--workers", "0"]
+
+
+def load_recipe(name):
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", REPO / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def epoch_lines(stdout):
+    """Per-epoch lines without the timing fields and the planned step total, which differ between runs."""
+    return [re.sub(r" img/s=\S+ eta=\S+", "", re.sub(r"step=(\d+)/\d+", r"step=\1", line))
+            for line in stdout.splitlines() if line.startswith("epoch=")]
+
+
+def params(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# ----------------------------------------------------------------------------------- siblings
+
+
+@pytest.mark.parametrize(("recipe", "max_changed"), [
+    ("dp", 140), ("ddp_launch", 50), ("ddp_spawn", 170), ("torch_amp", 170), ("ddp_checkpoint", 170)])
+def test_diff_against_ddp_torchrun_stays_small(recipe, max_changed):
+    diff = subprocess.run(["diff", "recipes/ddp_torchrun.py", f"recipes/{recipe}.py"], cwd=REPO,
+                          capture_output=True, text=True).stdout
+    changed = sum(line[:1] in "<>" for line in diff.splitlines())
+    assert 0 < changed <= max_changed
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in (REPO / "recipes").glob("*.py")))
+def test_every_recipe_follows_the_contract(recipe):
+    text = (REPO / "recipes" / f"{recipe}.py").read_text()
+    assert text.startswith('"""') and f"./launch.sh recipes/{recipe}.py" in text.split('"""')[1]
+    assert re.search(r"^# launcher: (torchrun|torch\.distributed\.launch|python)$", text, re.M)
+    for name in ("rank", "local_rank", "world_size", "device", "is_main"):
+        assert re.search(rf"\b{name}\b", text.split("distributed setup")[1].split("# ----")[0]), name
+    assert f'result_line(recipe="{recipe}"' in text and 'if __name__ == "__main__":' in text
+
+
+# --------------------------------------------------------------------------------- ddp_launch
+
+
+def test_ddp_launch_accepts_all_three_local_rank_spellings(monkeypatch):
+    parse = load_recipe("ddp_launch").parse_args
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert parse(["--local-rank=3"]).local_rank == 3  # torch >= 2.0's launcher
+    assert parse(["--local_rank", "2"]).local_rank == 2  # old launchers, the write-ups' code
+    assert parse([]).local_rank == 0
+    monkeypatch.setenv("LOCAL_RANK", "1")  # torchrun / --use-env
+    assert parse([]).local_rank == 1
+    assert parse(["--local-rank=0"]).local_rank == 0  # the launcher's flag wins
+
+
+def test_ddp_launch_trains_under_torch_distributed_launch(tmp_path):
+    proc = launch("recipes/ddp_launch.py", "cpu:2", *TINY, "--max-steps", "4", "--out-dir", tmp_path)
+    result = result_of(proc)
+    assert (result["recipe"], result["world_size"], result["steps"]) == ("ddp_launch", 2, 4)
+    assert "torch.distributed.launch" in proc.stderr  # launch.sh chose it from the marker
+
+
+# ---------------------------------------------------------------------------------- ddp_spawn
+
+
+@pytest.mark.parametrize("extra", [[], ["--model-parallel"]])
+def test_ddp_spawn_trains(tmp_path, extra):
+    proc = launch("recipes/ddp_spawn.py", "cpu:2", *TINY, "--batch-size", "64", *extra, "--out-dir", tmp_path)
+    result = result_of(proc)
+    assert (result["recipe"], result["world_size"], result["steps"]) == ("ddp_spawn", 2, 32)
+    assert result["val_acc1"] > 50
+    if extra:
+        assert "model-parallel: features on cpu, fc on cpu in every worker" in proc.stdout
+    build_model("tiny", 10).load_state_dict(params(tmp_path / "model.pt"), strict=True)
+
+
+def test_ddp_spawn_worker_error_ends_the_program_with_its_traceback(tmp_path):
+    root = make_imagefolder(tmp_path / "data", train_per_class=8, val_per_class=3)
+    (root / "train" / "class_1" / "005.png").write_bytes(b"not a png")
+    start = time.monotonic()
+    proc = launch("recipes/ddp_spawn.py", "cpu:2", "--dataset", "imagefolder", "--data-root", root,
+                  "--image-size", "16", "--batch-size", "8", *TINY, "--out-dir", tmp_path / "out")
+    assert proc.returncode == 1
+    assert re.search(r"^error: worker [01] failed", proc.stderr, re.M)
+    assert "UnidentifiedImageError" in proc.stderr and "class_1/005.png" in proc.stderr
+    assert time.monotonic() - start < 60
+
+
+def test_ddp_spawn_bad_flag_exits_2_before_spawning():
+    proc = run_direct("ddp_spawn", "--batch-size", "3", "--nproc", "2")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("error: --batch-size 3 is the GLOBAL batch and must be a multiple of the "
+                                   "2 processes; try --batch-size 2")
+
+
+# ---------------------------------------------------------------------------------- torch_amp
+
+AMP = [*TINY, "--batch-size", "32", "--max-steps", "4", "--lr", "0.05", "--synthetic-train", "256",
+       "--synthetic-val", "50", "--clip-grad", "1.0"]
+
+
+@pytest.fixture(scope="module")
+def accumulation_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("amp")
+    runs = {}
+    for dtype in ("fp32", "bf16"):
+        for k in (1, 4):
+            proc = launch("recipes/torch_amp.py", "cpu:2", *AMP, "--amp-dtype", dtype, "--accum-steps", k,
+                          "--out-dir", out / f"{dtype}_{k}")
+            runs[dtype, k] = (proc, params(out / f"{dtype}_{k}" / "model.pt") if proc.returncode == 0 else None)
+    return runs
+
+
+@pytest.mark.parametrize(("dtype", "atol"), [("fp32", 1e-6), ("bf16", 1e-3)])
+def test_accumulating_4_micro_batches_equals_one_full_batch(accumulation_runs, dtype, atol):
+    (one, a), (four, b) = accumulation_runs[dtype, 1], accumulation_runs[dtype, 4]
+    assert result_of(one)["steps"] == result_of(four)["steps"] == 4  # optimizer steps, not micro-steps
+    assert "(16 per process x 2, micro_batch=4 x 4 accum_steps)" in four.stdout
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=atol, msg=name)
+
+
+def test_bf16_autocast_is_really_on(accumulation_runs):
+    bf16, fp32 = accumulation_runs["bf16", 1], accumulation_runs["fp32", 1]
+    assert "amp: bf16 autocast=True grad_scaler=False" in bf16[0].stdout
+    assert "amp: fp32 autocast=False grad_scaler=False" in fp32[0].stdout
+    assert max((bf16[1][n] - fp32[1][n]).abs().max() for n in fp32[1]) > 1e-6  # bf16 rounding shows
+
+
+def test_fp16_trains_and_the_scaler_state_survives_resume(tmp_path):
+    small = [*TINY, "--batch-size", "32", "--lr", "0.05", "--synthetic-train", "256", "--synthetic-val", "50",
+             "--image-size", "16", "--amp-dtype", "fp16", "--clip-grad", "1.0", "--epochs", "2", "--out-dir", tmp_path]
+    first = launch("recipes/torch_amp.py", "cpu:2", *small, "--max-steps", "8")  # stops after epoch 1
+    assert result_of(first)["steps"] == 8 and "grad_scaler=True" in first.stdout
+    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert saved["epoch"] == 1 and saved["scaler"]["scale"] > 0 and saved["scaler"]["_growth_tracker"] == 8
+    resumed = launch("recipes/torch_amp.py", "cpu:2", *small, "--resume", tmp_path / "checkpoint.pt")
+    assert result_of(resumed)["steps"] == 16
+    assert "resumed: " in resumed.stdout and "'_growth_tracker': 8}" in resumed.stdout
+    # A scaler that was not restored would count from 0 again and end at 8.
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["scaler"]["_growth_tracker"] == 16
+    changed = launch("recipes/torch_amp.py", "cpu:2", *small[:-4], "--epochs", "3", "--out-dir", tmp_path,
+                     "--resume", tmp_path / "checkpoint.pt")
+    assert changed.returncode != 0 and "was trained with --epochs 2; resume with the same --epochs" in changed.stderr
+
+
+# ----------------------------------------------------------------------------- ddp_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint_runs(tmp_path_factory):
+    """3 epochs straight, and 1 epoch + stop + resume for 2, on PNGs with random augmentation and workers."""
+    tmp = tmp_path_factory.mktemp("ckpt")
+    data = make_imagefolder(tmp / "data")
+    args = ["--dataset", "imagefolder", "--data-root", data, "--image-size", "16", "--batch-size", "8",
+            "--arch", "tiny", "--workers", "2", "--epochs", "3"]
+    straight = launch("recipes/ddp_checkpoint.py", "cpu:2", *args, "--out-dir", tmp / "straight")
+    first = launch("recipes/ddp_checkpoint.py", "cpu:2", *args, "--max-steps", "7", "--out-dir", tmp / "resumed")
+    resumed = launch("recipes/ddp_checkpoint.py", "cpu:2", *args, "--resume", "auto", "--out-dir", tmp / "resumed")
+    return {"tmp": tmp, "data": data, "args": args, "straight": straight, "first": first, "resumed": resumed}
+
+
+def test_resume_reproduces_the_uninterrupted_run_bitwise(checkpoint_runs):
+    straight, first, resumed = (checkpoint_runs[k] for k in ("straight", "first", "resumed"))
+    assert result_of(straight)["steps"] == result_of(resumed)["steps"] == 21 and result_of(first)["steps"] == 7
+    assert "resume: " in resumed.stdout and "at epoch 1 step 7" in resumed.stdout
+    assert epoch_lines(first.stdout) + epoch_lines(resumed.stdout) == epoch_lines(straight.stdout)
+    a, b = params(checkpoint_runs["tmp"] / "straight/model.pt"), params(checkpoint_runs["tmp"] / "resumed/model.pt")
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_best_is_saved_only_when_accuracy_improves(checkpoint_runs):
+    out = checkpoint_runs["straight"].stdout
+    accs = [float(re.search(r"val_acc1=([\d.]+)", line).group(1)) for line in epoch_lines(out)]
+    improved = [e + 1 for e, acc in enumerate(accs) if acc > max(accs[:e], default=float("-inf"))]
+    assert [int(n) for n in re.findall(r"^best: epoch=(\d+)", out, re.M)] == improved
+    best = torch.load(checkpoint_runs["tmp"] / "straight/best.pt", weights_only=True)
+    assert best["epoch"] == improved[-1] and best["val_acc1"] == pytest.approx(max(accs), abs=0.01)
+    latest = torch.load(checkpoint_runs["tmp"] / "straight/latest.pt", weights_only=True)
+    assert latest["epoch"] == 3 and len(latest["rng"]) == 2 and latest["args"]["epochs"] == 3
+
+
+def test_init_from_weights_with_module_prefix_and_a_wrong_arch(checkpoint_runs, tmp_path):
+    trained = params(checkpoint_runs["tmp"] / "straight/model.pt")
+    torch.save({f"module.{k}": v for k, v in trained.items()}, tmp_path / "wrapped.pt")  # as a DDP/DP wrapper saves
+    args = ["--dataset", "imagefolder", "--data-root", checkpoint_runs["data"], "--image-size", "16",
+            "--batch-size", "8", *TINY, "--max-steps", "1", "--lr", "1e-9", "--out-dir", tmp_path / "out"]
+    proc = run_direct("ddp_checkpoint", *args, "--init-from", tmp_path / "wrapped.pt")
+    assert f"init: weights from {tmp_path / 'wrapped.pt'}" in proc.stdout
+    assert result_of(proc)["val_acc1"] == result_of(checkpoint_runs["straight"])["val_acc1"]
+    wrong = run_direct("ddp_checkpoint", *args, "--arch", "resnet18", "--init-from", tmp_path / "wrapped.pt")
+    assert wrong.returncode == 2
+    assert "wrapped.pt does not fit this --arch: missing ['conv1.weight'" in wrong.stderr
+    assert len(wrong.stderr.strip().splitlines()) == 1
+
+
+def test_a_truncated_checkpoint_is_refused_and_nothing_is_overwritten(checkpoint_runs, tmp_path):
+    good = (checkpoint_runs["tmp"] / "straight/latest.pt").read_bytes()
+    (tmp_path / "latest.pt").write_bytes(good[: len(good) // 2])
+    proc = run_direct("ddp_checkpoint", *TINY, "--resume", "auto", "--out-dir", tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith(f"error: cannot load {tmp_path / 'latest.pt'} (")
+    assert "truncated, or not a checkpoint" in proc.stderr
+    assert (tmp_path / "latest.pt").read_bytes() == good[: len(good) // 2]
+
+
+def test_save_atomic_keeps_the_previous_file_when_a_write_fails(tmp_path, monkeypatch):
+    recipe = load_recipe("ddp_checkpoint")
+    path = tmp_path / "latest.pt"
+    recipe.save_atomic({"epoch": 1}, path)
+
+    def crash_mid_write(obj, f):
+        f.write(b"PK\x03\x04 half a zip")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(recipe.torch, "save", crash_mid_write)
+    with pytest.raises(OSError, match="No space left"):
+        recipe.save_atomic({"epoch": 2}, path)
+    assert torch.load(path, weights_only=True) == {"epoch": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["latest.pt"]  # no temp file left behind
