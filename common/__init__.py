@@ -2,12 +2,13 @@
 
 from common.data import build_datasets, prepare_dataset
 from common.loader import DataLoaderX
-from common.models import build_model, check_arch
-from common.utils import AverageMeter, accuracy, die, peak_memory_mb, print0, result_line, unused_parameters_error
+from common.models import build_model, check_arch, unused_parameters_error
+from common.utils import AverageMeter, Throughput, accuracy, die, peak_memory_mb, print0, result_line
 
 __all__ = [
     "AverageMeter",
     "DataLoaderX",
+    "Throughput",
     "accuracy",
     "build_datasets",
     "build_model",

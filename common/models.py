@@ -1,6 +1,7 @@
 """Model builders: torchvision classifiers by name, plus tiny CNNs for fast CPU runs and tests."""
 
 import difflib
+import re
 
 import torch.nn as nn
 import torchvision
@@ -9,15 +10,19 @@ import torchvision
 class TinyCNN(nn.Module):
     """Two conv layers and no BatchNorm: fast on CPU, and its result does not depend on world size.
 
+    batchnorm=True ("tiny_bn") adds BatchNorm, for the mixed-precision recipes that treat it specially.
     unused_branch=True adds a head that forward() never calls. Its parameters get no gradient, which
     DDP rejects unless find_unused_parameters=True (the DDP error write-up 000 hit).
     """
 
-    def __init__(self, num_classes, unused_branch=False):
+    def __init__(self, num_classes, unused_branch=False, batchnorm=False):
         super().__init__()
+        def norm(channels):
+            return [nn.BatchNorm2d(channels)] if batchnorm else []  # no placeholder: tiny keeps its keys
+
         self.features = nn.Sequential(
-            nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(3, 16, 3, padding=1), *norm(16), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1), *norm(32), nn.ReLU(),
             nn.AdaptiveAvgPool2d(1), nn.Flatten(),
         )
         self.fc = nn.Linear(32, num_classes)
@@ -27,7 +32,7 @@ class TinyCNN(nn.Module):
         return self.fc(self.features(x))
 
 
-TINY = {"tiny": {"unused_branch": False}, "tiny_unused": {"unused_branch": True}}
+TINY = {"tiny": {}, "tiny_unused": {"unused_branch": True}, "tiny_bn": {"batchnorm": True}}
 
 
 def arch_names():
@@ -47,3 +52,16 @@ def build_model(arch, num_classes):
     if arch in TINY:
         return TinyCNN(num_classes, **TINY[arch])
     return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
+
+
+def unused_parameters_error(exc, module):
+    """One line for DDP's unused-parameter RuntimeError (naming the parameters), or None for other errors."""
+    text = str(exc)
+    if "find_unused_parameters" not in text:
+        return None
+    names = [name for name, _ in module.named_parameters()]
+    found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", text)
+    indices = [int(i) for i in found.group(1).split()] if found else []
+    which = ", ".join(names[i] for i in indices if i < len(names)) or "some parameters"
+    return (f"{which} got no gradient (the forward pass skipped them), which DDP rejects by default; "
+            "rerun with --find-unused-parameters, or remove the unused layers")

@@ -1,10 +1,11 @@
 """Meters, top-k accuracy, rank-0 printing, one-line errors and the RESULT line."""
 
+import datetime
 import json
 import os
-import re
 import resource
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,36 @@ class AverageMeter:
         return self
 
 
+class Throughput:
+    """Training speed with the first step left out: it pays the warm-up (allocator, cudnn autotune,
+    DDP bucket rebuild). start() as an epoch begins, step(images) after each optimizer step."""
+
+    def __init__(self):
+        self.images, self.seconds, self.steps = 0, 0.0, 0
+        self.first_step_at = None  # unix time the first step ended: launch-to-first-step overhead
+        self._last = None
+
+    def start(self):
+        self._last = time.perf_counter()
+
+    def step(self, images):
+        now = time.perf_counter()
+        if self.first_step_at is None:
+            self.first_step_at = time.time()
+        else:
+            self.images += images
+            self.seconds += now - self._last
+            self.steps += 1
+        self._last = now
+
+    @property
+    def images_per_sec(self):
+        return self.images / self.seconds if self.seconds else 0.0
+
+    def eta(self, steps_left):
+        return datetime.timedelta(seconds=round(steps_left * self.seconds / max(self.steps, 1)))
+
+
 def accuracy(output, target, topk=(1,)):
     """Top-k accuracy in percent of the batch, one float per k."""
     maxk = min(max(topk), output.size(1))
@@ -74,15 +105,3 @@ def result_line(**fields):
     """The one machine-readable line tests, benchmarks and scripts grep for: RESULT {json}."""
     return "RESULT " + json.dumps(fields, sort_keys=False)
 
-
-def unused_parameters_error(exc, module):
-    """One line for DDP's unused-parameter RuntimeError (naming the parameters), or None for other errors."""
-    text = str(exc)
-    if "find_unused_parameters" not in text:
-        return None
-    names = [name for name, _ in module.named_parameters()]
-    found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", text)
-    indices = [int(i) for i in found.group(1).split()] if found else []
-    which = ", ".join(names[i] for i in indices if i < len(names)) or "some parameters"
-    return (f"{which} got no gradient (the forward pass skipped them), which DDP rejects by default; "
-            "rerun with --find-unused-parameters, or remove the unused layers")

@@ -44,8 +44,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common.data import DataError, build_datasets, prepare_dataset
-from common.models import build_model, check_arch
-from common.utils import AverageMeter, accuracy, die, peak_memory_mb, print0, result_line, unused_parameters_error
+from common.models import build_model, check_arch, unused_parameters_error
+from common.utils import AverageMeter, Throughput, accuracy, die, peak_memory_mb, print0, result_line
 
 
 # ------------------------------------------------------------------------------------------- args
@@ -247,7 +247,7 @@ def main():
         print0(f"resume: {resume} at epoch {start_epoch} step {step} best_acc1={best_acc1:.2f}")
     # ----------------------------------------------------------------------------------- train
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
-    train_time, train_images = 0.0, 0
+    speed = Throughput()
     if start_epoch >= args.epochs:
         die(f"{resume} already finished all {args.epochs} epochs; nothing to resume")
     for epoch in range(start_epoch, args.epochs):
@@ -255,6 +255,7 @@ def main():
         model.train()
         loss_meter, acc_meter = AverageMeter(), AverageMeter()
         start = time.perf_counter()
+        speed.start()
         bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", leave=False, disable=not (is_main and sys.stdout.isatty()))
         for images, targets in bar:
             images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
@@ -272,25 +273,26 @@ def main():
             loss_meter.update(loss.item(), images.size(0))
             acc_meter.update(accuracy(output, targets)[0], images.size(0))
             step += 1
+            speed.step(args.batch_size)
             if step >= total_steps:
                 break
         scheduler.step()
         epoch_time = time.perf_counter() - start
-        train_time += epoch_time
         loss_meter.all_reduce(device)
         acc_meter.all_reduce(device)
-        train_images += loss_meter.count
 
         # -------------------------------------------------------------------------------- eval
         # model.module, not the DDP wrapper: its forward may broadcast buffers, a collective that would
         # hang on a rank whose shard has fewer batches (or none). Every rank still evaluates.
         val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device)
-        eta = datetime.timedelta(seconds=round(train_time / step * (total_steps - step)))
+        eta = speed.eta(total_steps - step)
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
                f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
                f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={eta}")
 
         # ------------------------------------------------- checkpoint: rank 0 saves, barrier, all load
+        if step % len(train_loader):  # an epoch cut short by --max-steps is not a resume point
+            break
         rngs = [None] * world_size
         dist.all_gather_object(rngs, rng_state(device))  # a collective: every rank calls it
         improved = val_acc1 > best_acc1  # val_acc1 is all-reduced, so every rank agrees
@@ -309,8 +311,9 @@ def main():
             break
 
     # ------------------------------------------------------------------------------------ save
-    peak = torch.tensor(peak_memory_mb(device), device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    peaks = [torch.zeros((), device=device) for _ in range(world_size)]
+    dist.all_gather(peaks, torch.tensor(peak_memory_mb(device), device=device))  # every rank's own peak
+    peaks = [round(p.item(), 1) for p in peaks]
     if is_main:
         os.makedirs(args.out_dir, exist_ok=True)
         path = os.path.join(args.out_dir, "model.pt")
@@ -318,7 +321,8 @@ def main():
         print0(f"saved: {path}")
     print0(result_line(recipe="ddp_checkpoint", world_size=world_size, device=device.type, steps=step,
                        train_loss=round(loss_meter.avg, 6), val_acc1=round(val_acc1, 4), val_samples=val_samples,
-                       images_per_sec=round(train_images / train_time, 2), peak_mem_mb=round(peak.item(), 1)))
+                       images_per_sec=round(speed.images_per_sec, 2), peak_mem_mb=max(peaks),
+                       peak_mem_mb_per_rank=peaks, t_first_step=speed.first_step_at))
     dist.destroy_process_group()
 
 

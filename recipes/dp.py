@@ -15,7 +15,6 @@ split across the GPUs; --workers all belong to the one process.
 # launcher: python
 
 import argparse
-import datetime
 import os
 import sys
 import time
@@ -29,7 +28,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common.data import DataError, build_datasets, prepare_dataset
 from common.models import build_model, check_arch
-from common.utils import AverageMeter, accuracy, die, peak_memory_mb, print0, result_line
+from common.utils import AverageMeter, Throughput, accuracy, die, peak_memory_mb, print0, result_line
 
 
 # ------------------------------------------------------------------------------------------- args
@@ -132,11 +131,12 @@ def main():
 
     # ----------------------------------------------------------------------------------- train
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
-    step, train_time, train_images = 0, 0.0, 0
+    step, speed = 0, Throughput()
     for epoch in range(args.epochs):
         model.train()
         loss_meter, acc_meter = AverageMeter(), AverageMeter()
         start = time.perf_counter()
+        speed.start()
         bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", leave=False, disable=not (is_main and sys.stdout.isatty()))
         for images, targets in bar:
             images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
@@ -148,18 +148,17 @@ def main():
             loss_meter.update(loss.item(), images.size(0))
             acc_meter.update(accuracy(output, targets)[0], images.size(0))
             step += 1
+            speed.step(args.batch_size)
             if step >= total_steps:
                 break
         scheduler.step()
         epoch_time = time.perf_counter() - start
-        train_time += epoch_time
         loss_meter.all_reduce(device)
         acc_meter.all_reduce(device)
-        train_images += loss_meter.count
 
         # -------------------------------------------------------------------------------- eval
         val_loss, val_acc1, val_acc5, val_samples = evaluate(model, val_loader, criterion, device)
-        eta = datetime.timedelta(seconds=round(train_time / step * (total_steps - step)))
+        eta = speed.eta(total_steps - step)
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
                f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
                f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={eta}")
@@ -167,7 +166,9 @@ def main():
             break
 
     # ------------------------------------------------------------------------------------ save
-    peak = torch.tensor(peak_memory_mb(device))  # GPU 0: the fullest one under DataParallel
+    # Per GPU: DataParallel gathers outputs and gradients on GPU 0, so it is the fullest.
+    peaks = [round(peak_memory_mb(torch.device("cuda", i)), 1) for i in range(num_gpus)] or [
+        round(peak_memory_mb(device), 1)]
     if is_main:
         os.makedirs(args.out_dir, exist_ok=True)
         path = os.path.join(args.out_dir, "model.pt")
@@ -175,7 +176,8 @@ def main():
         print0(f"saved: {path}")
     print0(result_line(recipe="dp", world_size=world_size, device=device.type, steps=step,
                        train_loss=round(loss_meter.avg, 6), val_acc1=round(val_acc1, 4), val_samples=val_samples,
-                       images_per_sec=round(train_images / train_time, 2), peak_mem_mb=round(peak.item(), 1)))
+                       images_per_sec=round(speed.images_per_sec, 2), peak_mem_mb=max(peaks),
+                       peak_mem_mb_per_rank=peaks, t_first_step=speed.first_step_at))
 
 
 if __name__ == "__main__":

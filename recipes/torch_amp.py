@@ -40,8 +40,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common.data import DataError, build_datasets, prepare_dataset
-from common.models import build_model, check_arch
-from common.utils import AverageMeter, accuracy, die, peak_memory_mb, print0, result_line, unused_parameters_error
+from common.models import build_model, check_arch, unused_parameters_error
+from common.utils import AverageMeter, Throughput, accuracy, die, peak_memory_mb, print0, result_line
 
 
 # ------------------------------------------------------------------------------------------- args
@@ -201,12 +201,13 @@ def main():
               and device.type == "cpu" else ""))
     # ----------------------------------------------------------------------------------- train
     total_steps = min(args.epochs * steps_per_epoch, args.max_steps or float("inf"))
-    train_time, train_images = 0.0, 0
+    speed = Throughput()
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
         model.train()
         loss_meter, acc_meter = AverageMeter(), AverageMeter()
         start = time.perf_counter()
+        speed.start()
         micro_batches = itertools.islice(train_loader, steps_per_epoch * args.accum_steps)
         bar = tqdm(micro_batches, total=steps_per_epoch * args.accum_steps, desc=f"epoch {epoch + 1}", leave=False,
                    disable=not (is_main and sys.stdout.isatty()))
@@ -238,25 +239,25 @@ def main():
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             step += 1
+            speed.step(args.batch_size)
             if step >= total_steps:
                 break
         scheduler.step()
         epoch_time = time.perf_counter() - start
-        train_time += epoch_time
         loss_meter.all_reduce(device)
         acc_meter.all_reduce(device)
-        train_images += loss_meter.count
 
         # -------------------------------------------------------------------------------- eval
         # model.module, not the DDP wrapper: its forward may broadcast buffers, a collective that would
         # hang on a rank whose shard has fewer batches (or none). Every rank still evaluates.
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
             val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device)
-        eta = datetime.timedelta(seconds=round(train_time / step * (total_steps - step)))
+        eta = speed.eta(total_steps - step)
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
                f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
                f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={eta}")
-        if is_main:  # every epoch, so an interrupted run can --resume with the same flags
+        # After each whole epoch (not one cut short by --max-steps), so an interrupted run can --resume.
+        if is_main and step % steps_per_epoch == 0:
             os.makedirs(args.out_dir, exist_ok=True)
             torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                         "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
@@ -266,8 +267,9 @@ def main():
             break
 
     # ------------------------------------------------------------------------------------ save
-    peak = torch.tensor(peak_memory_mb(device), device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    peaks = [torch.zeros((), device=device) for _ in range(world_size)]
+    dist.all_gather(peaks, torch.tensor(peak_memory_mb(device), device=device))  # every rank's own peak
+    peaks = [round(p.item(), 1) for p in peaks]
     if is_main:
         os.makedirs(args.out_dir, exist_ok=True)
         path = os.path.join(args.out_dir, "model.pt")
@@ -275,7 +277,8 @@ def main():
         print0(f"saved: {path} and checkpoint.pt, scaler={scaler.state_dict()}")
     print0(result_line(recipe="torch_amp", world_size=world_size, device=device.type, steps=step,
                        train_loss=round(loss_meter.avg, 6), val_acc1=round(val_acc1, 4), val_samples=val_samples,
-                       images_per_sec=round(train_images / train_time, 2), peak_mem_mb=round(peak.item(), 1)))
+                       images_per_sec=round(speed.images_per_sec, 2), peak_mem_mb=max(peaks),
+                       peak_mem_mb_per_rank=peaks, t_first_step=speed.first_step_at))
     dist.destroy_process_group()
 
 

@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from common.data import DataError, SyntheticImages, build_datasets, prepare_dataset
 from common.loader import DataLoaderX
-from common.models import build_model, check_arch
-from common.utils import AverageMeter, accuracy, unused_parameters_error
+from common.models import build_model, check_arch, unused_parameters_error
+from common.utils import AverageMeter, Throughput, accuracy
 
 # ------------------------------------------------------------------------------ meters, accuracy
 
@@ -56,6 +56,20 @@ def test_average_meter_all_reduce_across_two_gloo_processes():
     results = mp.Manager().dict()
     mp.spawn(_meter_worker, args=(port, results), nprocs=2)
     assert results[0] == results[1] == (50.0, 3, pytest.approx(50.0 / 3))
+
+
+def test_throughput_leaves_the_first_step_out(monkeypatch):
+    clock = iter([0.0, 5.0, 6.0, 7.0, 100.0, 101.0])  # start, warm-up step 5 s, two 1 s steps; epoch 2
+    monkeypatch.setattr("common.utils.time.perf_counter", lambda: next(clock))
+    speed = Throughput()
+    speed.start()
+    for _ in range(3):
+        speed.step(images=64)
+    speed.start()  # the gap between epochs (evaluation) is not training time
+    speed.step(images=64)
+    assert (speed.steps, speed.images, speed.seconds) == (3, 192, 3.0)
+    assert speed.images_per_sec == pytest.approx(64.0) and speed.first_step_at is not None
+    assert str(speed.eta(steps_left=30)) == "0:00:30"
 
 
 # ------------------------------------------------------------------------------------- models

@@ -1,5 +1,7 @@
 """dp.py and ddp_torchrun.py, run for real through launch.sh (gloo on CPU) and read back from RESULT."""
 
+import time
+
 import pytest
 import torch
 from conftest import launch, result_of, run_direct
@@ -46,6 +48,9 @@ def test_one_synthetic_epoch_learns_and_saves_a_plain_state_dict(synthetic_runs,
     assert result["val_samples"] == 500
     assert result["val_acc1"] > 50, result  # 10 classes: chance is 10%
     assert 0 < result["train_loss"] < 2.3 and result["images_per_sec"] > 0 and result["peak_mem_mb"] > 0
+    assert len(result["peak_mem_mb_per_rank"]) == world_size and max(result["peak_mem_mb_per_rank"]) == result[
+        "peak_mem_mb"]
+    assert 1.7e9 < result["t_first_step"] < time.time()  # unix time the first step ended
     epoch_lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch=")]
     assert len(epoch_lines) == 1 and epoch_lines[0].startswith("epoch=1/1 step=32/32 train_loss=")  # rank 0 only
     assert f"val_acc1={result['val_acc1']:.2f}" in epoch_lines[0]
