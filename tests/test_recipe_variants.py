@@ -35,7 +35,8 @@ def params(path):
 
 
 @pytest.mark.parametrize(("recipe", "max_changed"), [
-    ("dp", 140), ("ddp_launch", 50), ("ddp_spawn", 170), ("torch_amp", 170), ("ddp_checkpoint", 170)])
+    ("dp", 140), ("ddp_launch", 50), ("ddp_spawn", 170), ("torch_amp", 170), ("ddp_checkpoint", 170),
+    ("apex_ddp", 70), ("apex_amp", 240)])
 def test_diff_against_ddp_torchrun_stays_small(recipe, max_changed):
     diff = subprocess.run(["diff", "recipes/ddp_torchrun.py", f"recipes/{recipe}.py"], cwd=REPO,
                           capture_output=True, text=True).stdout

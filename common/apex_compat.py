@@ -1,0 +1,51 @@
+"""Find a usable NVIDIA apex (apex.amp + apex.parallel), or say in one line why there is none.
+
+Three ways to not have it, each with its own fix (README, "NVIDIA apex"):
+- not installed: apex is not on PyPI and builds only from source on a CUDA machine;
+- the unrelated PyPI package: `pip install apex` installs a Pyramid toolkit that has no amp;
+- too new: NVIDIA removed apex.amp and apex.parallel in release 25.07 (25.04/25.05 still have them).
+"""
+
+import importlib
+import importlib.util
+
+BUILD_HINT = "build NVIDIA apex 25.04 from source (README, section 'NVIDIA apex'), or use --impl torch"
+# Subpackages that only NVIDIA's apex has, with or without amp: tell "too new" from "unrelated".
+NVIDIA_ONLY = ("optimizers", "normalization", "contrib", "transformer", "fused_dense", "mlp")
+
+
+class ApexUnavailable(Exception):
+    """No usable NVIDIA apex; str() is the one-line reason with the fix, .short the reason alone."""
+
+    def __init__(self, short, fix):
+        super().__init__(f"{short}; {fix}")
+        self.short = short
+
+
+def _has(package, name):
+    return importlib.util.find_spec(f"{package.__name__}.{name}") is not None
+
+
+def load_apex():
+    """(apex.amp, apex.parallel.DistributedDataParallel, apex) or ApexUnavailable."""
+    if importlib.util.find_spec("apex") is None:
+        raise ApexUnavailable("NVIDIA apex is not installed (it is not on PyPI)", BUILD_HINT)
+    try:
+        apex = importlib.import_module("apex")
+    except Exception as exc:  # a broken build fails in its own ways
+        raise ApexUnavailable(f"apex is installed but does not import ({type(exc).__name__}: {exc})",
+                              BUILD_HINT) from exc
+    where = getattr(apex, "__file__", None) or list(getattr(apex, "__path__", []))
+    if not (_has(apex, "amp") and _has(apex, "parallel")):
+        if any(_has(apex, name) for name in NVIDIA_ONLY):
+            raise ApexUnavailable(f"the NVIDIA apex at {where} is too new: apex.amp and apex.parallel were "
+                                  "removed in 25.07", "pip uninstall apex, then " + BUILD_HINT)
+        raise ApexUnavailable(f"the 'apex' at {where} is the unrelated PyPI package (a Pyramid toolkit, "
+                              "no amp)", "pip uninstall apex, then " + BUILD_HINT)
+    try:
+        amp = importlib.import_module("apex.amp")
+        parallel = importlib.import_module("apex.parallel")
+    except Exception as exc:
+        raise ApexUnavailable(f"apex.amp / apex.parallel fail to import ({type(exc).__name__}: {exc})",
+                              BUILD_HINT) from exc
+    return amp, parallel.DistributedDataParallel, apex

@@ -1,0 +1,244 @@
+"""DDP with NVIDIA apex's apex.parallel.DistributedDataParallel, or torch's when apex is not there.
+
+    ./launch.sh recipes/apex_ddp.py 0,1,3 --dataset cifar100 --impl apex     # requires NVIDIA apex
+    ./launch.sh recipes/apex_ddp.py 0,1,3 --dataset cifar100                 # apex if usable, else torch
+    ./launch.sh recipes/apex_ddp.py cpu:2 --arch tiny --impl torch           # CPU (apex needs CUDA)
+
+What it shows (the rest is recipes/ddp_torchrun.py): write-ups 000, 002 and 004 wrap the model in
+apex.parallel.DistributedDataParallel(model, delay_allreduce=True). --impl auto uses it when a usable
+NVIDIA apex is importable and torch's DDP otherwise, and the first line printed says which; --impl apex
+fails with one line that says why apex is unusable (not installed / the unrelated PyPI "apex" /
+25.07 or newer, which removed apex.parallel) and how to fix it (README, "NVIDIA apex").
+
+delay_allreduce=True: apex waits until backward has finished, then all-reduces every gradient at once.
+Simple and robust (any parameter order, unused parameters are fine), but no communication overlaps the
+backward pass. torch's DDP puts gradients into ~25 MB buckets in reverse order of use and all-reduces
+each bucket as soon as it fills, overlapping communication with the rest of backward; it is usually as
+fast or faster (write-up 000: torch DDP 8.7 s vs apex 10.3 s per 100 iterations) and needs no extra package.
+"""
+# launcher: torchrun
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Subset
+from torch.utils.data.distributed import DistributedSampler
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
+from common.apex_compat import ApexUnavailable, load_apex
+from common.data import DataError, build_datasets, prepare_dataset
+from common.models import build_model, check_arch, unused_parameters_error
+from common.utils import AverageMeter, Throughput, accuracy, die, peak_memory_mb, print0, result_line
+
+
+# ------------------------------------------------------------------------------------------- args
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dataset", choices=["synthetic", "cifar100", "imagefolder"], default="synthetic")
+    p.add_argument("--data-root", default="./data", help="cifar100: download dir; imagefolder: has train/ val/")
+    p.add_argument("--image-size", type=int, help="default: 32 (synthetic, cifar100), 224 (imagefolder)")
+    p.add_argument("--synthetic-train", type=int, default=2048, help="synthetic: training samples")
+    p.add_argument("--synthetic-val", type=int, default=500, help="synthetic: validation samples")
+    p.add_argument("--arch", default="resnet18", help="torchvision model name, or tiny / tiny_unused")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=128, help="GLOBAL batch, split evenly across processes")
+    p.add_argument("--workers", type=int, default=4, help="TOTAL DataLoader workers, split across processes")
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs, benchmarks)")
+    p.add_argument("--out-dir", default="runs/apex_ddp", help="model.pt is written here")
+    p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
+    p.add_argument("--find-unused-parameters", action="store_true",
+                   help="torch DDP only: needed when some parameters get no gradient in a step")
+    p.add_argument("--impl", choices=["auto", "apex", "torch"], default="auto",
+                   help="apex.parallel DDP (apex), torch DDP (torch), or apex when usable (auto)")
+    return p.parse_args(argv)
+
+
+def check_args(args, world_size):
+    # Every rank runs this before any collective, so a bad flag fails in seconds, not at a timeout.
+    if args.batch_size < world_size or args.batch_size % world_size:
+        die(f"--batch-size {args.batch_size} is the GLOBAL batch and must be a multiple of the "
+            f"{world_size} processes; try --batch-size {max(1, args.batch_size // world_size) * world_size}")
+    for flag, value, low in [("--epochs", args.epochs, 1), ("--workers", args.workers, 0),
+                             ("--max-steps", args.max_steps, 1), ("--image-size", args.image_size, 1),
+                             ("--synthetic-train", args.synthetic_train, 1),
+                             ("--synthetic-val", args.synthetic_val, 1)]:
+        if value is not None and value < low:
+            die(f"{flag} {value} must be >= {low}")
+    if args.lr <= 0 or args.dist_timeout <= 0:
+        die("--lr and --dist-timeout must be > 0")
+    try:
+        check_arch(args.arch)
+    except ValueError as exc:
+        die(str(exc))
+
+
+# ------------------------------------------------------------------------------------------- eval
+@torch.no_grad()
+def evaluate(model, loader, criterion, device):
+    """Each rank scores its own shard (no padded duplicates); sums are all-reduced, so the result
+    equals one process scoring the whole set. Call it on every rank: a collective waits for all."""
+    model.eval()
+    loss, top1, top5 = AverageMeter(), AverageMeter(), AverageMeter()
+    for images, targets in loader:
+        images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        output = model(images)
+        acc1, acc5 = accuracy(output, targets, topk=(1, 5))
+        loss.update(criterion(output, targets).item(), images.size(0))
+        top1.update(acc1, images.size(0))
+        top5.update(acc5, images.size(0))
+    for meter in (loss, top1, top5):
+        meter.all_reduce(device)
+    return loss.avg, top1.avg, top5.avg, top1.count
+
+
+def main():
+    args = parse_args()
+    # The first thing said is which DDP runs: apex only when asked for (or auto) and usable.
+    impl, why = args.impl, ""
+    if impl != "torch":
+        try:
+            _, ApexDDP, _ = load_apex()
+            impl = "apex"
+        except ApexUnavailable as exc:
+            if impl == "apex":
+                die(str(exc))
+            impl, why = "torch", f" (apex unavailable: {exc.short})"
+    print0(f"impl: {impl} DistributedDataParallel{why}")
+
+    # ------------------------------------------------------------------------ distributed setup
+    # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; plain python: a world of 1.
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    is_main = rank == 0
+    check_args(args, world_size)
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            die(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
+                "start one process per listed GPU (./launch.sh RECIPE 0,1 does)")
+        # Before any CUDA work, or every process also puts a context on GPU 0 (write-up 000).
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    # torch's default timeout is 30 min: a rank that died would leave the others hanging that long.
+    timeout = datetime.timedelta(seconds=args.dist_timeout)
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    batch_per_process = args.batch_size // world_size
+    workers_per_process = args.workers // world_size
+    print0(f"setup: world_size={world_size} backend={backend} device={device.type} "
+           f"global_batch={args.batch_size} ({batch_per_process} per process x {world_size}), "
+           f"workers={workers_per_process} per process")
+
+    # ------------------------------------------------------------------------------------ data
+    try:
+        if local_rank == 0:  # one download per node; the others wait at the barrier
+            prepare_dataset(args.dataset, args.data_root)
+        dist.barrier()
+        train_set, val_set, num_classes = build_datasets(
+            args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val)
+    except DataError as exc:
+        die(str(exc))
+    # Same seed on every rank: each process sees a different shard of one shared permutation.
+    train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    train_loader = DataLoader(train_set, batch_size=batch_per_process, sampler=train_sampler,
+                              num_workers=workers_per_process, pin_memory=device.type == "cuda",
+                              drop_last=True, persistent_workers=workers_per_process > 0)
+    # DistributedSampler pads val with repeated samples; a strided shard counts each sample once.
+    val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=batch_per_process,
+                            num_workers=workers_per_process, pin_memory=device.type == "cuda",
+                            persistent_workers=workers_per_process > 0)
+    if len(train_loader) == 0:
+        die(f"{len(train_set)} training samples make no full batch of {args.batch_size}; lower --batch-size")
+    print0(f"data: {args.dataset} train={len(train_set)} val={len(val_set)} classes={num_classes} "
+           f"steps_per_epoch={len(train_loader)}")
+
+    # ----------------------------------------------------------------------------------- model
+    torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
+    model = build_model(args.arch, num_classes).to(device)
+    if impl == "apex":
+        model = ApexDDP(model, delay_allreduce=True)  # one all-reduce of all gradients after backward
+    else:
+        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
+                    find_unused_parameters=args.find_unused_parameters)
+    torch.manual_seed(args.seed + rank)  # from here on, augmentation and dropout differ per rank
+    criterion = torch.nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
+
+    # ----------------------------------------------------------------------------------- train
+    total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
+    step, speed = 0, Throughput()
+    for epoch in range(args.epochs):
+        train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
+        model.train()
+        loss_meter, acc_meter = AverageMeter(), AverageMeter()
+        start = time.perf_counter()
+        speed.start()
+        bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", leave=False, disable=not (is_main and sys.stdout.isatty()))
+        for images, targets in bar:
+            images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            try:
+                output = model(images)  # DDP checks here that the last backward reduced every gradient
+            except RuntimeError as exc:
+                hint = unused_parameters_error(exc, model.module)
+                if hint is None:
+                    raise
+                die(hint, code=1)
+            loss = criterion(output, targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # DDP averages gradients across ranks during backward
+            optimizer.step()
+            loss_meter.update(loss.item(), images.size(0))
+            acc_meter.update(accuracy(output, targets)[0], images.size(0))
+            step += 1
+            speed.step(args.batch_size)
+            if step >= total_steps:
+                break
+        scheduler.step()
+        epoch_time = time.perf_counter() - start
+        loss_meter.all_reduce(device)
+        acc_meter.all_reduce(device)
+
+        # -------------------------------------------------------------------------------- eval
+        # model.module, not the DDP wrapper: its forward may broadcast buffers, a collective that would
+        # hang on a rank whose shard has fewer batches (or none). Every rank still evaluates.
+        val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device)
+        eta = speed.eta(total_steps - step)
+        print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
+               f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
+               f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={eta}")
+        if step >= total_steps:
+            break
+
+    # ------------------------------------------------------------------------------------ save
+    peaks = [torch.zeros((), device=device) for _ in range(world_size)]
+    dist.all_gather(peaks, torch.tensor(peak_memory_mb(device), device=device))  # every rank's own peak
+    peaks = [round(p.item(), 1) for p in peaks]
+    if is_main:
+        os.makedirs(args.out_dir, exist_ok=True)
+        path = os.path.join(args.out_dir, "model.pt")
+        torch.save(model.module.state_dict(), path)  # .module: keys without the "module." prefix
+        print0(f"saved: {path}")
+    print0(result_line(recipe="apex_ddp", impl=impl, world_size=world_size, device=device.type, steps=step,
+                       train_loss=round(loss_meter.avg, 6), val_acc1=round(val_acc1, 4), val_samples=val_samples,
+                       images_per_sec=round(speed.images_per_sec, 2), peak_mem_mb=max(peaks),
+                       peak_mem_mb_per_rank=peaks, t_first_step=speed.first_step_at))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
