@@ -1,0 +1,287 @@
+"""Face recognition on MXNet RecordIO data (insightface layout), fed by DataLoaderX, with DDP.
+
+    python tools/pack_rec.py ~/faces_by_identity ~/faces_rec --size 112        # ImageFolder -> train.rec/.idx
+    ./launch.sh recipes/mx_face_prefetch.py 0,1,3 --rec ~/faces_rec --arch resnet18 --image-size 112
+    ./launch.sh recipes/mx_face_prefetch.py 0,1,3 --rec /data/faces_emore --num-classes 85742
+    ./launch.sh recipes/mx_face_prefetch.py cpu:2 --rec synthetic --arch tiny  # no data at all
+
+What it shows (the rest is recipes/ddp_torchrun.py):
+- insightface's data path without MXNet (retired to the Apache Attic; 1.9.1 needs numpy<1.24):
+  common.recordio reads train.rec/train.idx in pure Python, safely from forked DataLoader workers
+  (pread, no shared file position). --reader mxnet uses mx.recordio instead, for comparison.
+  A corrupt or truncated file stops training with one line naming the file and the record key.
+- common.DataLoaderX: a background thread loads the next batches while this one computes, and on a GPU
+  copies them on a side CUDA stream (the step waits on that copy's event; record_stream keeps the memory
+  alive). It needs torch.cuda.set_device(local_rank) first, or every process copies onto GPU 0.
+- A margin-based softmax head: CosFace s*(cos(theta_y) - m) or ArcFace s*cos(theta_y + m) for the true
+  identity, s*cos(theta) for the others, on L2-normalised embeddings and class weights. Validation
+  scores held-out images of the same identities (every 10th image) by plain cosine logits.
+"""
+# launcher: torchrun
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import Subset
+from torch.utils.data.distributed import DistributedSampler
+from torchvision import transforms as T
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
+from common.data import build_datasets
+from common.loader import DataLoaderX
+from common.models import build_model, check_arch, unused_parameters_error
+from common.recordio import MXFaceDataset, RecordIOError
+from common.utils import AverageMeter, Throughput, accuracy, die, peak_memory_mb, print0, result_line
+
+
+# ------------------------------------------------------------------------------------------- args
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rec", default="synthetic", help="folder with train.rec + train.idx, or 'synthetic'")
+    p.add_argument("--reader", choices=["auto", "python", "mxnet"], default="auto", help="auto = python")
+    p.add_argument("--num-classes", type=int, help="identities, when the .rec has no header record 0")
+    p.add_argument("--image-size", type=int, default=112, help="images are resized to this square")
+    p.add_argument("--synthetic-train", type=int, default=2048, help="synthetic: training samples")
+    p.add_argument("--synthetic-val", type=int, default=500, help="synthetic: validation samples")
+    p.add_argument("--arch", default="resnet18", help="backbone: torchvision model name, or tiny")
+    p.add_argument("--embedding-size", type=int, default=128)
+    p.add_argument("--head", choices=["cosface", "arcface"], default="cosface")
+    # Defaults for small sets; insightface trains millions of images with s=64, m=0.4 (CosFace) / 0.5 (ArcFace).
+    p.add_argument("--scale", type=float, default=16.0, help="s: logits are s * cosine")
+    p.add_argument("--margin", type=float, default=0.2, help="m: subtracted from (CosFace) or added to (ArcFace)")
+    p.add_argument("--prefetch", type=int, default=2, help="batches DataLoaderX loads ahead")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=128, help="GLOBAL batch, split evenly across processes")
+    p.add_argument("--workers", type=int, default=4, help="TOTAL DataLoader workers, split across processes")
+    p.add_argument("--lr", type=float, default=0.02, help="margin heads diverge at CIFAR's 0.1 on small sets")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs, benchmarks)")
+    p.add_argument("--out-dir", default="runs/mx_face_prefetch", help="model.pt is written here")
+    p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
+    p.add_argument("--find-unused-parameters", action="store_true",
+                   help="needed when some parameters get no gradient in a step")
+    return p.parse_args(argv)
+
+
+def check_args(args, world_size):
+    # Every rank runs this before any collective, so a bad flag fails in seconds, not at a timeout.
+    if args.batch_size < world_size or args.batch_size % world_size:
+        die(f"--batch-size {args.batch_size} is the GLOBAL batch and must be a multiple of the "
+            f"{world_size} processes; try --batch-size {max(1, args.batch_size // world_size) * world_size}")
+    for flag, value, low in [("--epochs", args.epochs, 1), ("--workers", args.workers, 0),
+                             ("--prefetch", args.prefetch, 1), ("--embedding-size", args.embedding_size, 1),
+                             ("--max-steps", args.max_steps, 1), ("--image-size", args.image_size, 1),
+                             ("--synthetic-train", args.synthetic_train, 1),
+                             ("--synthetic-val", args.synthetic_val, 1)]:
+        if value is not None and value < low:
+            die(f"{flag} {value} must be >= {low}")
+    if args.lr <= 0 or args.dist_timeout <= 0:
+        die("--lr and --dist-timeout must be > 0")
+    try:
+        check_arch(args.arch)
+    except ValueError as exc:
+        die(str(exc))
+    if args.rec != "synthetic" and not os.path.isdir(args.rec):
+        die(f"--rec {args.rec}: no such folder (expected train.rec + train.idx there, or --rec synthetic)")
+
+
+# ------------------------------------------------------------------------------------------ model
+class MarginHead(nn.Module):
+    """Cosine logits with a margin on the true class: CosFace cos(t) - m, ArcFace cos(t + m), times s."""
+
+    def __init__(self, embedding_size, num_classes, kind, scale, margin):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(num_classes, embedding_size) * 0.01)
+        self.kind, self.scale, self.margin = kind, scale, margin
+
+    def forward(self, embeddings, labels=None):
+        cos = F.linear(F.normalize(embeddings), F.normalize(self.weight)).clamp(-1 + 1e-7, 1 - 1e-7)
+        if labels is None:  # evaluation: no margin
+            return self.scale * cos
+        target = cos.gather(1, labels[:, None])
+        target = target - self.margin if self.kind == "cosface" else torch.cos(torch.acos(target) + self.margin)
+        return self.scale * cos.scatter(1, labels[:, None], target)
+
+
+class FaceModel(nn.Module):
+    def __init__(self, arch, embedding_size, num_classes, kind, scale, margin):
+        super().__init__()
+        self.backbone = build_model(arch, embedding_size)  # its classifier layer now outputs the embedding
+        self.head = MarginHead(embedding_size, num_classes, kind, scale, margin)
+
+    def forward(self, images, labels=None):
+        return self.head(self.backbone(images), labels)
+
+
+# ------------------------------------------------------------------------------------------- eval
+@torch.no_grad()
+def evaluate(model, loader, criterion, device):
+    """Each rank scores its own shard (no padded duplicates); sums are all-reduced, so the result
+    equals one process scoring the whole set. Call it on every rank: a collective waits for all."""
+    model.eval()
+    loss, top1, top5 = AverageMeter(), AverageMeter(), AverageMeter()
+    for images, targets in loader:
+        images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        output = model(images)
+        acc1, acc5 = accuracy(output, targets, topk=(1, 5))
+        loss.update(criterion(output, targets).item(), images.size(0))
+        top1.update(acc1, images.size(0))
+        top5.update(acc5, images.size(0))
+    for meter in (loss, top1, top5):
+        meter.all_reduce(device)
+    return loss.avg, top1.avg, top5.avg, top1.count
+
+
+def main():
+    args = parse_args()
+
+    # ------------------------------------------------------------------------ distributed setup
+    # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; plain python: a world of 1.
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    is_main = rank == 0
+    check_args(args, world_size)
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            die(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
+                "start one process per listed GPU (./launch.sh RECIPE 0,1 does)")
+        # Before any CUDA work, or every process also puts a context on GPU 0 (write-up 000).
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    # torch's default timeout is 30 min: a rank that died would leave the others hanging that long.
+    timeout = datetime.timedelta(seconds=args.dist_timeout)
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    batch_per_process = args.batch_size // world_size
+    workers_per_process = args.workers // world_size
+    print0(f"setup: world_size={world_size} backend={backend} device={device.type} "
+           f"global_batch={args.batch_size} ({batch_per_process} per process x {world_size}), "
+           f"workers={workers_per_process} per process")
+
+    # ------------------------------------------------------------------------------------ data
+    train_tf = T.Compose([T.Resize(args.image_size), T.RandomHorizontalFlip(), T.ToTensor(),
+                          T.Normalize([0.5] * 3, [0.5] * 3)])
+    val_tf = T.Compose([T.Resize(args.image_size), T.ToTensor(), T.Normalize([0.5] * 3, [0.5] * 3)])
+    if args.rec == "synthetic":
+        train_set, val_set, num_classes = build_datasets("synthetic", image_size=args.image_size,
+                                                         synthetic_train=args.synthetic_train,
+                                                         synthetic_val=args.synthetic_val)
+    else:
+        reader = "python" if args.reader == "auto" else args.reader
+        try:
+            faces = MXFaceDataset(args.rec, train_tf, reader=reader)
+            faces_val = MXFaceDataset(args.rec, val_tf, reader=reader)
+        except (RecordIOError, OSError) as exc:
+            die(str(exc))
+        num_classes = args.num_classes or (faces.identity_range and faces.identity_range[1] - faces.identity_range[0])
+        if not num_classes:
+            die(f"{args.rec}/train.rec has no header record 0 giving the identity count; pass --num-classes")
+        # Every 10th image is held out: the same identities, unseen images.
+        train_set = Subset(faces, [i for i in range(len(faces)) if i % 10])
+        val_set = Subset(faces_val, range(0, len(faces), 10))
+    # Same seed on every rank: each process sees a different shard of one shared permutation.
+    train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    # Batches arrive on `device`, loaded (and on GPU copied) while the previous step computes.
+    train_loader = DataLoaderX(device, train_set, batch_size=batch_per_process, sampler=train_sampler,
+                               num_workers=workers_per_process, pin_memory=device.type == "cuda",
+                               drop_last=True, persistent_workers=workers_per_process > 0, prefetch=args.prefetch)
+    # DistributedSampler pads val with repeated samples; a strided shard counts each sample once.
+    val_loader = DataLoaderX(device, Subset(val_set, range(rank, len(val_set), world_size)),
+                             batch_size=batch_per_process, num_workers=workers_per_process,
+                             pin_memory=device.type == "cuda", persistent_workers=workers_per_process > 0)
+    if len(train_loader) == 0:
+        die(f"{len(train_set)} training samples make no full batch of {args.batch_size}; lower --batch-size")
+    print0(f"data: {args.rec} reader={args.reader} train={len(train_set)} val={len(val_set)} classes={num_classes} "
+           f"steps_per_epoch={len(train_loader)}")
+
+    # ----------------------------------------------------------------------------------- model
+    torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
+    model = FaceModel(args.arch, args.embedding_size, num_classes, args.head, args.scale, args.margin).to(device)
+    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
+                find_unused_parameters=args.find_unused_parameters)
+    torch.manual_seed(args.seed + rank)  # from here on, augmentation and dropout differ per rank
+    criterion = torch.nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
+
+    # ----------------------------------------------------------------------------------- train
+    total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
+    step, speed = 0, Throughput()
+    for epoch in range(args.epochs):
+        train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
+        model.train()
+        loss_meter, acc_meter = AverageMeter(), AverageMeter()
+        start = time.perf_counter()
+        speed.start()
+        bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", leave=False, disable=not (is_main and sys.stdout.isatty()))
+        for images, targets in bar:
+            images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            try:
+                output = model(images, targets)  # the margin needs the labels; DDP checks the last backward
+            except RuntimeError as exc:
+                hint = unused_parameters_error(exc, model.module)
+                if hint is None:
+                    raise
+                die(hint, code=1)
+            loss = criterion(output, targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # DDP averages gradients across ranks during backward
+            optimizer.step()
+            loss_meter.update(loss.item(), images.size(0))
+            acc_meter.update(accuracy(output, targets)[0], images.size(0))
+            step += 1
+            speed.step(args.batch_size)
+            if step >= total_steps:
+                break
+        scheduler.step()
+        epoch_time = time.perf_counter() - start
+        loss_meter.all_reduce(device)
+        acc_meter.all_reduce(device)
+
+        # -------------------------------------------------------------------------------- eval
+        # model.module, not the DDP wrapper: its forward may broadcast buffers, a collective that would
+        # hang on a rank whose shard has fewer batches (or none). Every rank still evaluates.
+        val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device)
+        eta = speed.eta(total_steps - step)
+        print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
+               f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
+               f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={eta}")
+        if step >= total_steps:
+            break
+
+    # ------------------------------------------------------------------------------------ save
+    peaks = [torch.zeros((), device=device) for _ in range(world_size)]
+    dist.all_gather(peaks, torch.tensor(peak_memory_mb(device), device=device))  # every rank's own peak
+    peaks = [round(p.item(), 1) for p in peaks]
+    if is_main:
+        os.makedirs(args.out_dir, exist_ok=True)
+        path = os.path.join(args.out_dir, "model.pt")
+        torch.save(model.module.state_dict(), path)  # .module: keys without the "module." prefix
+        print0(f"saved: {path}")
+    print0(result_line(recipe="mx_face_prefetch", world_size=world_size, device=device.type, steps=step,
+                       train_loss=round(loss_meter.avg, 6), val_acc1=round(val_acc1, 4), val_samples=val_samples,
+                       images_per_sec=round(speed.images_per_sec, 2), peak_mem_mb=max(peaks),
+                       peak_mem_mb_per_rank=peaks, t_first_step=speed.first_step_at))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except RecordIOError as exc:  # raised in a DataLoader worker: keep the last line, the one that names file and key
+        die(str(exc).strip().splitlines()[-1].split("RecordIOError: ", 1)[-1], code=1, all_ranks=True)

@@ -1,0 +1,114 @@
+"""mx_face_prefetch.py on real .rec files made by tools/pack_rec.py, its errors, and the loader benchmark."""
+
+import importlib.util
+import re
+import shutil
+
+import pytest
+import torch
+from conftest import launch, make_imagefolder, result_of, run_direct
+from torch.utils.data import DataLoader, TensorDataset
+
+from common.loader import DataLoaderX
+from tools.bench_loader import main as bench_loader
+from tools.pack_rec import pack_folder
+
+FACES = ["--arch", "tiny", "--image-size", "32", "--batch-size", "16"]
+
+
+def mxnet_importable():
+    try:
+        return importlib.util.find_spec("mxnet") is not None and bool(__import__("mxnet"))
+    except Exception:  # mxnet 1.9.1 with numpy >= 1.24 raises AttributeError on import
+        return False
+
+
+@pytest.fixture(scope="module")
+def faces_rec(tmp_path_factory):
+    """5 identities x 40 PNG faces (a colour each, plus noise) packed into train.rec/train.idx."""
+    tmp = tmp_path_factory.mktemp("faces")
+    make_imagefolder(tmp / "src", classes=5, train_per_class=40, val_per_class=0, size=32)
+    assert pack_folder(tmp / "src" / "train", tmp / "rec").images == 200
+    return tmp / "rec"
+
+
+def test_trains_on_a_packed_rec_well_above_chance(faces_rec, tmp_path):
+    proc = launch("recipes/mx_face_prefetch.py", "cpu:2", "--rec", faces_rec, *FACES, "--workers", "2",
+                  "--epochs", "3", "--out-dir", tmp_path)
+    result = result_of(proc)
+    assert (result["recipe"], result["world_size"], result["val_samples"]) == ("mx_face_prefetch", 2, 20)
+    assert result["val_acc1"] >= 60, result  # 5 identities: chance is 20%
+    assert f"data: {faces_rec} reader=auto train=180 val=20 classes=5" in proc.stdout
+    state = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert state["head.weight"].shape == (5, 128) and not any(k.startswith("module.") for k in state)
+
+
+def test_synthetic_needs_no_data(tmp_path):
+    proc = launch("recipes/mx_face_prefetch.py", "cpu:2", "--rec", "synthetic", *FACES, "--workers", "0",
+                  "--batch-size", "64", "--epochs", "2", "--out-dir", tmp_path)
+    assert result_of(proc)["val_acc1"] > 30  # 10 classes
+
+
+def test_a_corrupt_record_stops_training_naming_file_and_key(faces_rec, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(faces_rec, bad)
+    offsets = dict(line.split("\t") for line in (bad / "train.idx").read_text().splitlines())
+    with open(bad / "train.rec", "r+b") as f:
+        f.seek(int(offsets["7"]))
+        f.write(b"XXXX")  # key 7's magic
+    proc = launch("recipes/mx_face_prefetch.py", "cpu:2", "--rec", bad, *FACES, "--workers", "2",
+                  "--out-dir", tmp_path / "out")
+    assert proc.returncode != 0
+    first_error = next(line for line in proc.stderr.splitlines() if "error" in line.lower())
+    assert re.fullmatch(rf"\[rank [01]\] error: {re.escape(str(bad / 'train.rec'))}: key 7: bad magic 0x58585858 "
+                        r"at offset \d+ \(expected 0xced7230a\): not a RecordIO file, or a wrong offset in the idx",
+                        first_error), proc.stderr
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    ("idx", "train.idx: idx line 3 malformed: 'garbage' (expected 'key<TAB>offset')"),
+    ("rec", "is outside"),  # a .rec cut short: the idx points past its end
+])
+def test_a_damaged_file_fails_at_start_with_one_line(faces_rec, tmp_path, damage, message):
+    bad = tmp_path / "bad"
+    shutil.copytree(faces_rec, bad)
+    if damage == "idx":
+        lines = (bad / "train.idx").read_text().splitlines()
+        (bad / "train.idx").write_text("\n".join(lines[:2] + ["garbage"] + lines[3:]) + "\n")
+    else:
+        data = (bad / "train.rec").read_bytes()
+        (bad / "train.rec").write_bytes(data[: len(data) // 2])
+    proc = run_direct("mx_face_prefetch", "--rec", bad, *FACES)
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr, proc.stderr
+    if damage == "rec":
+        assert "train.rec" in proc.stderr and "truncated .rec?" in proc.stderr
+
+
+def test_reader_mxnet(faces_rec, tmp_path):
+    proc = run_direct("mx_face_prefetch", "--rec", faces_rec, *FACES, "--reader", "mxnet", "--workers", "0",
+                      "--max-steps", "3", "--out-dir", tmp_path)
+    if mxnet_importable():  # the same records through mx.recordio
+        assert result_of(proc)["val_samples"] == 20
+    else:
+        assert proc.returncode == 2
+        assert "mxnet does not import" in proc.stderr and "use reader='python'" in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: DataLoaderX's CUDA side-stream path")
+def test_dataloaderx_cuda_stream_gives_the_same_batches():
+    ds = TensorDataset(torch.randn(257, 3, 8, 8), torch.arange(257))
+    plain = [(x.cuda(), y.cuda()) for x, y in DataLoader(ds, batch_size=16, pin_memory=True)]
+    fast = list(DataLoaderX("cuda", ds, batch_size=16, pin_memory=True))
+    assert len(fast) == len(plain) and all(x.is_cuda for x, _ in fast)
+    for (xa, ya), (xb, yb) in zip(plain, fast, strict=True):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def test_loader_benchmark_prints_both_epoch_times(capsys):
+    plain, prefetched = bench_loader(["--batches", "6", "--load-ms", "4", "--compute-ms", "4"])
+    out = capsys.readouterr().out
+    assert plain > 0 and prefetched > 0
+    assert re.search(r"^DataLoader:  [\d.]+ s/epoch \(6 batches", out, re.M)
+    assert re.search(r"^DataLoaderX: [\d.]+ s/epoch", out, re.M) and "speed-up: " in out
