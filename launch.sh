@@ -78,6 +78,9 @@ fi
 if [[ -z $devices ]]; then
   if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
     devices=$CUDA_VISIBLE_DEVICES
+  elif [[ -n ${CUDA_VISIBLE_DEVICES+set} ]]; then # set but empty: the usual way to hide every GPU
+    devices=cpu:2
+    echo "launch.sh: CUDA_VISIBLE_DEVICES is empty, running cpu:2 (2 processes, gloo); pass DEVICES to choose" >&2
   else
     count=$(gpu_count)
     if ((count > 0)); then
@@ -126,12 +129,15 @@ fi
 # ---- rendezvous: nodes, address, port
 nnodes=${NNODES:-1}
 node_rank=${NODE_RANK:-0}
-if ! [[ $nnodes =~ ^[0-9]+$ ]] || ((nnodes < 1)); then
+# 10#: a leading zero ("08") would otherwise be read as octal.
+if ! [[ $nnodes =~ ^[0-9]+$ ]] || ((10#$nnodes < 1)); then
   fail "NNODES='$nnodes' must be a whole number >= 1"
 fi
-if ! [[ $node_rank =~ ^[0-9]+$ ]] || ((node_rank >= nnodes)); then
+nnodes=$((10#$nnodes))
+if ! [[ $node_rank =~ ^[0-9]+$ ]] || ((10#$node_rank >= nnodes)); then
   fail "NODE_RANK='$node_rank' must be 0..$((nnodes - 1)) (NNODES=$nnodes)"
 fi
+node_rank=$((10#$node_rank))
 if ((nnodes > 1)) && [[ -z ${MASTER_ADDR:-} || -z ${MASTER_PORT:-} ]]; then
   fail "NNODES=$nnodes needs MASTER_ADDR (node 0's address) and MASTER_PORT, set the same on every node"
 fi
@@ -148,14 +154,14 @@ except OSError:
 }
 
 if [[ -n ${MASTER_PORT:-} ]]; then
-  if ! [[ $MASTER_PORT =~ ^[0-9]+$ ]] || ((MASTER_PORT < 1 || MASTER_PORT > 65535)); then
+  if ! [[ $MASTER_PORT =~ ^[0-9]+$ ]] || ((10#$MASTER_PORT < 1 || 10#$MASTER_PORT > 65535)); then
     fail "MASTER_PORT='$MASTER_PORT' is not a port number (1-65535)"
   fi
   # Only node 0 listens on it; on other nodes it is a port of MASTER_ADDR.
   if ((node_rank == 0)) && ! port_is_free "$MASTER_PORT"; then
     fail "MASTER_PORT=$MASTER_PORT is already in use (another job on this machine?); unset MASTER_PORT to get a free port, or pick another"
   fi
-  master_port=$MASTER_PORT
+  master_port=$((10#$MASTER_PORT))
 else
   # The kernel hands out an unused port, so two jobs started at once get different ones.
   master_port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])') ||

@@ -104,7 +104,7 @@ class _PrefetchIterator:
                 item, event = self.queue.get(timeout=1.0)
                 break
             except queue.Empty:
-                if not self.thread.is_alive():
+                if not self.thread.is_alive() and self.queue.empty():  # it may have put its last item just now
                     self.close()
                     raise RuntimeError("DataLoaderX: the prefetch thread ended without a batch or an error") from None
         if item is _END:
@@ -139,6 +139,8 @@ class DataLoaderX(DataLoader):
     def __init__(self, device, *args, prefetch=2, **kwargs):
         super().__init__(*args, **kwargs)
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # the thread must set a definite GPU
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.prefetch = prefetch
 
     def __iter__(self):

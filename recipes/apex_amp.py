@@ -92,7 +92,7 @@ def check_args(args, world_size):
     if args.lr <= 0 or args.dist_timeout <= 0:
         die("--lr and --dist-timeout must be > 0")
     if args.resume and not os.path.isfile(args.resume):
-        die(f"--resume {args.resume}: no such file")
+        die(f"--resume {args.resume}: no such file", all_ranks=True)  # files can differ per node
     try:
         check_arch(args.arch)
     except ValueError as exc:
@@ -233,7 +233,7 @@ def main():
     if torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
             die(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
-                "start one process per listed GPU (./launch.sh RECIPE 0,1 does)")
+                "start one process per listed GPU (./launch.sh RECIPE 0,1 does)", all_ranks=True)
         # Before any CUDA work, or every process also puts a context on GPU 0 (write-up 000).
         torch.cuda.set_device(local_rank)
         device, backend = torch.device("cuda", local_rank), "nccl"
@@ -258,8 +258,8 @@ def main():
         dist.barrier()
         train_set, val_set, num_classes = build_datasets(
             args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val)
-    except DataError as exc:
-        die(str(exc))
+    except DataError as exc:  # may differ per node (a missing folder): each rank says what it saw
+        die(str(exc), all_ranks=True)
     # Same seed on every rank: each process sees a different shard of one shared permutation.
     train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     train_loader = DataLoader(train_set, batch_size=batch_per_process, sampler=train_sampler,
@@ -305,6 +305,8 @@ def main():
     # ----------------------------------------------------------------------------------- train
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
     speed = Throughput()
+    if start_epoch >= args.epochs:
+        die(f"{args.resume} already finished all {args.epochs} epochs; nothing to resume")
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
         model.train()
@@ -338,6 +340,10 @@ def main():
         acc_meter.all_reduce(device)
 
         # -------------------------------------------------------------------------------- eval
+        # DDP copies rank 0's buffers (BatchNorm statistics) to the others at the start of each forward, so
+        # after the last step every rank holds its own: evaluate everywhere with rank 0's, which model.pt gets.
+        for buffer in model.module.buffers():
+            dist.broadcast(buffer, 0)
         # model.module, not the DDP wrapper: its forward may broadcast buffers, a collective that would
         # hang on a rank whose shard has fewer batches (or none). Every rank still evaluates.
         val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device, mixed)
@@ -351,7 +357,9 @@ def main():
             torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                         "scheduler": scheduler.state_dict(), "amp": mixed.state_dict(), "epoch": epoch + 1,
                         "step": step, "epochs": args.epochs, "opt_level": args.opt_level},
-                       os.path.join(args.out_dir, "checkpoint.pt"))
+                       os.path.join(args.out_dir, "checkpoint.pt.tmp"))
+            # Then rename: a crash mid-write must not destroy the only checkpoint (ddp_checkpoint.py's save_atomic).
+            os.replace(os.path.join(args.out_dir, "checkpoint.pt.tmp"), os.path.join(args.out_dir, "checkpoint.pt"))
         if step >= total_steps:
             break
 

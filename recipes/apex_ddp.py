@@ -125,7 +125,7 @@ def main():
     if torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
             die(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
-                "start one process per listed GPU (./launch.sh RECIPE 0,1 does)")
+                "start one process per listed GPU (./launch.sh RECIPE 0,1 does)", all_ranks=True)
         # Before any CUDA work, or every process also puts a context on GPU 0 (write-up 000).
         torch.cuda.set_device(local_rank)
         device, backend = torch.device("cuda", local_rank), "nccl"
@@ -150,8 +150,8 @@ def main():
         dist.barrier()
         train_set, val_set, num_classes = build_datasets(
             args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val)
-    except DataError as exc:
-        die(str(exc))
+    except DataError as exc:  # may differ per node (a missing folder): each rank says what it saw
+        die(str(exc), all_ranks=True)
     # Same seed on every rank: each process sees a different shard of one shared permutation.
     train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     train_loader = DataLoader(train_set, batch_size=batch_per_process, sampler=train_sampler,
@@ -214,6 +214,10 @@ def main():
         acc_meter.all_reduce(device)
 
         # -------------------------------------------------------------------------------- eval
+        # DDP copies rank 0's buffers (BatchNorm statistics) to the others at the start of each forward, so
+        # after the last step every rank holds its own: evaluate everywhere with rank 0's, which model.pt gets.
+        for buffer in model.module.buffers():
+            dist.broadcast(buffer, 0)
         # model.module, not the DDP wrapper: its forward may broadcast buffers, a collective that would
         # hang on a rank whose shard has fewer batches (or none). Every rank still evaluates.
         val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device)

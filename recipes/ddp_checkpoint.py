@@ -91,7 +91,7 @@ def check_args(args, world_size):
         die(str(exc))
     for flag, path in (("--resume", args.resume), ("--init-from", args.init_from)):
         if path and path != "auto" and not os.path.isfile(path):
-            die(f"{flag} {path}: no such file")
+            die(f"{flag} {path}: no such file", all_ranks=True)  # files can differ per node
 
 
 # ------------------------------------------------------------------------------------ checkpoints
@@ -113,7 +113,8 @@ def load_file(path, device):
     try:
         return torch.load(path, map_location=device, weights_only=True)  # map_location: onto THIS rank's device
     except Exception as exc:  # truncated, not a zip, pickled objects: the same advice for all
-        die(f"cannot load {path} ({type(exc).__name__}): truncated, or not a checkpoint of these recipes")
+        die(f"cannot load {path} ({type(exc).__name__}): truncated, or not a checkpoint of these recipes",
+            all_ranks=True)
 
 
 def load_weights(model, state, path):
@@ -165,7 +166,7 @@ def main():
     if torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
             die(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
-                "start one process per listed GPU (./launch.sh RECIPE 0,1 does)")
+                "start one process per listed GPU (./launch.sh RECIPE 0,1 does)", all_ranks=True)
         # Before any CUDA work, or every process also puts a context on GPU 0 (write-up 000).
         torch.cuda.set_device(local_rank)
         device, backend = torch.device("cuda", local_rank), "nccl"
@@ -190,8 +191,8 @@ def main():
         dist.barrier()
         train_set, val_set, num_classes = build_datasets(
             args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val)
-    except DataError as exc:
-        die(str(exc))
+    except DataError as exc:  # may differ per node (a missing folder): each rank says what it saw
+        die(str(exc), all_ranks=True)
     # Same seed on every rank: each process sees a different shard of one shared permutation.
     train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     # Not persistent: workers are re-seeded from the (checkpointed) RNG each epoch, so resume is exact.
@@ -240,7 +241,7 @@ def main():
             die(f"{resume} was trained with --epochs {ckpt['args']['epochs']}; resume with the same --epochs")
         if len(ckpt["rng"]) == world_size:  # each rank continues its own random stream
             torch.set_rng_state(ckpt["rng"][rank]["cpu"].cpu())
-            if device.type == "cuda":
+            if device.type == "cuda" and ckpt["rng"][rank]["cuda"] is not None:  # None: saved on CPU
                 torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"].cpu(), device)
         else:
             print0(f"resume: saved with {len(ckpt['rng'])} ranks, now {world_size}: random streams start afresh")
@@ -282,6 +283,10 @@ def main():
         acc_meter.all_reduce(device)
 
         # -------------------------------------------------------------------------------- eval
+        # DDP copies rank 0's buffers (BatchNorm statistics) to the others at the start of each forward, so
+        # after the last step every rank holds its own: evaluate everywhere with rank 0's, which model.pt gets.
+        for buffer in model.module.buffers():
+            dist.broadcast(buffer, 0)
         # model.module, not the DDP wrapper: its forward may broadcast buffers, a collective that would
         # hang on a rank whose shard has fewer batches (or none). Every rank still evaluates.
         val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device)

@@ -165,8 +165,9 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
         device, out_device, backend = torch.device("cpu"), torch.device("cpu"), "gloo"
     # torch's default timeout is 30 min: a rank that died would leave the others hanging that long.
     timeout = datetime.timedelta(seconds=args.dist_timeout)
+    # device_id binds NCCL to one GPU; a model split over two GPUs all-reduces on both, so leave it unbound.
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout,
-                            device_id=device if device.type == "cuda" else None)
+                            device_id=device if device.type == "cuda" and not args.model_parallel else None)
     batch_per_process = args.batch_size // world_size
     workers_per_process = args.workers // world_size
     print0(f"setup: world_size={world_size} backend={backend} device={device.type} "
@@ -180,8 +181,8 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
         dist.barrier()
         train_set, val_set, num_classes = build_datasets(
             args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val)
-    except DataError as exc:
-        die(str(exc))
+    except DataError as exc:  # may differ per node (a missing folder): each rank says what it saw
+        die(str(exc), all_ranks=True)
     # Same seed on every rank: each process sees a different shard of one shared permutation.
     train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     train_loader = DataLoader(train_set, batch_size=batch_per_process, sampler=train_sampler,
@@ -245,6 +246,10 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
         acc_meter.all_reduce(device)
 
         # -------------------------------------------------------------------------------- eval
+        # DDP copies rank 0's buffers (BatchNorm statistics) to the others at the start of each forward, so
+        # after the last step every rank holds its own: evaluate everywhere with rank 0's, which model.pt gets.
+        for buffer in model.module.buffers():
+            dist.broadcast(buffer, 0)
         # model.module, not the DDP wrapper: its forward may broadcast buffers, a collective that would
         # hang on a rank whose shard has fewer batches (or none). Every rank still evaluates.
         val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device)

@@ -106,8 +106,8 @@ def main():
         prepare_dataset(args.dataset, args.data_root)
         train_set, val_set, num_classes = build_datasets(
             args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val)
-    except DataError as exc:
-        die(str(exc))
+    except DataError as exc:  # may differ per node (a missing folder): each rank says what it saw
+        die(str(exc), all_ranks=True)
     train_sampler = RandomSampler(train_set, generator=torch.Generator().manual_seed(args.seed))
     train_loader = DataLoader(train_set, batch_size=batch_per_process, sampler=train_sampler,
                               num_workers=workers_per_process, pin_memory=device.type == "cuda",

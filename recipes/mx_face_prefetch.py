@@ -92,7 +92,8 @@ def check_args(args, world_size):
     except ValueError as exc:
         die(str(exc))
     if args.rec != "synthetic" and not os.path.isdir(args.rec):
-        die(f"--rec {args.rec}: no such folder (expected train.rec + train.idx there, or --rec synthetic)")
+        die(f"--rec {args.rec}: no such folder (expected train.rec + train.idx there, or --rec synthetic)",
+            all_ranks=True)
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -155,7 +156,7 @@ def main():
     if torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
             die(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
-                "start one process per listed GPU (./launch.sh RECIPE 0,1 does)")
+                "start one process per listed GPU (./launch.sh RECIPE 0,1 does)", all_ranks=True)
         # Before any CUDA work, or every process also puts a context on GPU 0 (write-up 000).
         torch.cuda.set_device(local_rank)
         device, backend = torch.device("cuda", local_rank), "nccl"
@@ -187,7 +188,7 @@ def main():
             faces = MXFaceDataset(args.rec, train_tf, reader=reader)
             faces_val = MXFaceDataset(args.rec, val_tf, reader=reader)
         except (RecordIOError, OSError) as exc:
-            die(str(exc))
+            die(str(exc), all_ranks=True)
         num_classes = args.num_classes or (faces.identity_range and faces.identity_range[1] - faces.identity_range[0])
         if not num_classes:
             die(f"{args.rec}/train.rec has no header record 0 giving the identity count; pass --num-classes")
@@ -254,6 +255,10 @@ def main():
         acc_meter.all_reduce(device)
 
         # -------------------------------------------------------------------------------- eval
+        # DDP copies rank 0's buffers (BatchNorm statistics) to the others at the start of each forward, so
+        # after the last step every rank holds its own: evaluate everywhere with rank 0's, which model.pt gets.
+        for buffer in model.module.buffers():
+            dist.broadcast(buffer, 0)
         # model.module, not the DDP wrapper: its forward may broadcast buffers, a collective that would
         # hang on a rank whose shard has fewer batches (or none). Every rank still evaluates.
         val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device)

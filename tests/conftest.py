@@ -2,14 +2,14 @@
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
+
+from tools.procs import run_group
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "launch.sh"
@@ -22,20 +22,6 @@ def launch(*args, env=None, cwd=REPO, timeout=300):
         if env is None or name not in env:
             full_env.pop(name, None)
     return run_group([str(LAUNCH), *map(str, args)], env=full_env, cwd=cwd, timeout=timeout)
-
-
-def run_group(argv, env, cwd, timeout):
-    """subprocess.run in a new session; on timeout the whole group (launcher, ranks, workers) is killed,
-    so a hung test cannot leave orphaned training processes behind."""
-    with subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as proc:
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise
-    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
 
 
 def run_direct(recipe, *args, timeout=300):

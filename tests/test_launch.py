@@ -52,6 +52,18 @@ def test_devices_omitted_respects_cuda_visible_devices(fake_gpus):
     assert flag(argv, "nproc-per-node") == "2"
 
 
+def test_empty_cuda_visible_devices_means_cpu(fake_gpus):
+    env, argv, stderr = dry_run("recipes/ddp_torchrun.py", env={**fake_gpus(4), "CUDA_VISIBLE_DEVICES": ""})
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and flag(argv, "nproc-per-node") == "2"
+    assert "CUDA_VISIBLE_DEVICES is empty, running cpu:2" in stderr
+
+
+def test_leading_zeros_are_decimal():
+    env, argv, _ = dry_run("recipes/ddp_torchrun.py", "cpu",
+                           env={"NNODES": "09", "NODE_RANK": "08", "MASTER_ADDR": "h", "MASTER_PORT": "029500"})
+    assert (flag(argv, "nnodes"), flag(argv, "node-rank"), flag(argv, "master-port")) == ("9", "8", "29500")
+
+
 def test_devices_omitted_without_gpu_runs_cpu2_and_says_so(fake_gpus):
     env, argv, stderr = dry_run("recipes/ddp_torchrun.py", env=fake_gpus(0))
     assert env["CUDA_VISIBLE_DEVICES"] == ""

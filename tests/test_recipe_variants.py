@@ -154,6 +154,9 @@ def test_fp16_trains_and_the_scaler_state_survives_resume(tmp_path):
     assert "resumed: " in resumed.stdout and "'_growth_tracker': 8}" in resumed.stdout
     # A scaler that was not restored would count from 0 again and end at 8.
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["scaler"]["_growth_tracker"] == 16
+    finished = launch("recipes/torch_amp.py", "cpu:2", *small, "--resume", tmp_path / "checkpoint.pt")
+    assert finished.returncode != 0 and "already finished all 2 epochs; nothing to resume" in finished.stderr
+    assert not list(tmp_path.glob("*.tmp"))  # the atomic write left no temp file
     changed = launch("recipes/torch_amp.py", "cpu:2", *small[:-4], "--epochs", "3", "--out-dir", tmp_path,
                      "--resume", tmp_path / "checkpoint.pt")
     assert changed.returncode != 0 and "was trained with --epochs 2; resume with the same --epochs" in changed.stderr
@@ -214,7 +217,8 @@ def test_a_truncated_checkpoint_is_refused_and_nothing_is_overwritten(checkpoint
     (tmp_path / "latest.pt").write_bytes(good[: len(good) // 2])
     proc = run_direct("ddp_checkpoint", *TINY, "--resume", "auto", "--out-dir", tmp_path)
     assert proc.returncode == 2
-    assert proc.stderr.strip().startswith(f"error: cannot load {tmp_path / 'latest.pt'} (")
+    # Printed by every rank that fails to load (here the one rank), so it names the rank.
+    assert proc.stderr.strip().startswith(f"[rank 0] error: cannot load {tmp_path / 'latest.pt'} (")
     assert "truncated, or not a checkpoint" in proc.stderr
     assert (tmp_path / "latest.pt").read_bytes() == good[: len(good) // 2]
 

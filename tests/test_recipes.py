@@ -1,5 +1,6 @@
 """dp.py and ddp_torchrun.py, run for real through launch.sh (gloo on CPU) and read back from RESULT."""
 
+import re
 import time
 
 import pytest
@@ -27,6 +28,13 @@ def load_plain(path, arch, num_classes):
 def single_process_acc1(model, dataset):
     correct = sum((model(x).argmax(1) == y).sum().item() for x, y in DataLoader(dataset, batch_size=5))
     return 100.0 * correct / len(dataset)
+
+
+@torch.no_grad()
+def single_process_loss(model, dataset):
+    total = sum(torch.nn.functional.cross_entropy(model(x), y, reduction="sum").item()
+                for x, y in DataLoader(dataset, batch_size=5))
+    return total / len(dataset)
 
 
 @pytest.fixture(scope="module")
@@ -65,17 +73,22 @@ def test_ddp_says_how_it_split_the_batch_and_workers(synthetic_runs):
             "workers=1 per process") in proc.stdout
 
 
-@pytest.mark.parametrize(("recipe", "devices"), [("ddp_torchrun", "cpu:2"), ("dp", "cpu")])
-def test_imagefolder_eval_is_exact(imagefolder, tmp_path, recipe, devices):
-    # 21 validation images over 2 ranks: a padding sampler would score 22, drop_last 20.
+@pytest.mark.parametrize(("recipe", "devices", "arch"), [
+    ("ddp_torchrun", "cpu:2", "tiny"), ("ddp_torchrun", "cpu:2", "tiny_bn"), ("dp", "cpu", "tiny")])
+def test_imagefolder_eval_is_exact(imagefolder, tmp_path, recipe, devices, arch):
+    # 21 validation images over 2 ranks: a padding sampler would score 22, drop_last 20. With BatchNorm,
+    # each rank's running statistics drift apart after the last step: all must evaluate with rank 0's.
     proc = launch(f"recipes/{recipe}.py", devices, "--dataset", "imagefolder", "--data-root", imagefolder,
-                  "--image-size", "16", "--batch-size", "8", "--epochs", "2", *TINY, "--out-dir", tmp_path)
+                  "--image-size", "16", "--batch-size", "8", "--epochs", "2", "--arch", arch, "--workers", "0",
+                  "--out-dir", tmp_path)
     result = result_of(proc)
     assert result["val_samples"] == 21 and result["steps"] == 2 * (60 // 8)
     assert "data: imagefolder train=60 val=21 classes=3" in proc.stdout
-    model = load_plain(tmp_path / "model.pt", "tiny", 3)
+    model = load_plain(tmp_path / "model.pt", arch, 3)
     val = build_datasets("imagefolder", str(imagefolder), image_size=16)[1]
     assert single_process_acc1(model, val) == pytest.approx(result["val_acc1"], abs=1e-3)
+    printed_loss = float(re.findall(r"val_loss=([\d.]+)", proc.stdout)[-1])  # 4 decimals
+    assert single_process_loss(model, val) == pytest.approx(printed_loss, abs=2e-4)
 
 
 def test_two_ranks_on_half_batches_match_one_process_on_the_full_batch(tmp_path):

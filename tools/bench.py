@@ -44,7 +44,6 @@ import os
 import platform
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -57,6 +56,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common.data import build_datasets
 from common.models import build_model
+from tools.procs import run_group
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -198,7 +198,8 @@ def run_entry(entry, args):
         print(f"bench: {entry.name}: {run['command']}", flush=True)
         t_launch = time.time()
         try:
-            code, stdout, stderr = run_group(argv, env, args.timeout)
+            proc = run_group(argv, env, REPO, args.timeout)
+            code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
         except subprocess.TimeoutExpired:
             return {**run, "error": f"timed out after {args.timeout:g} s", "stderr_tail": ""}
     run["t_launch"] = t_launch
@@ -218,19 +219,6 @@ def stderr_tail(stderr, lines=20):
     all_lines = stderr.splitlines()
     errors = [line for line in dict.fromkeys(all_lines[:-lines]) if ERROR_LINE.search(line)]
     return "\n".join([*errors[:5], *(["..."] if errors else []), *all_lines[-lines:]])
-
-
-def run_group(argv, env, timeout):
-    """Run in a new session and kill the whole group (launcher, ranks, loader workers) on timeout."""
-    with subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as proc:
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise
-    return proc.returncode, stdout, stderr
 
 
 # ------------------------------------------------------------------------------------- bare loop
