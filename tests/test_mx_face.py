@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from common.loader import DataLoaderX
 from tools.bench_loader import main as bench_loader
+from tools.bench_recordio import main as bench_recordio
 from tools.pack_rec import pack_folder
 
 FACES = ["--arch", "tiny", "--image-size", "32", "--batch-size", "16"]
@@ -112,3 +113,12 @@ def test_loader_benchmark_prints_both_epoch_times(capsys):
     assert plain > 0 and prefetched > 0
     assert re.search(r"^DataLoader:  [\d.]+ s/epoch \(6 batches", out, re.M)
     assert re.search(r"^DataLoaderX: [\d.]+ s/epoch", out, re.M) and "speed-up: " in out
+
+
+def test_reader_benchmark_prints_records_per_second(capsys):
+    assert bench_recordio(["--records", "300"]) == 0
+    out = capsys.readouterr().out
+    rates = re.findall(r"^(pure-python|mxnet)\s+([\d,]+) records/s  \(300 records", out, re.M)
+    assert ("pure-python" in dict(rates)) and all(int(rate.replace(",", "")) > 0 for _, rate in rates)
+    # mxnet's line is either a rate (where it imports, as in CI) or says why it did not run.
+    assert "mxnet" in dict(rates) or re.search(r"^mxnet\s+not run: mxnet does not import here", out, re.M)
