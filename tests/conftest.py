@@ -3,6 +3,7 @@
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,18 @@ def result_of(proc):
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert len(lines) == 1, f"expected one RESULT line (rank 0 only), got {len(lines)}:\n{proc.stdout}"
     return json.loads(lines[0][len("RESULT "):])
+
+
+def import_mxnet():
+    """(mxnet, None), or (None, why) where it does not import: mxnet 1.9.1 needs numpy<1.24 and python<3.12,
+    and with a newer numpy it fails with AttributeError, not ImportError."""
+    try:
+        with warnings.catch_warnings():  # mxnet 1.9.1's import warns about distutils, not about us
+            warnings.simplefilter("ignore", DeprecationWarning)
+            import mxnet
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    return mxnet, None
 
 
 def make_imagefolder(root, classes=3, train_per_class=20, val_per_class=7, size=24, seed=0):

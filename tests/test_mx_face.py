@@ -1,12 +1,11 @@
 """mx_face_prefetch.py on real .rec files made by tools/pack_rec.py, its errors, and the loader benchmark."""
 
-import importlib.util
 import re
 import shutil
 
 import pytest
 import torch
-from conftest import launch, make_imagefolder, result_of, run_direct
+from conftest import import_mxnet, launch, make_imagefolder, result_of, run_direct
 from torch.utils.data import DataLoader, TensorDataset
 
 from common.loader import DataLoaderX
@@ -15,13 +14,6 @@ from tools.bench_recordio import main as bench_recordio
 from tools.pack_rec import pack_folder
 
 FACES = ["--arch", "tiny", "--image-size", "32", "--batch-size", "16"]
-
-
-def mxnet_importable():
-    try:
-        return importlib.util.find_spec("mxnet") is not None and bool(__import__("mxnet"))
-    except Exception:  # mxnet 1.9.1 with numpy >= 1.24 raises AttributeError on import
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +81,7 @@ def test_a_damaged_file_fails_at_start_with_one_line(faces_rec, tmp_path, damage
 def test_reader_mxnet(faces_rec, tmp_path):
     proc = run_direct("mx_face_prefetch", "--rec", faces_rec, *FACES, "--reader", "mxnet", "--workers", "0",
                       "--max-steps", "3", "--out-dir", tmp_path)
-    if mxnet_importable():  # the same records through mx.recordio
+    if import_mxnet()[0] is not None:  # the same records through mx.recordio
         assert result_of(proc)["val_samples"] == 20
     else:
         assert proc.returncode == 2

@@ -9,12 +9,12 @@ import pickle
 import struct
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import import_mxnet
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
@@ -35,19 +35,9 @@ REPO = Path(__file__).resolve().parents[1]
 M = struct.pack("<I", MAGIC)  # the magic as it appears in the file: 0a 23 d7 ce
 
 
-def _mxnet():
-    try:
-        with warnings.catch_warnings():  # mxnet 1.9.1's import warns about distutils, not about us
-            warnings.simplefilter("ignore", DeprecationWarning)
-            import mxnet
-    except Exception as exc:  # numpy>=1.24 breaks mxnet's import with AttributeError, not ImportError
-        return None, f"{type(exc).__name__}: {exc}"
-    return mxnet, None
-
-
 @pytest.fixture(scope="module")
 def mx():
-    module, why = _mxnet()
+    module, why = import_mxnet()
     if module is None:
         pytest.skip(f"mxnet not importable ({why}); needs mxnet==1.9.1 with numpy<1.24, python<3.12: "
                     "cross-check not run")
@@ -456,7 +446,7 @@ def test_face_dataset_mxnet_reader_matches_python(packed, mx):
 
 
 def test_face_dataset_mxnet_reader_without_mxnet(packed):
-    if _mxnet()[0] is not None:
+    if import_mxnet()[0] is not None:
         pytest.skip("mxnet imports here: the missing-mxnet error is checked in a venv without it")
     with pytest.raises(RecordIOError, match="mxnet does not import"):
         MXFaceDataset(packed[1], reader="mxnet")
