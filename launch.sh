@@ -171,9 +171,11 @@ fi
 # ---- command
 cores=$(nproc)
 threads=${OMP_NUM_THREADS:-$((cores / nprocs > 0 ? cores / nprocs : 1))}
+# tools/torchrun.py is torchrun (from this environment) with the same flags; when a rank fails it prints one
+# line naming the failed ranks and exits with the failed rank's code (torchrun itself always exits 1).
 case $launcher in
-  torchrun) cmd=("$python" -m torch.distributed.run) ;;  # = torchrun, from the same environment
-  torch.distributed.launch) cmd=("$python" -m torch.distributed.launch) ;;
+  torchrun) cmd=("$python" "$here/tools/torchrun.py") ;;
+  torch.distributed.launch) cmd=("$python" "$here/tools/torchrun.py" --legacy-launch) ;;
   python) cmd=("$python") ;;
 esac
 if [[ $launcher != python ]]; then

@@ -113,8 +113,8 @@ def test_unknown_launch_option():
 
 
 @pytest.mark.parametrize(("marker", "module"), [
-    ("torchrun", ["-m", "torch.distributed.run"]),
-    ("torch.distributed.launch", ["-m", "torch.distributed.launch"]),
+    ("torchrun", [str(REPO / "tools/torchrun.py")]),  # torchrun's code, with a one-line failure report
+    ("torch.distributed.launch", [str(REPO / "tools/torchrun.py"), "--legacy-launch"]),
     ("python", []),
 ])
 def test_launcher_comes_from_the_recipe_marker(tmp_path, marker, module):
@@ -132,7 +132,7 @@ def test_launcher_comes_from_the_recipe_marker(tmp_path, marker, module):
 
 def test_real_recipes_declare_their_launchers():
     assert dry_run("recipes/dp.py", "cpu")[1][:2] == [sys.executable, "recipes/dp.py"]
-    assert dry_run("recipes/ddp_torchrun.py", "cpu")[1][:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert dry_run("recipes/ddp_torchrun.py", "cpu")[1][:2] == [sys.executable, str(REPO / "tools/torchrun.py")]
 
 
 def test_works_from_another_directory(tmp_path):

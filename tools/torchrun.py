@@ -1,0 +1,74 @@
+"""torchrun (or the legacy torch.distributed.launch) with a short failure report: what launch.sh runs.
+
+    python tools/torchrun.py --nproc-per-node=2 recipes/ddp_torchrun.py --arch tiny     # = torchrun ...
+    python tools/torchrun.py --legacy-launch --nproc-per-node=2 recipes/ddp_launch.py   # = torch.distributed.launch
+
+It takes torchrun's own flags and runs torchrun's own code in this process; only the end differs.
+When a rank fails, torchrun stops the others (SIGTERM to each rank's process group, SIGKILL 30 s later)
+and raises ChildFailedError: a traceback and a 20-line report, after which it exits 1 whatever the
+rank's exit code was. Here that becomes one line naming every failed rank and how it ended, and the exit
+code of the rank that failed first, so a recipe's `exit 2` for a bad flag stays 2 and a rank killed by a
+signal gives 128 + its number, as in a shell. Ctrl-C or SIGTERM to this process stops every rank the same
+way and exits 128 + the signal number.
+"""
+
+import contextlib
+import os
+import signal
+import sys
+
+from torch.distributed import launch as legacy_launch
+from torch.distributed import run as torch_run
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+
+def describe(rank, failure):
+    if failure.exitcode < 0:
+        how = f"was killed by {failure.signal_name()}"
+        if failure.exitcode == -signal.SIGTERM:  # the signal torchrun itself stops the surviving ranks with
+            how = "was stopped (SIGTERM)"
+    else:
+        how = f"exited with code {failure.exitcode}"
+    return f"rank {rank} (pid {failure.pid}) {how}"
+
+
+def root_cause(failures):
+    """The rank that failed first. torchrun's own pick compares timestamps in whole seconds, so a rank it
+    stopped with SIGTERM, or one that died of a peer's death (a broken connection), can tie with the one
+    that really failed: prefer a signal other than SIGTERM, then a non-zero exit, then SIGTERM."""
+    def order(item):
+        rank, failure = item
+        kind = 0 if failure.exitcode < 0 and failure.exitcode != -signal.SIGTERM else 1 if failure.exitcode > 0 else 2
+        return kind, failure.timestamp, rank
+    return sorted(failures.items(), key=order)
+
+
+def main(argv):
+    legacy = argv[:1] == ["--legacy-launch"]
+    if legacy:
+        argv = argv[1:]
+    try:
+        if legacy:
+            legacy_launch.launch(legacy_launch.parse_args(argv))
+        else:
+            torch_run.run(torch_run.parse_args(argv))
+    except ChildFailedError as exc:
+        for failure in exc.failures.values():
+            # torchrun stops the process groups of the ranks still running; a rank that died (SIGKILL, OOM) leaves
+            # its DataLoader workers behind, holding the output pipe open until they notice, up to 5 s later.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(failure.pid, signal.SIGKILL)  # each rank leads its own group (start_new_session)
+        ranked = root_cause(exc.failures)
+        first = ranked[0][1]
+        print(f"launch.sh: job failed: {'; '.join(describe(rank, f) for rank, f in ranked)} "
+              "(each rank's own output is above)", file=sys.stderr, flush=True)
+        return 128 - first.exitcode if first.exitcode < 0 else first.exitcode
+    except SignalException as exc:  # torchrun has already stopped every rank with the same signal
+        print(f"launch.sh: {exc.sigval.name} received: all ranks were stopped", file=sys.stderr, flush=True)
+        return 128 + exc.sigval
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
