@@ -2,6 +2,7 @@
 
 build_datasets() returns (train_set, val_set, num_classes) and raises DataError with a one-line,
 actionable message on missing or malformed data; recipes turn that into `error: ...` and exit 2.
+A file that fails to load during training raises SampleError naming the sample (recipes exit 1).
 """
 
 import os
@@ -11,6 +12,8 @@ import torchvision
 import torchvision.transforms as T
 from torch.utils.data import Dataset
 
+from common.utils import OneLineError
+
 CIFAR_MEAN, CIFAR_STD = (0.507, 0.487, 0.441), (0.267, 0.256, 0.276)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 DEFAULT_IMAGE_SIZE = {"synthetic": 32, "cifar100": 32, "imagefolder": 224}
@@ -18,6 +21,40 @@ DEFAULT_IMAGE_SIZE = {"synthetic": 32, "cifar100": 32, "imagefolder": 224}
 
 class DataError(Exception):
     """Missing or malformed data; the message says what to do."""
+
+
+class SampleError(OneLineError):
+    """One sample failed to load (a corrupt image, a bad record); the one-line message names the split,
+    the sample's index in the whole dataset and, where there is one, its file."""
+
+    def __init__(self, message):
+        # An exception raised in a DataLoader worker is re-built in the training process from its text:
+        # "Caught SampleError in DataLoader worker process N.\nOriginal Traceback ...\n...SampleError: <ours>".
+        if message.startswith("Caught SampleError"):
+            message = message.rstrip().rsplit("SampleError: ", 1)[-1]
+        super().__init__(message)
+
+
+class NameFailingSamples(Dataset):
+    """Wraps a dataset so that a sample that fails to load raises SampleError naming its index and file,
+    not a bare decoder error from deep inside a worker."""
+
+    def __init__(self, dataset, split):
+        self.dataset, self.split = dataset, split
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        try:
+            return self.dataset[index]
+        except IndexError:  # the end of the dataset, not a broken sample
+            raise
+        except Exception as exc:
+            samples = getattr(self.dataset, "samples", None)  # ImageFolder: (path, class) per index
+            where = f" ({samples[index][0]})" if samples is not None else ""
+            raise SampleError(f"{self.split} sample {index}{where} does not load: "
+                              f"{type(exc).__name__}: {exc}") from exc
 
 
 class SyntheticImages(Dataset):
@@ -107,4 +144,4 @@ def _imagefolder(root, size):
         only_val = sorted(set(val.classes) - set(train.classes))[:3]
         raise DataError(f"train/ and val/ under {root!r} have different class folders "
                         f"(only in train: {only_train}, only in val: {only_val}); labels would not match")
-    return train, val, len(train.classes)
+    return NameFailingSamples(train, "train"), NameFailingSamples(val, "val"), len(train.classes)

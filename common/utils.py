@@ -1,5 +1,6 @@
 """Meters, top-k accuracy, rank-0 printing, one-line errors and the RESULT line."""
 
+import contextlib
 import datetime
 import json
 import os
@@ -18,18 +19,71 @@ def _rank():
     return int(os.environ.get("RANK", 0))
 
 
+def _world_size():
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+DIE_GRACE_SECONDS = 5
+
+
 def print0(*args, **kwargs):
     """print() on rank 0 only, flushed, so N processes do not print N interleaved copies."""
     if _rank() == 0:
         print(*args, **kwargs, flush=True)
 
 
+def _error_line(message, all_ranks):
+    prefix = f"[rank {_rank()}] " if all_ranks else ""
+    # One write() of the whole line: print() writes the text and the newline separately, so the lines of
+    # ranks failing at the same moment came out spliced together.
+    sys.stderr.write(f"{prefix}error: {message}\n")
+    sys.stderr.flush()
+
+
 def die(message, code=2, all_ranks=False):
     """Exit with one line on stderr. all_ranks=False: the error is the same everywhere, rank 0 says it."""
     if all_ranks or _rank() == 0:
-        prefix = f"[rank {_rank()}] " if all_ranks else ""
-        print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
+        _error_line(message, all_ranks)
+    elif _world_size() > 1:
+        # A launcher stops every rank the moment one exits: if rank 1 got here first, rank 0 would be
+        # killed before printing and the job would fail without a word. Rank 0 exits within this wait.
+        time.sleep(DIE_GRACE_SECONDS)
     sys.exit(code)
+
+
+class OneLineError(Exception):
+    """An error whose message says all the user needs (which file, which sample): printed as one line."""
+
+    code = 1  # the exit code
+
+
+@contextlib.contextmanager
+def one_line_errors():
+    """Around main(): the failures a user causes or meets get one line and an exit code instead of a traceback
+    per rank. OneLineError: its message. A rank whose peer died, or that waited at a collective the others
+    never joined, says which of the two it was (the peer's own error is above, or in the launcher's report).
+    Ctrl-C: exit 130 quietly (launch.sh says it once). Anything else keeps its traceback."""
+    try:
+        yield
+    except OneLineError as exc:
+        die(str(exc), code=exc.code, all_ranks=True)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except RuntimeError as exc:  # gloo's wording (NCCL's watchdog aborts the process instead: launch.sh names it)
+        first = (str(exc).strip().splitlines() or [""])[0]
+        if "Timed out waiting" in first:
+            why = "another rank did not join a collective within --dist-timeout: it hangs, or the ranks took different"
+            _error_line(f"{why} branches ({first})", all_ranks=True)
+        elif "Connection reset by peer" in first or "Connection closed by peer" in first:
+            _error_line(f"lost the connection to another rank: it failed or was killed ({first})", all_ranks=True)
+        else:
+            raise
+        # The process group is broken: a normal exit can die in its C++ destructors ("terminate called without
+        # an active exception", SIGABRT) instead of exiting 1. Nothing is left to save, so leave at once.
+        sys.stdout.flush()
+        os._exit(1)
 
 
 class AverageMeter:

@@ -46,9 +46,10 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common.apex_compat import ApexUnavailable, load_apex
+from common.checkpoint import load_checkpoint, load_weights
 from common.data import DataError, build_datasets, prepare_dataset
 from common.models import build_model, check_arch, unused_parameters_error
-from common.utils import AverageMeter, Throughput, accuracy, die, peak_memory_mb, print0, result_line
+from common.utils import AverageMeter, Throughput, accuracy, die, one_line_errors, peak_memory_mb, print0, result_line
 
 
 # ------------------------------------------------------------------------------------------- args
@@ -285,11 +286,11 @@ def main():
     model, optimizer = mixed.initialize(model, optimizer)  # before the DDP wrap: apex refuses a wrapped model
     start_epoch, step = 0, 0
     if args.resume:  # apex's order: initialize, then model, optimizer, amp
-        ckpt = torch.load(args.resume, map_location=device, weights_only=True)
+        ckpt = load_checkpoint(args.resume, map_location=device, require=("model", "optimizer", "amp", "opt_level"))
         if (ckpt["opt_level"], ckpt["epochs"]) != (args.opt_level, args.epochs):
             die(f"{args.resume} was trained with --opt-level {ckpt['opt_level']} --epochs {ckpt['epochs']}; "
                 "resume with the same")
-        model.load_state_dict(ckpt["model"])
+        load_weights(model, ckpt["model"], args.resume)  # a wrong --arch: one line naming the keys
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
         mixed.load_state_dict(ckpt["amp"])
@@ -381,4 +382,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    with one_line_errors():  # a file that does not load, a lost rank, Ctrl-C: one line each, not a traceback per rank
+        main()

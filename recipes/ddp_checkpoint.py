@@ -43,9 +43,10 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
+from common.checkpoint import load_checkpoint, load_weights
 from common.data import DataError, build_datasets, prepare_dataset
 from common.models import build_model, check_arch, unused_parameters_error
-from common.utils import AverageMeter, Throughput, accuracy, die, peak_memory_mb, print0, result_line
+from common.utils import AverageMeter, Throughput, accuracy, die, one_line_errors, peak_memory_mb, print0, result_line
 
 
 # ------------------------------------------------------------------------------------------- args
@@ -97,7 +98,7 @@ def check_args(args, world_size):
 # ------------------------------------------------------------------------------------ checkpoints
 def save_atomic(obj, path):
     """torch.save to a temp file in the same directory, then rename over `path` (atomic on POSIX)."""
-    tmp = f"{path}.tmp.{os.getpid()}"
+    tmp = f"{path}.tmp"  # one fixed name (only rank 0 writes): a write killed halfway is replaced by the next
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
@@ -107,27 +108,6 @@ def save_atomic(obj, path):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-
-
-def load_file(path, device):
-    try:
-        return torch.load(path, map_location=device, weights_only=True)  # map_location: onto THIS rank's device
-    except Exception as exc:  # truncated, not a zip, pickled objects: the same advice for all
-        die(f"cannot load {path} ({type(exc).__name__}): truncated, or not a checkpoint of these recipes",
-            all_ranks=True)
-
-
-def load_weights(model, state, path):
-    """Strict load that also takes keys saved from a DDP/DataParallel wrapper ("module.conv1.weight")."""
-    state = {k.removeprefix("module."): v for k, v in state.items()}
-    expected = model.state_dict()
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    wrong = [k for k in expected if k in state and state[k].shape != expected[k].shape]
-    if missing or unexpected or wrong:
-        die(f"{path} does not fit this --arch: missing {missing[:3]}, unexpected {unexpected[:3]}, "
-            f"wrong shape {wrong[:3]}")
-    model.load_state_dict(state)
 
 
 def rng_state(device):
@@ -223,7 +203,7 @@ def main():
     latest, best = os.path.join(args.out_dir, "latest.pt"), os.path.join(args.out_dir, "best.pt")
     start_epoch, step, best_acc1 = 0, 0, float("-inf")
     if args.init_from:
-        state = load_file(args.init_from, device)
+        state = load_checkpoint(args.init_from, map_location=device)  # onto THIS rank's device
         load_weights(model.module, state.get("model", state), args.init_from)  # a checkpoint or bare weights
         print0(f"init: weights from {args.init_from}")
     resume = args.resume
@@ -232,7 +212,7 @@ def main():
         if resume is None:
             print0(f"resume: no {latest} yet, starting from scratch")
     if resume:
-        ckpt = load_file(resume, device)
+        ckpt = load_checkpoint(resume, map_location=device, require=("model", "optimizer", "epoch", "rng"))
         load_weights(model.module, ckpt["model"], resume)
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
@@ -311,7 +291,7 @@ def main():
                 save_atomic({"model": model.module.state_dict(), "epoch": epoch + 1, "val_acc1": val_acc1}, best)
                 print0(f"best: epoch={epoch + 1} val_acc1={val_acc1:.2f} saved {best}")
         dist.barrier()  # nobody reads latest.pt before rank 0 has finished writing it
-        load_weights(model.module, load_file(latest, device)["model"], latest)
+        load_weights(model.module, load_checkpoint(latest, map_location=device)["model"], latest)
         if step >= total_steps:
             break
 
@@ -332,4 +312,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    with one_line_errors():  # a file that does not load, a lost rank, Ctrl-C: one line each, not a traceback per rank
+        main()

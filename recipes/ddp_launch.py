@@ -32,7 +32,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common.data import DataError, build_datasets, prepare_dataset
 from common.models import build_model, check_arch, unused_parameters_error
-from common.utils import AverageMeter, Throughput, accuracy, die, peak_memory_mb, print0, result_line
+from common.utils import AverageMeter, Throughput, accuracy, die, one_line_errors, peak_memory_mb, print0, result_line
 
 
 # ------------------------------------------------------------------------------------------- args
@@ -228,4 +228,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    with one_line_errors():  # a file that does not load, a lost rank, Ctrl-C: one line each, not a traceback per rank
+        main()

@@ -40,7 +40,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common.data import DataError, build_datasets, prepare_dataset
 from common.models import build_model, check_arch, unused_parameters_error
-from common.utils import AverageMeter, Throughput, accuracy, die, peak_memory_mb, print0, result_line
+from common.utils import AverageMeter, Throughput, accuracy, die, one_line_errors, peak_memory_mb, print0, result_line
 
 
 # ------------------------------------------------------------------------------------------- args
@@ -143,9 +143,11 @@ def main():
     except mp.ProcessRaisedException as exc:  # a worker raised: show its traceback, not spawn's
         print(f"error: worker {exc.error_index} failed{exc.msg}", file=sys.stderr, flush=True)
         sys.exit(1)
-    except mp.ProcessExitedException as exc:  # a worker exited (die() says why) or was killed
-        print(f"error: worker {exc.error_index} exited with code {exc.exit_code}", file=sys.stderr, flush=True)
-        sys.exit(exc.exit_code if exc.exit_code and exc.exit_code > 0 else 1)
+    except mp.ProcessExitedException as exc:  # a worker exited (die() says why) or was killed (OOM killer: SIGKILL)
+        how = f"was killed by {exc.signal_name}" if exc.signal_name else f"exited with code {exc.exit_code}"
+        print(f"error: worker {exc.error_index} (pid {exc.error_pid}) {how}; the other workers were stopped",
+              file=sys.stderr, flush=True)
+        sys.exit(128 - exc.exit_code if exc.exit_code < 0 else exc.exit_code)  # 128 + signal, as a shell says
 
 
 def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
@@ -277,4 +279,5 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
 
 
 if __name__ == "__main__":
-    main()
+    with one_line_errors():  # a file that does not load, a lost rank, Ctrl-C: one line each, not a traceback per rank
+        main()

@@ -37,11 +37,11 @@ from torchvision import transforms as T
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
-from common.data import build_datasets
+from common.data import NameFailingSamples, build_datasets
 from common.loader import DataLoaderX
 from common.models import build_model, check_arch, unused_parameters_error
 from common.recordio import MXFaceDataset, RecordIOError
-from common.utils import AverageMeter, Throughput, accuracy, die, peak_memory_mb, print0, result_line
+from common.utils import AverageMeter, Throughput, accuracy, die, one_line_errors, peak_memory_mb, print0, result_line
 
 
 # ------------------------------------------------------------------------------------------- args
@@ -193,8 +193,9 @@ def main():
         if not num_classes:
             die(f"{args.rec}/train.rec has no header record 0 giving the identity count; pass --num-classes")
         # Every 10th image is held out: the same identities, unseen images.
-        train_set = Subset(faces, [i for i in range(len(faces)) if i % 10])
-        val_set = Subset(faces_val, range(0, len(faces), 10))
+        # NameFailingSamples: a record that does not decode stops training with its index and key, on its rank.
+        train_set = Subset(NameFailingSamples(faces, "train"), [i for i in range(len(faces)) if i % 10])
+        val_set = Subset(NameFailingSamples(faces_val, "val"), range(0, len(faces), 10))
     # Same seed on every rank: each process sees a different shard of one shared permutation.
     train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     # Batches arrive on `device`, loaded (and on GPU copied) while the previous step computes.
@@ -286,7 +287,5 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
+    with one_line_errors():  # a file that does not load, a lost rank, Ctrl-C: one line each, not a traceback per rank
         main()
-    except RecordIOError as exc:  # raised in a DataLoader worker: keep the last line, the one that names file and key
-        die(str(exc).strip().splitlines()[-1].split("RecordIOError: ", 1)[-1], code=1, all_ranks=True)

@@ -39,9 +39,10 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
+from common.checkpoint import load_checkpoint, load_weights
 from common.data import DataError, build_datasets, prepare_dataset
 from common.models import build_model, check_arch, unused_parameters_error
-from common.utils import AverageMeter, Throughput, accuracy, die, peak_memory_mb, print0, result_line
+from common.utils import AverageMeter, Throughput, accuracy, die, one_line_errors, peak_memory_mb, print0, result_line
 
 
 # ------------------------------------------------------------------------------------------- args
@@ -187,8 +188,8 @@ def main():
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     start_epoch, step = 0, 0
     if args.resume:
-        ckpt = torch.load(args.resume, map_location=device, weights_only=True)
-        model.module.load_state_dict(ckpt["model"])
+        ckpt = load_checkpoint(args.resume, map_location=device, require=("model", "optimizer", "scaler", "epochs"))
+        load_weights(model.module, ckpt["model"], args.resume)  # a wrong --arch: one line naming the keys
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
         scaler.load_state_dict(ckpt["scaler"])  # without it fp16 restarts at scale 65536 and skips steps
@@ -291,4 +292,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    with one_line_errors():  # a file that does not load, a lost rank, Ctrl-C: one line each, not a traceback per rank
+        main()
