@@ -16,13 +16,18 @@ REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "launch.sh"
 
 
-def launch(*args, env=None, cwd=REPO, timeout=300):
-    """Run ./launch.sh with this interpreter as PYTHON. Returns the CompletedProcess."""
+def launch_env(env=None):
+    """os.environ with this interpreter as PYTHON, less the variables launch.sh reads, plus `env`."""
     full_env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
     for name in ("CUDA_VISIBLE_DEVICES", "MASTER_PORT", "MASTER_ADDR", "NNODES", "NODE_RANK", "LAUNCH_DRY_RUN"):
         if env is None or name not in env:
             full_env.pop(name, None)
-    return run_group([str(LAUNCH), *map(str, args)], env=full_env, cwd=cwd, timeout=timeout)
+    return full_env
+
+
+def launch(*args, env=None, cwd=REPO, timeout=300):
+    """Run ./launch.sh with this interpreter as PYTHON. Returns the CompletedProcess."""
+    return run_group([str(LAUNCH), *map(str, args)], env=launch_env(env), cwd=cwd, timeout=timeout)
 
 
 def run_direct(recipe, *args, timeout=300):

@@ -1,0 +1,375 @@
+"""Failure drills (issue 7): real 2-process gloo jobs are killed, interrupted, fed bad files and flags, and
+made to diverge; each drill checks the exit code, the message, the time it took and that no process is left.
+README.md "What happens when things go wrong" lists what each drill showed."""
+
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+import torch
+from conftest import LAUNCH, REPO, launch, launch_env, make_imagefolder
+
+from common.recordio import IndexedRecordReader
+from tools.pack_rec import main as pack_rec
+
+TINY = ["--arch", "tiny", "--workers", "0"]
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def process_table():
+    """{pid: (ppid, start time)} of every process, from /proc: what `ps` shows."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:  # it exited while we looked
+                continue
+            if fields[0] != "Z":  # a zombie has exited; only its parent's wait() is missing
+                table[int(entry)] = (int(fields[1]), int(fields[19]))
+    return table
+
+
+def environ_of(pid):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    except OSError:
+        return {}
+
+
+class Job:
+    """./launch.sh in a new session, its output read line by line, so that a test can act mid-training."""
+
+    def __init__(self, *args, env=None):
+        self.proc = subprocess.Popen([str(LAUNCH), *map(str, args)], env=launch_env(env), cwd=REPO, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        self.stdout, self.stderr, self.lines = [], [], queue.Queue()
+        self.readers = [threading.Thread(target=self._read, args=(self.proc.stdout, self.stdout, self.lines)),
+                        threading.Thread(target=self._read, args=(self.proc.stderr, self.stderr, None))]
+        for reader in self.readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream, into, lines):
+        for line in stream:
+            into.append(line)
+            if lines is not None:
+                lines.put(line)
+
+    def wait_for(self, prefix, timeout=120):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                assert self.proc.poll() is None, f"job ended before {prefix!r}:\n{self.output()}"
+                continue
+            if line.startswith(prefix):
+                return line
+        self.kill()
+        pytest.fail(f"no line starting {prefix!r} within {timeout} s:\n{self.output()}")
+
+    def tree(self):
+        """{pid: start time} of the launcher and all its descendants: ranks (in their own sessions under
+        torchrun) and their DataLoader workers. The start time tells a reused pid from the same process."""
+        table, pids = process_table(), {self.proc.pid}
+        while True:
+            more = {pid for pid, (ppid, _) in table.items() if ppid in pids} - pids
+            if not more:
+                return {pid: table[pid][1] for pid in pids if pid in table}
+            pids |= more
+
+    def rank_pid(self, rank):
+        """The pid of the rank's own process (not of one of its DataLoader workers)."""
+        tree, table = self.tree(), process_table()
+        by_env = [pid for pid in tree if environ_of(pid).get(b"RANK") == str(rank).encode()]
+        if by_env:  # torchrun puts RANK in each rank's environment; its DataLoader workers inherit it
+            return next(pid for pid in by_env if table[pid][0] not in by_env)
+        # mp.spawn: the launcher's children that run spawn_main, started in rank order
+        workers = sorted((start, pid) for pid, start in tree.items() if table[pid][0] == self.proc.pid
+                         and b"--multiprocessing-fork" in open(f"/proc/{pid}/cmdline", "rb").read())
+        return workers[rank][1]
+
+    def finish(self, timeout):
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"still running {timeout} s later (a hang):\n{self.output()}")
+        for reader in self.readers:
+            reader.join(timeout=30)
+        return self.proc.returncode
+
+    def kill(self):
+        for pid in self.tree():
+            with_no_error(os.kill, pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def output(self):
+        return "stdout:\n" + "".join(self.stdout)[-3000:] + "\nstderr:\n" + "".join(self.stderr)[-5000:]
+
+
+def with_no_error(fn, *args):
+    try:
+        fn(*args)
+    except ProcessLookupError:
+        pass
+
+
+def survivors(tree, grace=10):
+    """The processes of `tree` still running `grace` seconds on (same pid and same start time)."""
+    deadline = time.monotonic() + grace
+    while True:
+        table = process_table()
+        alive = {pid for pid, start in tree.items() if table.get(pid, (None, None))[1] == start}
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def error_lines(stderr):
+    return [line for line in stderr.splitlines() if re.match(r"(\[rank \d+\] |launch\.sh: )?error: ", line)]
+
+
+def sample_errors(stderr):
+    """The error lines, less the other rank's "lost the connection" (if it was in a collective when the rank
+    with the bad sample exited, before the launcher stopped it): that one must then be the only other kind."""
+    lost = [line for line in error_lines(stderr) if "error: lost the connection to another rank" in line]
+    return [line for line in error_lines(stderr) if line not in lost]
+
+
+# ----------------------------------------------------------------- drill 1: a rank dies mid-epoch
+@pytest.mark.parametrize(("recipe", "message"), [
+    ("ddp_torchrun", r"launch\.sh: job failed: rank 1 \(pid {pid}\) was killed by SIGKILL; rank 0 \(pid \d+\) "
+                     r"was stopped \(SIGTERM\)"),
+    ("ddp_spawn", r"error: worker 1 \(pid {pid}\) was killed by SIGKILL; the other workers were stopped"),
+])
+def test_a_rank_killed_mid_epoch_ends_the_job_naming_it(tmp_path, recipe, message):
+    job = Job(f"recipes/{recipe}.py", "cpu:2", "--arch", "tiny", "--workers", "2", "--epochs", "20",
+              "--synthetic-train", "4096", "--batch-size", "64", "--out-dir", tmp_path)
+    job.wait_for("epoch=1/")
+    time.sleep(0.5)  # into epoch 2 (32 steps, about 2 s here)
+    victim, tree = job.rank_pid(1), job.tree()
+    assert len(tree) >= 5, tree  # the launcher, 2 ranks and their DataLoader workers: the check below means something
+    start = time.monotonic()
+    os.kill(victim, signal.SIGKILL)  # what the OOM killer does
+    code = job.finish(timeout=60)
+    took = time.monotonic() - start
+    print(f"drill 1 {recipe}: exit {code} {took:.1f} s after the SIGKILL")  # README numbers: pytest -rP
+    assert code == 128 + signal.SIGKILL, job.output()
+    assert re.search(message.format(pid=victim), "".join(job.stderr)), job.output()
+    assert took < 30, took
+    assert not survivors(tree), job.output()
+    assert not (tmp_path / "model.pt").exists()
+
+
+# ------------------------------------------------------ drill 2: SIGKILL during a checkpoint write
+def test_killed_while_writing_a_checkpoint_resumes_from_the_previous_one_exactly(tmp_path):
+    # resnet18's checkpoint is 90 MB: its write takes ~100 ms, long enough to be caught in the act.
+    args = ["recipes/ddp_checkpoint.py", "cpu:2", "--arch", "resnet18", "--image-size", "16", "--workers", "0",
+            "--synthetic-train", "128", "--synthetic-val", "32", "--batch-size", "32", "--epochs", "4"]
+    straight = launch(*args, "--out-dir", tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    out = tmp_path / "killed"
+    job = Job(*args, "--out-dir", out)
+    latest, tmp = out / "latest.pt", out / "latest.pt.tmp"
+    deadline = time.monotonic() + 120
+    while True:  # wait for a write of epoch 2 or later: epoch 1's latest.pt is then the previous good one
+        assert time.monotonic() < deadline and job.proc.poll() is None, f"no write caught:\n{job.output()}"
+        if latest.exists() and tmp.exists() and tmp.stat().st_size > 0:  # some bytes written, not all
+            tree = job.tree()
+            for pid in tree:  # freeze everything first, so the kill is known to land inside the write
+                with_no_error(os.kill, pid, signal.SIGSTOP)
+            if tmp.exists():
+                break
+            for pid in tree:  # the rename won the race: let it go on to the next epoch's write
+                with_no_error(os.kill, pid, signal.SIGCONT)
+        time.sleep(0.001)
+    for pid in tree:
+        with_no_error(os.kill, pid, signal.SIGKILL)
+    job.finish(timeout=30)
+    assert not survivors(tree)
+    saved_epoch = torch.load(latest, weights_only=True)["epoch"]
+    print(f"drill 2: killed while writing epoch {saved_epoch + 1}'s checkpoint ({tmp.stat().st_size} bytes written)")
+    assert 1 <= saved_epoch < 4  # the last whole checkpoint; the one being written is the half file beside it
+    assert 0 < tmp.stat().st_size < latest.stat().st_size
+
+    resumed = launch(*args, "--out-dir", out, "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resume: {latest} at epoch {saved_epoch} " in resumed.stdout
+    assert not tmp.exists()  # the next save replaced the half-written file
+    a = torch.load(tmp_path / "straight/model.pt", weights_only=True)
+    b = torch.load(out / "model.pt", weights_only=True)
+    assert all(torch.equal(a[name], b[name]) for name in a)  # bitwise the uninterrupted run
+
+
+# ------------------------------------------------------------------ drill 3: ranks diverge
+@pytest.mark.parametrize(("fault", "says"), [
+    # rank 1 never reaches the end-of-epoch all_reduce: rank 0 waits there until --dist-timeout.
+    ("1:all_reduce:1:hang", r"another rank did not join a collective within --dist-timeout: it hangs, or the "
+                            r"ranks took different branches \(.*Timed out waiting 5000ms"),
+    # rank 1 skips the final all_gather and finishes: rank 0's all_gather loses its partner.
+    ("1:all_gather:1:skip", r"lost the connection to another rank: it failed or was killed \(.*Connection "
+                            r"(reset|closed) by peer"),
+])
+def test_diverging_ranks_fail_within_the_dist_timeout(tmp_path, fault, says):
+    timeout = 5
+    job = Job("recipes/ddp_torchrun.py", "cpu:2", *TINY, "--max-steps", "3", "--dist-timeout", timeout,
+              "--out-dir", tmp_path, env={"PYTHONPATH": str(REPO / "tests/faults"), "FAULT_COLLECTIVE": fault})
+    job.wait_for("FAULT: rank 1")
+    start, tree = time.monotonic(), job.tree()
+    code = job.finish(timeout=120)
+    took = time.monotonic() - start
+    print(f"drill 3 {fault}: exit {code} {took:.1f} s after the fault")
+    assert code not in (0, None), job.output()
+    assert took < timeout + 10, (took, job.output())
+    stderr = "".join(job.stderr)
+    assert re.search(r"launch\.sh: job failed: rank 0 \(pid \d+\) exited with code 1", stderr), job.output()
+    errors = error_lines(stderr)
+    assert errors and all(re.match(r"\[rank 0\] error: " + says, line) for line in errors), job.output()
+    assert "Traceback" not in stderr
+    assert not survivors(tree)
+
+
+# ---------------------------------------------------------- drill 4: a sample that does not load
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_a_corrupt_image_in_one_rank_names_its_index_and_file(tmp_path, workers):
+    root = make_imagefolder(tmp_path / "data", train_per_class=8, val_per_class=3)
+    bad = root / "train" / "class_1" / "005.png"  # ImageFolder sorts: class_0 has 0-7, so this is sample 13
+    bad.write_bytes(b"not a png")
+    proc = launch("recipes/ddp_torchrun.py", "cpu:2", "--dataset", "imagefolder", "--data-root", root,
+                  "--image-size", "16", "--batch-size", "8", "--arch", "tiny", "--workers", workers,
+                  "--out-dir", tmp_path / "out", timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    errors = sample_errors(proc.stderr)
+    assert len(errors) == 1, proc.stderr  # only the rank whose shard holds the sample
+    assert re.fullmatch(rf"\[rank [01]\] error: train sample 13 \({re.escape(str(bad))}\) does not load: "
+                        r"UnidentifiedImageError: cannot identify image file .*", errors[0]), errors
+    assert "Traceback" not in proc.stderr
+    assert re.search(r"launch\.sh: job failed: rank [01] \(pid \d+\) exited with code 1", proc.stderr)
+
+
+@pytest.fixture(scope="module")
+def faces_with_a_bad_record(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("faces")
+    make_imagefolder(tmp / "ids", classes=4, train_per_class=10, val_per_class=0, size=16)
+    assert pack_rec([str(tmp / "ids" / "train"), str(tmp / "rec"), "--size", "16"]) == 0
+    key = 7  # image keys start at 1, so this is sample 6 (in the training split: every 10th is held out)
+    offset = IndexedRecordReader(tmp / "rec" / "train.idx", tmp / "rec" / "train.rec").idx[key]
+    with open(tmp / "rec" / "train.rec", "r+b") as f:
+        f.seek(offset)
+        f.write(b"XXXX")
+    return tmp / "rec"
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])  # 0: read in DataLoaderX's thread; 2: in a worker under it
+def test_a_corrupt_record_under_dataloaderx_names_its_index_and_key(faces_with_a_bad_record, tmp_path, workers):
+    rec = faces_with_a_bad_record
+    proc = launch("recipes/mx_face_prefetch.py", "cpu:2", "--rec", rec, "--arch", "tiny", "--image-size", "16",
+                  "--batch-size", "8", "--workers", workers, "--out-dir", tmp_path, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    errors = sample_errors(proc.stderr)
+    assert len(errors) == 1, proc.stderr
+    assert re.fullmatch(rf"\[rank [01]\] error: train sample 6 does not load: RecordIOError: "
+                        rf"{re.escape(str(rec / 'train.rec'))}: key 7: bad magic 0x58585858 .*", errors[0]), errors
+    assert "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------- drill 5: a checkpoint that does not fit
+RESUMABLE = {  # recipe: (its checkpoint file, extra flags)
+    "ddp_checkpoint": ("latest.pt", []),
+    "torch_amp": ("checkpoint.pt", ["--amp-dtype", "bf16"]),
+    "apex_amp": ("checkpoint.pt", ["--impl", "torch", "--opt-level", "O0"]),
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(RESUMABLE))
+def test_a_wrong_or_truncated_checkpoint_is_refused_and_nothing_is_overwritten(tmp_path, recipe):
+    name, extra = RESUMABLE[recipe]
+    args = [f"recipes/{recipe}.py", "cpu:2", "--workers", "0", "--synthetic-train", "64", "--synthetic-val", "32",
+            "--batch-size", "32", "--epochs", "2", *extra, "--out-dir", tmp_path]
+    made = launch(*args, "--arch", "tiny_bn", "--max-steps", "2")  # one whole epoch: a checkpoint to resume
+    assert made.returncode == 0, made.stderr[-3000:]
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert name in before
+
+    wrong = launch(*args, "--arch", "tiny", "--resume", tmp_path / name)
+    assert wrong.returncode == 2, wrong.stderr[-3000:]
+    messages = {line.split("error: ", 1)[1] for line in error_lines(wrong.stderr)}
+    # tiny_bn's features are conv, bn, relu, pool, conv, bn...; tiny's conv, relu, pool, conv...
+    assert messages == {f"{tmp_path / name} does not fit this --arch: missing ['features.3.weight', "
+                        "'features.3.bias'], unexpected ['features.1.weight', 'features.1.bias', "
+                        "'features.1.running_mean'], wrong shape []"}, wrong.stderr  # each rank says the same
+    assert "Traceback" not in wrong.stderr
+
+    cut = tmp_path.parent / f"{recipe}_cut.pt"
+    cut.write_bytes(before[name][: len(before[name]) // 2])
+    truncated = launch(*args, "--arch", "tiny_bn", "--resume", cut)
+    assert truncated.returncode == 2, truncated.stderr[-3000:]
+    messages = {line.split("error: ", 1)[1] for line in error_lines(truncated.stderr)}
+    assert len(messages) == 1 and messages.pop().startswith(f"cannot load {cut} ("), truncated.stderr
+    assert "Traceback" not in truncated.stderr
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # nothing written, nothing replaced
+
+
+# ------------------------------------------------------------------------ drill 6: bad flags
+@pytest.fixture
+def busy_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.mark.parametrize(("recipe", "flags", "message"), [
+    ("ddp_torchrun", ["--batch-size", "1"], "--batch-size 1 is the GLOBAL batch and must be a multiple of the 2 "
+                                            "processes; try --batch-size 2"),
+    ("ddp_torchrun", ["--workers", "-1"], "--workers -1 must be >= 0"),
+    ("ddp_torchrun", ["--arch", "resnet181"], "unknown --arch 'resnet181'; did you mean resnet18, resnet101"),
+    ("ddp_torchrun", ["--dataset", "imagefolder", "--data-root", "/no/such/dir"],
+     "--data-root '/no/such/dir' has no train/ folder; expected ROOT/train/<class>/*.png|jpg"),
+    ("ddp_torchrun", ["--dataset", "imagefolder", "--data-root", "README.md"],
+     "--data-root 'README.md' has no train/ folder"),
+    ("ddp_launch", ["--batch-size", "3"], "--batch-size 3 is the GLOBAL batch"),  # the legacy launcher, too
+    ("ddp_spawn", ["--workers", "-2"], "--workers -2 must be >= 0"),
+    ("ddp_torchrun", "busy_port", "MASTER_PORT={port} is already in use"),
+])
+def test_bad_input_gets_one_line_and_exit_2_within_10_s(busy_port, recipe, flags, message):
+    env = {"MASTER_PORT": str(busy_port)} if flags == "busy_port" else None
+    start = time.monotonic()
+    proc = launch(f"recipes/{recipe}.py", "cpu:2", "--arch", "tiny", *([] if env else flags), env=env, timeout=60)
+    took = time.monotonic() - start
+    print(f"drill 6 {recipe} {flags}: exit {proc.returncode} after {took:.1f} s")
+    assert proc.returncode == 2, proc.stderr
+    errors = error_lines(proc.stderr)
+    messages = {line.split("error: ", 1)[1] for line in errors}
+    assert len(messages) == 1 and message.format(port=busy_port) in messages.pop(), proc.stderr
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
+    assert took < 10, took
+
+
+# --------------------------------------------------------------------- drill 7: Ctrl-C
+@pytest.mark.parametrize("recipe", ["ddp_torchrun", "ddp_spawn"])
+def test_ctrl_c_stops_every_process(tmp_path, recipe):
+    job = Job(f"recipes/{recipe}.py", "cpu:2", "--arch", "tiny", "--workers", "2", "--epochs", "20",
+              "--synthetic-train", "4096", "--batch-size", "64", "--out-dir", tmp_path)
+    job.wait_for("epoch=1/")
+    time.sleep(0.5)
+    tree = job.tree()
+    assert len(tree) >= 5, tree  # launcher, 2 ranks, their DataLoader workers
+    start = time.monotonic()
+    os.killpg(job.proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: SIGINT to the foreground group
+    code = job.finish(timeout=60)
+    print(f"drill 7 {recipe}: exit {code} {time.monotonic() - start:.1f} s after SIGINT, {len(tree)} processes")
+    assert code == 128 + signal.SIGINT, job.output()
+    assert "Traceback" not in "".join(job.stderr), job.output()
+    assert not survivors(tree), (sorted(tree), job.output())
