@@ -17,9 +17,12 @@ def load_checkpoint(path, map_location, require=()):
     from). `require`: the keys a checkpoint of this recipe must have."""
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as exc:  # truncated, not a zip, pickled objects: the same advice for all
+    except (PermissionError, FileNotFoundError, IsADirectoryError) as exc:  # the system's own words say it
+        raise CheckpointError(f"cannot load {path} ({type(exc).__name__}: {exc})") from exc
+    except Exception as exc:  # truncated (OSError EINVAL from the zip reader), not a zip, pickled objects, OOM
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
         raise CheckpointError(f"cannot load {path} ({type(exc).__name__}): truncated, or not a checkpoint of "
-                              "these recipes") from exc
+                              f"these recipes ({first})") from exc
     missing = [key for key in require if not isinstance(ckpt, dict) or key not in ckpt]
     if missing:
         raise CheckpointError(f"{path} is not a checkpoint of this recipe: it has no {missing[:3]} "
@@ -35,6 +38,7 @@ def load_weights(model, state, path):
     unexpected = [k for k in state if k not in expected]
     wrong = [k for k in expected if k in state and state[k].shape != expected[k].shape]
     if missing or unexpected or wrong:
-        raise CheckpointError(f"{path} does not fit this --arch: missing {missing[:3]}, unexpected "
-                              f"{unexpected[:3]}, wrong shape {wrong[:3]}")
+        found = [f"{what} {keys[:3]}" for what, keys in (("missing", missing), ("unexpected", unexpected),
+                                                         ("wrong shape", wrong)) if keys]
+        raise CheckpointError(f"{path} does not fit this --arch: {', '.join(found)}")
     model.load_state_dict(state)

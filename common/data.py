@@ -31,7 +31,8 @@ class SampleError(OneLineError):
         # An exception raised in a DataLoader worker is re-built in the training process from its text:
         # "Caught SampleError in DataLoader worker process N.\nOriginal Traceback ...\n...SampleError: <ours>".
         if message.startswith("Caught SampleError"):
-            message = message.rstrip().rsplit("SampleError: ", 1)[-1]
+            ours = [line for line in message.splitlines() if line.startswith(f"{__name__}.SampleError: ")]
+            message = ours[-1].split(": ", 1)[1] if ours else message
         super().__init__(message)
 
 
@@ -46,15 +47,16 @@ class NameFailingSamples(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index):
+        if not -len(self) <= index < len(self):
+            raise IndexError(index)  # past the end: how a plain `for x in dataset` stops, not a broken sample
         try:
             return self.dataset[index]
-        except IndexError:  # the end of the dataset, not a broken sample
-            raise
         except Exception as exc:
             samples = getattr(self.dataset, "samples", None)  # ImageFolder: (path, class) per index
             where = f" ({samples[index][0]})" if samples is not None else ""
-            raise SampleError(f"{self.split} sample {index}{where} does not load: "
-                              f"{type(exc).__name__}: {exc}") from exc
+            detail = " ".join(str(exc).split())  # one line, whatever the decoder wrote
+            raise SampleError(f"{self.split} sample {index}{where} does not load: {type(exc).__name__}: "
+                              f"{detail}") from exc
 
 
 class SyntheticImages(Dataset):

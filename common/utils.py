@@ -43,12 +43,15 @@ def _error_line(message, all_ranks):
 
 
 def die(message, code=2, all_ranks=False):
-    """Exit with one line on stderr. all_ranks=False: the error is the same everywhere, rank 0 says it."""
-    if all_ranks or _rank() == 0:
+    """Exit with one line on stderr. all_ranks=False: the error is the same everywhere, so each node's local
+    rank 0 says it (on one node: rank 0 alone); all_ranks=True: every rank says what it saw."""
+    local_rank = int(os.environ.get("LOCAL_RANK", _rank()))
+    if all_ranks or local_rank == 0:
         _error_line(message, all_ranks)
     elif _world_size() > 1:
-        # A launcher stops every rank the moment one exits: if rank 1 got here first, rank 0 would be
-        # killed before printing and the job would fail without a word. Rank 0 exits within this wait.
+        # A launcher stops every rank the moment one exits: if rank 1 got here first, rank 0 would be killed
+        # before printing and the job would fail without a word. Rank 0 meets the same check at about the same
+        # time and exits within this wait (a heuristic: a rank 0 slower by more than this loses its line).
         time.sleep(DIE_GRACE_SECONDS)
     sys.exit(code)
 
@@ -59,17 +62,30 @@ class OneLineError(Exception):
     code = 1  # the exit code
 
 
+def _leave(code):
+    # With a process group whose peers are gone, a normal exit can die in its C++ destructors ("terminate called
+    # without an active exception", SIGABRT) instead of exiting with `code`. Nothing is left to save: leave now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 @contextlib.contextmanager
-def one_line_errors():
+def one_line_errors(ctrl_c=True):
     """Around main(): the failures a user causes or meets get one line and an exit code instead of a traceback
     per rank. OneLineError: its message. A rank whose peer died, or that waited at a collective the others
     never joined, says which of the two it was (the peer's own error is above, or in the launcher's report).
-    Ctrl-C: exit 130 quietly (launch.sh says it once). Anything else keeps its traceback."""
+    Ctrl-C (ctrl_c=True): exit 130 quietly; under torchrun, launch.sh says it once. Anything else keeps its
+    traceback."""
     try:
         yield
     except OneLineError as exc:
         die(str(exc), code=exc.code, all_ranks=True)
     except KeyboardInterrupt:
+        if not ctrl_c:
+            raise
+        if dist.is_available() and dist.is_initialized():
+            _leave(130)
         sys.exit(130)
     except RuntimeError as exc:  # gloo's wording (NCCL's watchdog aborts the process instead: launch.sh names it)
         first = (str(exc).strip().splitlines() or [""])[0]
@@ -80,10 +96,7 @@ def one_line_errors():
             _error_line(f"lost the connection to another rank: it failed or was killed ({first})", all_ranks=True)
         else:
             raise
-        # The process group is broken: a normal exit can die in its C++ destructors ("terminate called without
-        # an active exception", SIGABRT) instead of exiting 1. Nothing is left to save, so leave at once.
-        sys.stdout.flush()
-        os._exit(1)
+        _leave(1)
 
 
 class AverageMeter:

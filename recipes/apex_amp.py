@@ -286,7 +286,8 @@ def main():
     model, optimizer = mixed.initialize(model, optimizer)  # before the DDP wrap: apex refuses a wrapped model
     start_epoch, step = 0, 0
     if args.resume:  # apex's order: initialize, then model, optimizer, amp
-        ckpt = load_checkpoint(args.resume, map_location=device, require=("model", "optimizer", "amp", "opt_level"))
+        ckpt = load_checkpoint(args.resume, map_location=device, require=(
+            "model", "optimizer", "scheduler", "amp", "epoch", "step", "epochs", "opt_level"))
         if (ckpt["opt_level"], ckpt["epochs"]) != (args.opt_level, args.epochs):
             die(f"{args.resume} was trained with --opt-level {ckpt['opt_level']} --epochs {ckpt['epochs']}; "
                 "resume with the same")

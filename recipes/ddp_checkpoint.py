@@ -98,7 +98,9 @@ def check_args(args, world_size):
 # ------------------------------------------------------------------------------------ checkpoints
 def save_atomic(obj, path):
     """torch.save to a temp file in the same directory, then rename over `path` (atomic on POSIX)."""
-    tmp = f"{path}.tmp"  # one fixed name (only rank 0 writes): a write killed halfway is replaced by the next
+    # One fixed name (only rank 0 writes): a write killed halfway is replaced by the next. Two jobs sharing
+    # an --out-dir would collide here, as they would on latest.pt itself.
+    tmp = f"{path}.tmp"
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
@@ -212,7 +214,8 @@ def main():
         if resume is None:
             print0(f"resume: no {latest} yet, starting from scratch")
     if resume:
-        ckpt = load_checkpoint(resume, map_location=device, require=("model", "optimizer", "epoch", "rng"))
+        ckpt = load_checkpoint(resume, map_location=device, require=(
+            "model", "optimizer", "scheduler", "epoch", "step", "best_acc1", "rng", "args"))
         load_weights(model.module, ckpt["model"], resume)
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])

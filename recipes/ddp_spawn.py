@@ -139,7 +139,7 @@ def main():
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = int(os.environ.get("MASTER_PORT") or free_port())
     try:
-        mp.spawn(worker, args=(args, nprocs, nnodes, node_rank, f"tcp://{addr}:{port}"), nprocs=nprocs, join=True)
+        mp.spawn(run_worker, args=(args, nprocs, nnodes, node_rank, f"tcp://{addr}:{port}"), nprocs=nprocs, join=True)
     except mp.ProcessRaisedException as exc:  # a worker raised: show its traceback, not spawn's
         print(f"error: worker {exc.error_index} failed{exc.msg}", file=sys.stderr, flush=True)
         sys.exit(1)
@@ -148,6 +148,13 @@ def main():
         print(f"error: worker {exc.error_index} (pid {exc.error_pid}) {how}; the other workers were stopped",
               file=sys.stderr, flush=True)
         sys.exit(128 - exc.exit_code if exc.exit_code < 0 else exc.exit_code)  # 128 + signal, as a shell says
+
+
+def run_worker(*args):
+    # A bad file, a lost peer or a timeout in a worker: one line, as in the other recipes, then the exit code
+    # reaches main() above. Ctrl-C is left to spawn, which ends a worker quietly (the parent gets it too).
+    with one_line_errors(ctrl_c=False):
+        worker(*args)
 
 
 def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):

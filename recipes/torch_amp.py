@@ -188,7 +188,8 @@ def main():
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     start_epoch, step = 0, 0
     if args.resume:
-        ckpt = load_checkpoint(args.resume, map_location=device, require=("model", "optimizer", "scaler", "epochs"))
+        ckpt = load_checkpoint(args.resume, map_location=device, require=(
+            "model", "optimizer", "scheduler", "scaler", "epoch", "step", "epochs"))
         load_weights(model.module, ckpt["model"], args.resume)  # a wrong --arch: one line naming the keys
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])

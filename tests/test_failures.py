@@ -1,5 +1,6 @@
 """Failure drills (issue 7): real 2-process gloo jobs are killed, interrupted, fed bad files and flags, and
-made to diverge; each drill checks the exit code, the message, the time it took and that no process is left.
+made to diverge. Each drill checks the exit code and the message; where the issue sets a time or processes
+are killed, also the time taken and that none of the job's processes is left.
 README.md "What happens when things go wrong" lists what each drill showed."""
 
 import os
@@ -92,10 +93,10 @@ class Job:
         tree, table = self.tree(), process_table()
         by_env = [pid for pid in tree if environ_of(pid).get(b"RANK") == str(rank).encode()]
         if by_env:  # torchrun puts RANK in each rank's environment; its DataLoader workers inherit it
-            return next(pid for pid in by_env if table[pid][0] not in by_env)
+            return next(pid for pid in by_env if table.get(pid, (None,))[0] not in by_env)
         # mp.spawn: the launcher's children that run spawn_main, started in rank order
-        workers = sorted((start, pid) for pid, start in tree.items() if table[pid][0] == self.proc.pid
-                         and b"--multiprocessing-fork" in open(f"/proc/{pid}/cmdline", "rb").read())
+        workers = sorted((start, pid) for pid, start in tree.items()
+                         if table.get(pid, (None,))[0] == self.proc.pid and b"--multiprocessing-fork" in cmdline(pid))
         return workers[rank][1]
 
     def finish(self, timeout):
@@ -115,6 +116,14 @@ class Job:
 
     def output(self):
         return "stdout:\n" + "".join(self.stdout)[-3000:] + "\nstderr:\n" + "".join(self.stderr)[-5000:]
+
+
+def cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 def with_no_error(fn, *args):
@@ -148,15 +157,16 @@ def sample_errors(stderr):
 
 # ----------------------------------------------------------------- drill 1: a rank dies mid-epoch
 @pytest.mark.parametrize(("recipe", "message"), [
+    # rank 0 is stopped by torchrun, or first finds its peer gone (exit 1); rank 1 is named first either way
     ("ddp_torchrun", r"launch\.sh: job failed: rank 1 \(pid {pid}\) was killed by SIGKILL; rank 0 \(pid \d+\) "
-                     r"was stopped \(SIGTERM\)"),
+                     r"(was stopped \(SIGTERM\)|exited with code 1)"),
     ("ddp_spawn", r"error: worker 1 \(pid {pid}\) was killed by SIGKILL; the other workers were stopped"),
 ])
 def test_a_rank_killed_mid_epoch_ends_the_job_naming_it(tmp_path, recipe, message):
     job = Job(f"recipes/{recipe}.py", "cpu:2", "--arch", "tiny", "--workers", "2", "--epochs", "20",
               "--synthetic-train", "4096", "--batch-size", "64", "--out-dir", tmp_path)
     job.wait_for("epoch=1/")
-    time.sleep(0.5)  # into epoch 2 (32 steps, about 2 s here)
+    time.sleep(0.5)  # into epoch 2 (64 steps, several seconds here)
     victim, tree = job.rank_pid(1), job.tree()
     assert len(tree) >= 5, tree  # the launcher, 2 ranks and their DataLoader workers: the check below means something
     start = time.monotonic()
@@ -183,15 +193,21 @@ def test_killed_while_writing_a_checkpoint_resumes_from_the_previous_one_exactly
     job = Job(*args, "--out-dir", out)
     latest, tmp = out / "latest.pt", out / "latest.pt.tmp"
     deadline = time.monotonic() + 120
+    def half_written():  # some bytes of the new checkpoint are on disk, not all
+        try:
+            return latest.exists() and 0 < tmp.stat().st_size < latest.stat().st_size
+        except FileNotFoundError:  # renamed in between
+            return False
+
     while True:  # wait for a write of epoch 2 or later: epoch 1's latest.pt is then the previous good one
         assert time.monotonic() < deadline and job.proc.poll() is None, f"no write caught:\n{job.output()}"
-        if latest.exists() and tmp.exists() and tmp.stat().st_size > 0:  # some bytes written, not all
+        if half_written():
             tree = job.tree()
             for pid in tree:  # freeze everything first, so the kill is known to land inside the write
                 with_no_error(os.kill, pid, signal.SIGSTOP)
-            if tmp.exists():
+            if half_written():
                 break
-            for pid in tree:  # the rename won the race: let it go on to the next epoch's write
+            for pid in tree:  # the write finished meanwhile: let it go on to the next epoch's write
                 with_no_error(os.kill, pid, signal.SIGCONT)
         time.sleep(0.001)
     for pid in tree:
@@ -295,30 +311,31 @@ RESUMABLE = {  # recipe: (its checkpoint file, extra flags)
 @pytest.mark.parametrize("recipe", sorted(RESUMABLE))
 def test_a_wrong_or_truncated_checkpoint_is_refused_and_nothing_is_overwritten(tmp_path, recipe):
     name, extra = RESUMABLE[recipe]
+    out = tmp_path / "out"
     args = [f"recipes/{recipe}.py", "cpu:2", "--workers", "0", "--synthetic-train", "64", "--synthetic-val", "32",
-            "--batch-size", "32", "--epochs", "2", *extra, "--out-dir", tmp_path]
+            "--batch-size", "32", "--epochs", "2", *extra, "--out-dir", out]
     made = launch(*args, "--arch", "tiny_bn", "--max-steps", "2")  # one whole epoch: a checkpoint to resume
     assert made.returncode == 0, made.stderr[-3000:]
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
     assert name in before
 
-    wrong = launch(*args, "--arch", "tiny", "--resume", tmp_path / name)
+    wrong = launch(*args, "--arch", "tiny", "--resume", out / name)
     assert wrong.returncode == 2, wrong.stderr[-3000:]
     messages = {line.split("error: ", 1)[1] for line in error_lines(wrong.stderr)}
     # tiny_bn's features are conv, bn, relu, pool, conv, bn...; tiny's conv, relu, pool, conv...
-    assert messages == {f"{tmp_path / name} does not fit this --arch: missing ['features.3.weight', "
+    assert messages == {f"{out / name} does not fit this --arch: missing ['features.3.weight', "
                         "'features.3.bias'], unexpected ['features.1.weight', 'features.1.bias', "
-                        "'features.1.running_mean'], wrong shape []"}, wrong.stderr  # each rank says the same
+                        "'features.1.running_mean']"}, wrong.stderr  # each rank says the same
     assert "Traceback" not in wrong.stderr
 
-    cut = tmp_path.parent / f"{recipe}_cut.pt"
+    cut = tmp_path / "cut.pt"
     cut.write_bytes(before[name][: len(before[name]) // 2])
     truncated = launch(*args, "--arch", "tiny_bn", "--resume", cut)
     assert truncated.returncode == 2, truncated.stderr[-3000:]
     messages = {line.split("error: ", 1)[1] for line in error_lines(truncated.stderr)}
     assert len(messages) == 1 and messages.pop().startswith(f"cannot load {cut} ("), truncated.stderr
     assert "Traceback" not in truncated.stderr
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # nothing written, nothing replaced
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing written, nothing replaced
 
 
 # ------------------------------------------------------------------------ drill 6: bad flags

@@ -89,16 +89,27 @@ def test_ddp_spawn_trains(tmp_path, extra):
     build_model("tiny", 10).load_state_dict(params(tmp_path / "model.pt"), strict=True)
 
 
-def test_ddp_spawn_worker_error_ends_the_program_with_its_traceback(tmp_path):
+def test_ddp_spawn_worker_errors_end_the_program(tmp_path):
+    # A sample that does not load: one line from the worker that read it, then the exit the parent saw.
     root = make_imagefolder(tmp_path / "data", train_per_class=8, val_per_class=3)
-    (root / "train" / "class_1" / "005.png").write_bytes(b"not a png")
+    bad = root / "train" / "class_1" / "005.png"
+    bad.write_bytes(b"not a png")
     start = time.monotonic()
     proc = launch("recipes/ddp_spawn.py", "cpu:2", "--dataset", "imagefolder", "--data-root", root,
                   "--image-size", "16", "--batch-size", "8", *TINY, "--out-dir", tmp_path / "out")
+    assert proc.returncode == 1, proc.stderr
+    assert re.search(rf"^\[rank ([01])\] error: train sample 13 \({re.escape(str(bad))}\) does not load: "
+                     r"UnidentifiedImageError", proc.stderr, re.M), proc.stderr
+    assert re.search(r"^error: worker [01] \(pid \d+\) exited with code 1; the other workers were stopped$",
+                     proc.stderr, re.M), proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - start < 60
+    # Any other error in a worker: the program ends with that worker's traceback (tiny's pooling of 1x1 images).
+    proc = launch("recipes/ddp_spawn.py", "cpu:2", "--image-size", "1", *TINY, "--max-steps", "1",
+                  "--out-dir", tmp_path / "out")
     assert proc.returncode == 1
     assert re.search(r"^error: worker [01] failed", proc.stderr, re.M)
-    assert "UnidentifiedImageError" in proc.stderr and "class_1/005.png" in proc.stderr
-    assert time.monotonic() - start < 60
+    assert "Traceback" in proc.stderr and "Output size is too small" in proc.stderr
 
 
 def test_ddp_spawn_bad_flag_exits_2_before_spawning():

@@ -214,8 +214,8 @@ def run_entry(entry, args):
 
 
 def stderr_tail(stderr, lines=20):
-    """The last `lines` lines, after the error lines from further up: torchrun ends with its own traceback,
-    which buries the rank's one-line error (`error: ...`, `prog: error: ...`, `ValueError: ...`)."""
+    """The last `lines` lines, after the error lines from further up: a rank's traceback or torchrun's log
+    lines can bury its one-line error (`error: ...`, `prog: error: ...`, `ValueError: ...`)."""
     all_lines = stderr.splitlines()
     errors = [line for line in dict.fromkeys(all_lines[:-lines]) if ERROR_LINE.search(line)]
     return "\n".join([*errors[:5], *(["..."] if errors else []), *all_lines[-lines:]])

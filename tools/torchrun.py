@@ -34,13 +34,14 @@ def describe(rank, failure):
 
 
 def root_cause(failures):
-    """The rank that failed first. torchrun's own pick compares timestamps in whole seconds, so a rank it
-    stopped with SIGTERM, or one that died of a peer's death (a broken connection), can tie with the one
-    that really failed: prefer a signal other than SIGTERM, then a non-zero exit, then SIGTERM."""
+    """The failures, the first one first. Timestamps are whole seconds, so a rank that torchrun stopped with
+    SIGTERM, or one that died of its peer's death (a broken connection), can tie with the one that really
+    failed: within a second, a signal other than SIGTERM comes first, then a non-zero exit, then SIGTERM.
+    Time still comes first: a rank that ignored SIGTERM and got SIGKILL 30 s later is not the cause."""
     def order(item):
         rank, failure = item
         kind = 0 if failure.exitcode < 0 and failure.exitcode != -signal.SIGTERM else 1 if failure.exitcode > 0 else 2
-        return kind, failure.timestamp, rank
+        return failure.timestamp, kind, rank
     return sorted(failures.items(), key=order)
 
 
