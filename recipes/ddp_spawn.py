@@ -11,8 +11,8 @@ What it shows (the rest is recipes/ddp_torchrun.py): main() spawns the workers a
 the group through tcp://MASTER_ADDR:MASTER_PORT with an explicit rank and world size (launch.sh picks a
 free port; without it a free one is picked here). The `if __name__ == "__main__":` guard is required:
 spawn re-imports this file in every worker. On CPU each worker gets cores/workers threads (2 workers
-x all cores each run several times slower). A worker that raises ends the whole program with a
-non-zero exit and that worker's traceback.
+x all cores each run several times slower). A worker that fails ends the whole program with a
+non-zero exit: one line for a file that does not load or a lost peer, its traceback for anything else.
 
 --model-parallel (write-up 003): each worker owns one model split across two devices, the
 convolutions on cuda:2r and the classifier on cuda:2r+1 (both "cpu" on CPU), and DDP wraps it
