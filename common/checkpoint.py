@@ -3,7 +3,7 @@ another architecture raise CheckpointError naming the file and the mismatch, bef
 
 import torch
 
-from common.utils import OneLineError
+from common.utils import OneLineError, first_line
 
 
 class CheckpointError(OneLineError):
@@ -20,9 +20,8 @@ def load_checkpoint(path, map_location, require=()):
     except (PermissionError, FileNotFoundError, IsADirectoryError) as exc:  # the system's own words say it
         raise CheckpointError(f"cannot load {path} ({type(exc).__name__}: {exc})") from exc
     except Exception as exc:  # truncated (OSError EINVAL from the zip reader), not a zip, pickled objects, OOM
-        first = (str(exc).strip().splitlines() or [""])[0][:200]
         raise CheckpointError(f"cannot load {path} ({type(exc).__name__}): truncated, or not a checkpoint of "
-                              f"these recipes ({first})") from exc
+                              f"these recipes ({first_line(exc)[:200]})") from exc
     missing = [key for key in require if not isinstance(ckpt, dict) or key not in ckpt]
     if missing:
         raise CheckpointError(f"{path} is not a checkpoint of this recipe: it has no {missing[:3]} "

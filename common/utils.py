@@ -56,6 +56,11 @@ def die(message, code=2, all_ranks=False):
     sys.exit(code)
 
 
+def first_line(exc):
+    """An exception's first line: torch's errors go on for lines (C++ frames, advice) after what happened."""
+    return (str(exc).strip().splitlines() or [""])[0]
+
+
 class OneLineError(Exception):
     """An error whose message says all the user needs (which file, which sample): printed as one line."""
 
@@ -88,7 +93,7 @@ def one_line_errors(ctrl_c=True):
             _leave(130)
         sys.exit(130)
     except RuntimeError as exc:  # gloo's wording (NCCL's watchdog aborts the process instead: launch.sh names it)
-        first = (str(exc).strip().splitlines() or [""])[0]
+        first = first_line(exc)
         if "Timed out waiting" in first:
             why = "another rank did not join a collective within --dist-timeout: it hangs, or the ranks took different"
             _error_line(f"{why} branches ({first})", all_ranks=True)

@@ -3,6 +3,7 @@ made to diverge. Each drill checks the exit code and the message; where the issu
 are killed, also the time taken and that none of the job's processes is left.
 README.md "What happens when things go wrong" lists what each drill showed."""
 
+import contextlib
 import os
 import queue
 import re
@@ -110,8 +111,7 @@ class Job:
         return self.proc.returncode
 
     def kill(self):
-        for pid in self.tree():
-            with_no_error(os.kill, pid, signal.SIGKILL)
+        signal_all(self.tree(), signal.SIGKILL)
         self.proc.wait()
 
     def output(self):
@@ -126,11 +126,19 @@ def cmdline(pid):
         return b""
 
 
-def with_no_error(fn, *args):
-    try:
-        fn(*args)
-    except ProcessLookupError:
-        pass
+def signal_all(pids, sig):
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+            os.kill(pid, sig)
+
+
+def job_mid_epoch(recipe, out_dir):
+    """A 2-rank job with DataLoader workers, a little into epoch 2 (64 steps, several seconds here)."""
+    job = Job(f"recipes/{recipe}.py", "cpu:2", "--arch", "tiny", "--workers", "2", "--epochs", "20",
+              "--synthetic-train", "4096", "--batch-size", "64", "--out-dir", out_dir)
+    job.wait_for("epoch=1/")
+    time.sleep(0.5)
+    return job
 
 
 def survivors(tree, grace=10):
@@ -149,8 +157,8 @@ def error_lines(stderr):
 
 
 def sample_errors(stderr):
-    """The error lines, less the other rank's "lost the connection" (if it was in a collective when the rank
-    with the bad sample exited, before the launcher stopped it): that one must then be the only other kind."""
+    """The error lines, less the other rank's "lost the connection" (it says that if it was in a collective
+    when the rank with the bad sample exited, before the launcher stopped it)."""
     lost = [line for line in error_lines(stderr) if "error: lost the connection to another rank" in line]
     return [line for line in error_lines(stderr) if line not in lost]
 
@@ -163,10 +171,7 @@ def sample_errors(stderr):
     ("ddp_spawn", r"error: worker 1 \(pid {pid}\) was killed by SIGKILL; the other workers were stopped"),
 ])
 def test_a_rank_killed_mid_epoch_ends_the_job_naming_it(tmp_path, recipe, message):
-    job = Job(f"recipes/{recipe}.py", "cpu:2", "--arch", "tiny", "--workers", "2", "--epochs", "20",
-              "--synthetic-train", "4096", "--batch-size", "64", "--out-dir", tmp_path)
-    job.wait_for("epoch=1/")
-    time.sleep(0.5)  # into epoch 2 (64 steps, several seconds here)
+    job = job_mid_epoch(recipe, tmp_path)
     victim, tree = job.rank_pid(1), job.tree()
     assert len(tree) >= 5, tree  # the launcher, 2 ranks and their DataLoader workers: the check below means something
     start = time.monotonic()
@@ -203,15 +208,12 @@ def test_killed_while_writing_a_checkpoint_resumes_from_the_previous_one_exactly
         assert time.monotonic() < deadline and job.proc.poll() is None, f"no write caught:\n{job.output()}"
         if half_written():
             tree = job.tree()
-            for pid in tree:  # freeze everything first, so the kill is known to land inside the write
-                with_no_error(os.kill, pid, signal.SIGSTOP)
+            signal_all(tree, signal.SIGSTOP)  # freeze everything first, so the kill is known to land inside the write
             if half_written():
                 break
-            for pid in tree:  # the write finished meanwhile: let it go on to the next epoch's write
-                with_no_error(os.kill, pid, signal.SIGCONT)
+            signal_all(tree, signal.SIGCONT)  # the write finished meanwhile: let it go on to the next epoch's write
         time.sleep(0.001)
-    for pid in tree:
-        with_no_error(os.kill, pid, signal.SIGKILL)
+    signal_all(tree, signal.SIGKILL)
     job.finish(timeout=30)
     assert not survivors(tree)
     saved_epoch = torch.load(latest, weights_only=True)["epoch"]
@@ -377,10 +379,7 @@ def test_bad_input_gets_one_line_and_exit_2_within_10_s(busy_port, recipe, flags
 # --------------------------------------------------------------------- drill 7: Ctrl-C
 @pytest.mark.parametrize("recipe", ["ddp_torchrun", "ddp_spawn"])
 def test_ctrl_c_stops_every_process(tmp_path, recipe):
-    job = Job(f"recipes/{recipe}.py", "cpu:2", "--arch", "tiny", "--workers", "2", "--epochs", "20",
-              "--synthetic-train", "4096", "--batch-size", "64", "--out-dir", tmp_path)
-    job.wait_for("epoch=1/")
-    time.sleep(0.5)
+    job = job_mid_epoch(recipe, tmp_path)
     tree = job.tree()
     assert len(tree) >= 5, tree  # launcher, 2 ranks, their DataLoader workers
     start = time.monotonic()
