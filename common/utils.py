@@ -28,18 +28,23 @@ def _world_size():
 DIE_GRACE_SECONDS = 5
 
 
-def print0(*args, **kwargs):
+def _write_line(stream, text):
+    # One write() of the whole line. print() writes the text and the newline separately, and with unbuffered
+    # output (PYTHONUNBUFFERED=1, python -u: common in job scripts) lines that two ranks print at the same
+    # moment come out spliced together ("...eta=0:00:00[rank 1] error: ...").
+    stream.write(f"{text}\n")
+    stream.flush()
+
+
+def print0(*args):
     """print() on rank 0 only, flushed, so N processes do not print N interleaved copies."""
     if _rank() == 0:
-        print(*args, **kwargs, flush=True)
+        _write_line(sys.stdout, " ".join(map(str, args)))
 
 
 def _error_line(message, all_ranks):
     prefix = f"[rank {_rank()}] " if all_ranks else ""
-    # One write() of the whole line: print() writes the text and the newline separately, so the lines of
-    # ranks failing at the same moment came out spliced together.
-    sys.stderr.write(f"{prefix}error: {message}\n")
-    sys.stderr.flush()
+    _write_line(sys.stderr, f"{prefix}error: {message}")
 
 
 def die(message, code=2, all_ranks=False):

@@ -9,6 +9,7 @@ Every other process, and every other call, runs the real collective.
 """
 
 import os
+import sys
 import time
 
 _spec = os.environ.get("FAULT_COLLECTIVE", "")
@@ -23,7 +24,8 @@ if _spec and os.environ.get("RANK") == _spec.split(":")[0]:
         _calls[0] += 1
         if _calls[0] != int(_nth):
             return _real(*args, **kwargs)
-        print(f"FAULT: rank {_rank} {_mode}s call {_nth} of torch.distributed.{_op}", flush=True)
+        sys.stdout.write(f"FAULT: rank {_rank} {_mode}s call {_nth} of torch.distributed.{_op}\n")  # one write:
+        sys.stdout.flush()  # under PYTHONUNBUFFERED, print() splits it from the newline, and rank 0's lines cut in
         if _mode == "hang":
             while True:
                 time.sleep(60)
