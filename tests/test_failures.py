@@ -156,6 +156,15 @@ def error_lines(stderr):
     return [line for line in stderr.splitlines() if re.match(r"(\[rank \d+\] |launch\.sh: )?error: ", line)]
 
 
+def tracebacks_beyond_multiprocessing(stderr):
+    """The tracebacks in stderr, less those whose every frame is in the standard library's multiprocessing: a
+    DataLoader worker's fd-sharing thread prints a BrokenPipeError when Ctrl-C takes its rank away in the middle
+    of a hand-over (pytorch/pytorch#22924, open upstream). Any frame of torch or of these recipes counts."""
+    blocks = stderr.split("Traceback (most recent call last):")[1:]
+    return [block for block in blocks
+            if not all("/multiprocessing/" in path for path in re.findall(r'File "([^"]+)"', block))]
+
+
 def sample_errors(stderr):
     """The error lines, less the other rank's "lost the connection" (it says that if it was in a collective
     when the rank with the bad sample exited, before the launcher stopped it)."""
@@ -387,5 +396,5 @@ def test_ctrl_c_stops_every_process(tmp_path, recipe):
     code = job.finish(timeout=60)
     print(f"drill 7 {recipe}: exit {code} {time.monotonic() - start:.1f} s after SIGINT, {len(tree)} processes")
     assert code == 128 + signal.SIGINT, job.output()
-    assert "Traceback" not in "".join(job.stderr), job.output()
+    assert not tracebacks_beyond_multiprocessing("".join(job.stderr)), job.output()
     assert not survivors(tree), (sorted(tree), job.output())
