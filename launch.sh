@@ -8,9 +8,11 @@ usage() {
 usage: ./launch.sh [--dry-run] RECIPE [DEVICES] [recipe args...]
 
   DEVICES   0,1,3   GPUs 0, 1 and 3 (nvidia-smi numbering), one process each
+            GPU-<uuid>,...  GPUs by UUID, or a MIG-... id (as job schedulers set CUDA_VISIBLE_DEVICES)
+            0:2     2 processes sharing GPU 0 over gloo, for debugging DDP on a one-GPU box
             cpu     2 processes on the CPU (gloo backend)
             cpu:N   N processes on the CPU
-            omitted all visible GPUs, or cpu:2 when there is none
+            omitted CUDA_VISIBLE_DEVICES if set, else all GPUs, or cpu:2 when there is none
 
   --dry-run (or LAUNCH_DRY_RUN=1) prints the command and its environment instead of running it.
 
@@ -66,7 +68,10 @@ gpu_count() {
   if command -v nvidia-smi >/dev/null 2>&1; then
     timeout 10 nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true
   else
-    echo 0
+    # No nvidia-smi: a container started without the driver's "utility" capability still runs CUDA. Ask
+    # CUDA through torch (a few seconds), with every GPU visible and numbered as nvidia-smi would.
+    env -u CUDA_VISIBLE_DEVICES CUDA_DEVICE_ORDER=PCI_BUS_ID \
+      "$python" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0
   fi
 }
 
@@ -95,6 +100,13 @@ fi
 if [[ $devices == cpu ]]; then
   devices=cpu:2
 fi
+asked=$devices
+ranks_per_gpu=1
+if [[ $devices =~ ^([0-9]+):([0-9]+)$ ]]; then # G:N, N ranks on GPU G
+  ranks_per_gpu=$((10#${BASH_REMATCH[2]}))
+  ((ranks_per_gpu >= 1)) || fail "bad DEVICES '$devices': G:N needs N >= 1 processes, e.g. 0:2"
+  devices=${BASH_REMATCH[1]}
+fi
 if [[ $devices == cpu:* ]]; then
   n=${devices#cpu:}
   if ! [[ $n =~ ^[0-9]+$ ]] || ((10#$n < 1)); then
@@ -114,16 +126,24 @@ elif [[ $devices =~ ^[0-9]+(,[0-9]+)*$ ]]; then
     visible+=${visible:+,}$id
   done
   count=$(gpu_count)
-  ((count > 0)) || fail "DEVICES '$devices' asks for GPUs, but nvidia-smi finds none on this machine; use cpu or cpu:N, e.g. cpu:2"
+  ((count > 0)) || fail "DEVICES '$asked' asks for GPUs, but this machine has none (nvidia-smi, or torch without it); use cpu or cpu:N, e.g. cpu:2"
   for id in "${!seen[@]}"; do
     ((id < count)) || fail "GPU $id does not exist: this machine has $count GPU(s), ids 0-$((count - 1)); e.g. $(seq -s, 0 $((count - 1)))"
   done
+  nprocs=$((${#ids[@]} * ranks_per_gpu))
+  where="GPU $visible"
+  ((ranks_per_gpu == 1)) || where+=" shared by $nprocs processes (gloo: NCCL takes one process per GPU)"
+elif [[ $devices =~ ^(GPU|MIG)-[A-Za-z0-9/-]+(,(GPU|MIG)-[A-Za-z0-9/-]+)*$ ]]; then
+  # UUIDs (nvidia-smi -L) or MIG instances, as schedulers set them: passed to CUDA as they are.
+  IFS=, read -ra ids <<<"$devices"
+  [[ $(printf '%s\n' "${ids[@]}" | sort | uniq -d) == "" ]] || fail "a GPU is listed twice in '$devices'; list each once"
+  visible=$devices
   nprocs=${#ids[@]}
   where="GPU $visible"
 elif [[ $devices =~ ^[0-9,]+$ ]]; then
   fail "bad GPU list '$devices': an empty entry between commas; write ids separated by single commas, e.g. 0,1,3"
 else
-  fail "bad DEVICES '$devices': expected a GPU list like 0,1,3, or cpu, or cpu:N"
+  fail "bad DEVICES '$devices': expected a GPU list like 0,1,3, or G:N (N processes on GPU G), or cpu, or cpu:N"
 fi
 
 # ---- rendezvous: nodes, address, port
@@ -185,7 +205,7 @@ fi
 cmd+=("$recipe" "$@")
 env_vars=(CUDA_VISIBLE_DEVICES="$visible" CUDA_DEVICE_ORDER=PCI_BUS_ID OMP_NUM_THREADS="$threads"
   MASTER_ADDR="$master_addr" MASTER_PORT="$master_port" NNODES="$nnodes" NODE_RANK="$node_rank"
-  NPROC_PER_NODE="$nprocs")
+  NPROC_PER_NODE="$nprocs" RANKS_PER_GPU="$ranks_per_gpu")
 
 echo "launch.sh: $nprocs process(es) per node on $where, $nnodes node(s), $launcher, master $master_addr:$master_port" >&2
 if [[ $dry_run == 1 ]]; then

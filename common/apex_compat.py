@@ -1,15 +1,18 @@
 """Find a usable NVIDIA apex (apex.amp + apex.parallel), or say in one line why there is none.
 
-Three ways to not have it, each with its own fix (README, "NVIDIA apex"):
-- not installed: apex is not on PyPI and builds only from source on a CUDA machine;
+Four ways to not have it, each with its own fix (README, "NVIDIA apex"):
+- not installed: apex is not on PyPI and builds only from source;
 - the unrelated PyPI package: `pip install apex` installs a Pyramid toolkit that has no amp;
-- too new: NVIDIA removed apex.amp and apex.parallel in release 25.07 (25.04/25.05 still have them).
+- too new: NVIDIA removed apex.amp and apex.parallel in release 25.07 (25.04/25.05 still have them);
+- no GPU: apex imports on a CPU-only machine, but amp.initialize refuses CPU parameters and apex DDP
+  calls torch.cuda.current_stream(), so on the CPU it counts as unusable.
 """
 
 import importlib
 import importlib.util
 
-BUILD_HINT = "build NVIDIA apex 25.04 from source (README, section 'NVIDIA apex'), or use --impl torch"
+BUILD_HINT = ("install NVIDIA apex 25.04 from source: pip install --no-build-isolation ./vendor/apex-25.04.tar.gz "
+              "(README, section 'NVIDIA apex'), or use --impl torch")
 # Subpackages that only NVIDIA's apex has, with or without amp: tell "too new" from "unrelated".
 NVIDIA_ONLY = ("optimizers", "normalization", "contrib", "transformer", "fused_dense", "mlp")
 
@@ -26,8 +29,9 @@ def _has(package, name):
     return importlib.util.find_spec(f"{package.__name__}.{name}") is not None
 
 
-def load_apex():
-    """(apex.amp, apex.parallel.DistributedDataParallel, apex) or ApexUnavailable."""
+def load_apex(cuda):
+    """(apex.amp, apex.parallel.DistributedDataParallel, apex) or ApexUnavailable. cuda: whether this process
+    will train on a GPU (torch.cuda.is_available())."""
     if importlib.util.find_spec("apex") is None:
         raise ApexUnavailable("NVIDIA apex is not installed (it is not on PyPI)", BUILD_HINT)
     try:
@@ -48,4 +52,8 @@ def load_apex():
     except Exception as exc:
         raise ApexUnavailable(f"apex.amp / apex.parallel fail to import ({type(exc).__name__}: {exc})",
                               BUILD_HINT) from exc
+    # Only tests/fake_apex, a test double of apex on torch, may say that it runs on the CPU.
+    if not cuda and not getattr(apex, "RUNS_ON_CPU", False):
+        raise ApexUnavailable("NVIDIA apex needs a GPU and none is visible (amp.initialize refuses CPU parameters, "
+                              "apex DDP uses CUDA streams)", "use --impl torch on the CPU")
     return amp, parallel.DistributedDataParallel, apex

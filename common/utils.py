@@ -72,6 +72,14 @@ class OneLineError(Exception):
     code = 1  # the exit code
 
 
+# The first line of the errors a rank meets when a peer hangs or dies, in gloo's words and NCCL's (a
+# DistBackendError; by default NCCL's watchdog aborts the process instead, and launch.sh names the SIGABRT).
+TIMEOUT_MARKERS = ("Timed out waiting",  # gloo
+                   "Watchdog caught collective operation timeout", "timed out in blocking wait")  # NCCL
+LOST_PEER_MARKERS = ("Connection reset by peer", "Connection closed by peer",  # gloo
+                     "remote process exited or there was a network error", "ncclRemoteError")  # NCCL
+
+
 def _leave(code):
     # With a process group whose peers are gone, a normal exit can die in its C++ destructors ("terminate called
     # without an active exception", SIGABRT) instead of exiting with `code`. Nothing is left to save: leave now.
@@ -97,12 +105,12 @@ def one_line_errors(ctrl_c=True):
         if dist.is_available() and dist.is_initialized():
             _leave(130)
         sys.exit(130)
-    except RuntimeError as exc:  # gloo's wording (NCCL's watchdog aborts the process instead: launch.sh names it)
+    except RuntimeError as exc:  # torch.distributed.DistBackendError is one too
         first = first_line(exc)
-        if "Timed out waiting" in first:
+        if any(marker in first for marker in TIMEOUT_MARKERS):
             why = "another rank did not join a collective within --dist-timeout: it hangs, or the ranks took different"
             _error_line(f"{why} branches ({first})", all_ranks=True)
-        elif "Connection reset by peer" in first or "Connection closed by peer" in first:
+        elif any(marker in first for marker in LOST_PEER_MARKERS):
             _error_line(f"lost the connection to another rank: it failed or was killed ({first})", all_ranks=True)
         else:
             raise
@@ -110,24 +118,31 @@ def one_line_errors(ctrl_c=True):
 
 
 class AverageMeter:
-    """Running sum and count; all_reduce() makes them global so every rank reports the same average."""
+    """Running sum and count; all_reduce() makes them global so every rank reports the same average.
+
+    update() takes a float or a tensor. A tensor is summed where it lives, so on a GPU the training loop never
+    waits for the device (loss.item() every step would: the CPU could not queue step N+1 while step N runs);
+    reading .avg is the one sync, at the end of the epoch."""
 
     def __init__(self):
         self.sum = 0.0
         self.count = 0
 
     def update(self, value, n=1):
-        self.sum += float(value) * n
+        if isinstance(value, torch.Tensor):
+            value = value.detach().to(torch.float64)  # fp64 sums: fp32 drifts over a long epoch
+        self.sum = self.sum + value * n
         self.count += n
 
     @property
     def avg(self):
-        return self.sum / max(self.count, 1)
+        return float(self.sum) / max(self.count, 1)
 
     def all_reduce(self, device):
         """Sum over ranks (no-op without a process group). device: cuda for nccl, cpu for gloo."""
         if dist.is_available() and dist.is_initialized():
-            t = torch.tensor([self.sum, self.count], dtype=torch.float64, device=device)
+            t = torch.stack([torch.as_tensor(self.sum, dtype=torch.float64, device=device),
+                             torch.tensor(float(self.count), dtype=torch.float64, device=device)])
             dist.all_reduce(t)
             self.sum, self.count = t[0].item(), int(t[1].item())
         return self
@@ -164,11 +179,11 @@ class Throughput:
 
 
 def accuracy(output, target, topk=(1,)):
-    """Top-k accuracy in percent of the batch, one float per k."""
+    """Top-k accuracy in percent of the batch, one 0-d tensor per k, on the output's device (no host sync)."""
     maxk = min(max(topk), output.size(1))
     pred = output.topk(maxk, dim=1).indices
     correct = pred.eq(target.unsqueeze(1))
-    return [correct[:, : min(k, maxk)].any(dim=1).float().mean().item() * 100.0 for k in topk]
+    return [correct[:, : min(k, maxk)].any(dim=1).float().mean() * 100.0 for k in topk]
 
 
 def peak_memory_mb(device):

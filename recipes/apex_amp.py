@@ -23,8 +23,11 @@ apex removed amp in 25.07. torch.amp replaces it (recipes/torch_amp.py). This re
            static loss scale 1.0                          no loss scaling, the optimizer steps fp16 weights
 
 A checkpoint holds the loss scaler's state in the slot "amp" in both modes (amp.state_dict() or
-GradScaler.state_dict()). As in apex, O2's fp32 master weights are re-made from the model on resume.
-On CPU fp16 runs 10-50x slower than fp32: use --arch tiny / tiny_bn and small images there.
+GradScaler.state_dict(), two formats), with the flags that wrote it: --resume refuses another --impl,
+--opt-level, --keep-batchnorm-fp32 or --epochs. As in apex, O2's fp32 master weights are re-made from the
+loaded model on resume, before the optimizer state is loaded into them. Under apex, O2's optimizer.zero_grad
+takes no argument. apex needs a GPU: on the CPU --impl auto runs torch. On CPU fp16 runs 10-50x slower than
+fp32: use --arch tiny / tiny_bn and small images there.
 """
 # launcher: torchrun
 
@@ -74,7 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--impl", choices=["auto", "apex", "torch"], default="auto",
                    help="apex.amp + apex DDP (apex), the torch equivalents (torch), or apex when usable (auto)")
     p.add_argument("--opt-level", choices=["O0", "O1", "O2", "O3"], default="O1")
-    p.add_argument("--keep-batchnorm-fp32", action="store_true", help="O3: keep BatchNorm in fp32 (O2 always does)")
+    p.add_argument("--keep-batchnorm-fp32", action="store_true",
+                   help="O3: keep BatchNorm in fp32 (O2 always does; O0 and O1 do not take it)")
     p.add_argument("--resume", help="checkpoint.pt to continue from (model, optimizer, scheduler, amp)")
     return p.parse_args(argv)
 
@@ -92,6 +96,8 @@ def check_args(args, world_size):
             die(f"{flag} {value} must be >= {low}")
     if args.lr <= 0 or args.dist_timeout <= 0:
         die("--lr and --dist-timeout must be > 0")
+    if args.keep_batchnorm_fp32 and args.opt_level in ("O0", "O1"):  # apex raises at O1; at O0 it does nothing
+        die(f"--keep-batchnorm-fp32 is for O2 and O3: at {args.opt_level} BatchNorm already runs in fp32; drop it")
     if args.resume and not os.path.isfile(args.resume):
         die(f"--resume {args.resume}: no such file", all_ranks=True)  # files can differ per node
     try:
@@ -124,6 +130,13 @@ class ApexAmp:
 
     def step(self, optimizer):
         optimizer.step()  # apex patched step() to skip a step whose gradients overflowed
+
+    def load_optimizer_state(self, optimizer, state):
+        # O2 makes its fp32 master weights lazily (at the first step): until then the optimizer holds the fp16
+        # model parameters, and loading now would round the saved fp32 momentum to fp16. Make them first (from
+        # the weights just loaded), then load.
+        optimizer._amp_lazy_init()
+        optimizer.load_state_dict(state)
 
     def state_dict(self):
         return self.amp.state_dict()
@@ -180,6 +193,9 @@ class TorchAmp:
             for p, master in self.masters:
                 p.copy_(master)
 
+    def load_optimizer_state(self, optimizer, state):
+        optimizer.load_state_dict(state)  # O2's masters exist from initialize(): the momentum stays fp32
+
     def state_dict(self):
         return self.scaler.state_dict()
 
@@ -202,7 +218,7 @@ def evaluate(model, loader, criterion, device, mixed):
         with mixed.autocast():
             output = model(mixed.cast_input(images)).float()
         acc1, acc5 = accuracy(output, targets, topk=(1, 5))
-        loss.update(criterion(output, targets).item(), images.size(0))
+        loss.update(criterion(output, targets), images.size(0))
         top1.update(acc1, images.size(0))
         top5.update(acc5, images.size(0))
     for meter in (loss, top1, top5):
@@ -216,7 +232,7 @@ def main():
     impl, why = args.impl, ""
     if impl != "torch":
         try:
-            amp, ApexDDP, _ = load_apex()
+            amp, ApexDDP, _ = load_apex(cuda=torch.cuda.is_available())
             impl = "apex"
         except ApexUnavailable as exc:
             if impl == "apex":
@@ -230,20 +246,27 @@ def main():
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     is_main = rank == 0
+    ranks_per_gpu = int(os.environ.get("RANKS_PER_GPU", 1))  # launch.sh G:N: N ranks share GPU G (debugging)
     check_args(args, world_size)
     if torch.cuda.is_available():
-        if local_rank >= torch.cuda.device_count():
+        gpu = local_rank // ranks_per_gpu
+        if gpu >= torch.cuda.device_count():
             die(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
                 "start one process per listed GPU (./launch.sh RECIPE 0,1 does)", all_ranks=True)
         # Before any CUDA work, or every process also puts a context on GPU 0 (write-up 000).
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
+        torch.cuda.set_device(gpu)
+        # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"); gloo shares it, through host memory.
+        device, backend = torch.device("cuda", gpu), "nccl" if ranks_per_gpu == 1 else "gloo"
+        torch.backends.cudnn.benchmark = True  # fixed-size inputs: cuDNN times its kernels once, keeps the fastest
+        # TF32 math for fp32 matmuls and convolutions (Ampere and newer): several times faster; training curves
+        # match fp32's. Set both False for bitwise comparisons.
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     else:
         device, backend = torch.device("cpu"), "gloo"
     # torch's default timeout is 30 min: a rank that died would leave the others hanging that long.
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     batch_per_process = args.batch_size // world_size
@@ -285,14 +308,17 @@ def main():
              else TorchAmp(args.opt_level, args.keep_batchnorm_fp32, device))
     model, optimizer = mixed.initialize(model, optimizer)  # before the DDP wrap: apex refuses a wrapped model
     start_epoch, step = 0, 0
+    run_flags = {"impl": impl, "opt_level": args.opt_level, "keep_batchnorm_fp32": args.keep_batchnorm_fp32,
+                 "epochs": args.epochs}  # what a resume must match: the "amp" slot is in the impl's own format
     if args.resume:  # apex's order: initialize, then model, optimizer, amp
         ckpt = load_checkpoint(args.resume, map_location=device, require=(
-            "model", "optimizer", "scheduler", "amp", "epoch", "step", "epochs", "opt_level"))
-        if (ckpt["opt_level"], ckpt["epochs"]) != (args.opt_level, args.epochs):
-            die(f"{args.resume} was trained with --opt-level {ckpt['opt_level']} --epochs {ckpt['epochs']}; "
-                "resume with the same")
+            "model", "optimizer", "scheduler", "amp", "epoch", "step", "flags"))
+        changed = [f"--{k.replace('_', '-')} {ckpt['flags'].get(k)} (this run: {v})"
+                   for k, v in run_flags.items() if ckpt["flags"].get(k) != v]
+        if changed:
+            die(f"{args.resume} was written with {', '.join(changed)}; resume with the same flags")
         load_weights(model, ckpt["model"], args.resume)  # a wrong --arch: one line naming the keys
-        optimizer.load_state_dict(ckpt["optimizer"])
+        mixed.load_optimizer_state(optimizer, ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
         mixed.load_state_dict(ckpt["amp"])
         start_epoch, step = ckpt["epoch"], ckpt["step"]
@@ -300,7 +326,7 @@ def main():
     if impl == "apex":
         model = ApexDDP(model, delay_allreduce=True)  # one all-reduce of all gradients after backward
     else:
-        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     find_unused_parameters=args.find_unused_parameters)
     torch.manual_seed(args.seed + rank)  # from here on, augmentation and dropout differ per rank
 
@@ -327,10 +353,10 @@ def main():
                         raise
                     die(hint, code=1)
                 loss = criterion(output.float(), targets)  # the loss in fp32 whatever the model's dtype
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()  # no argument: apex O2's replacement takes none (torch's default sets None)
             mixed.backward(loss, optimizer)
             mixed.step(optimizer)
-            loss_meter.update(loss.item(), images.size(0))
+            loss_meter.update(loss, images.size(0))  # a tensor: summed on the device, no sync per step
             acc_meter.update(accuracy(output, targets)[0], images.size(0))
             step += 1
             speed.step(args.batch_size)
@@ -346,8 +372,8 @@ def main():
         # after the last step every rank holds its own: evaluate everywhere with rank 0's, which model.pt gets.
         for buffer in model.module.buffers():
             dist.broadcast(buffer, 0)
-        # model.module, not the DDP wrapper: its forward may broadcast buffers, a collective that would
-        # hang on a rank whose shard has fewer batches (or none). Every rank still evaluates.
+        # model.module, not the DDP wrapper: its first forward after training broadcasts buffers, a collective
+        # that hangs when a rank's shard has no batch, or when rank 0 evaluates alone. Every rank evaluates.
         val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device, mixed)
         eta = speed.eta(total_steps - step)
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
@@ -358,7 +384,7 @@ def main():
             os.makedirs(args.out_dir, exist_ok=True)
             torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                         "scheduler": scheduler.state_dict(), "amp": mixed.state_dict(), "epoch": epoch + 1,
-                        "step": step, "epochs": args.epochs, "opt_level": args.opt_level},
+                        "step": step, "flags": run_flags},
                        os.path.join(args.out_dir, "checkpoint.pt.tmp"))
             # Then rename: a crash mid-write must not destroy the only checkpoint (ddp_checkpoint.py's save_atomic).
             os.replace(os.path.join(args.out_dir, "checkpoint.pt.tmp"), os.path.join(args.out_dir, "checkpoint.pt"))

@@ -85,7 +85,7 @@ def check_args(args, world_size):
         check_arch(args.arch)
     except ValueError as exc:
         die(str(exc))
-    if args.model_parallel and args.arch not in ("tiny", "tiny_unused"):
+    if args.model_parallel and args.arch not in ("tiny", "tiny_bn", "tiny_unused"):
         die("--model-parallel splits the tiny CNN (features | fc); use --arch tiny, or split your model likewise")
 
 
@@ -119,7 +119,7 @@ def evaluate(model, loader, criterion, device):
         output = model(images.to(device, non_blocking=True))  # a split model moves it on itself
         targets = targets.to(output.device, non_blocking=True)
         acc1, acc5 = accuracy(output, targets, topk=(1, 5))
-        loss.update(criterion(output, targets).item(), images.size(0))
+        loss.update(criterion(output, targets), images.size(0))
         top1.update(acc1, images.size(0))
         top5.update(acc5, images.size(0))
     for meter in (loss, top1, top5):
@@ -131,9 +131,10 @@ def main():
     args = parse_args()
     # One worker per visible GPU (two GPUs each with --model-parallel), or --nproc on CPU.
     gpus = torch.cuda.device_count()
-    nprocs = (gpus // 2 if args.model_parallel else gpus) if gpus else args.nproc
-    if nprocs < 1:
-        die(f"--model-parallel needs 2 GPUs per worker, {gpus} visible" if gpus else "--nproc must be >= 1")
+    ranks_per_gpu = int(os.environ.get("RANKS_PER_GPU", 1))  # launch.sh G:N: N workers share GPU G (debugging)
+    nprocs = (gpus // 2 if args.model_parallel else gpus * ranks_per_gpu) if gpus else args.nproc
+    if nprocs < 1 or (gpus and args.model_parallel and ranks_per_gpu > 1):
+        die(f"--model-parallel needs 2 whole GPUs per worker, {gpus} visible" if gpus else "--nproc must be >= 1")
     nnodes, node_rank = int(os.environ.get("NNODES", 1)), int(os.environ.get("NODE_RANK", 0))
     check_args(args, nnodes * nprocs)  # here, before any worker starts: a bad flag exits 2 in seconds
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
@@ -163,12 +164,18 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
     rank = node_rank * nprocs + local_rank
     world_size = nnodes * nprocs
     is_main = rank == 0
+    ranks_per_gpu = int(os.environ.get("RANKS_PER_GPU", 1))  # launch.sh G:N: N workers share GPU G (debugging)
     if torch.cuda.is_available():
-        first = 2 * local_rank if args.model_parallel else local_rank
+        first = 2 * local_rank if args.model_parallel else local_rank // ranks_per_gpu
         # Before any CUDA work, or every process also puts a context on GPU 0 (write-up 000).
         torch.cuda.set_device(first)
-        device, backend = torch.device("cuda", first), "nccl"
+        # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"); gloo shares it, through host memory.
+        device, backend = torch.device("cuda", first), "nccl" if ranks_per_gpu == 1 else "gloo"
         out_device = torch.device("cuda", first + 1) if args.model_parallel else device
+        torch.backends.cudnn.benchmark = True  # fixed-size inputs: cuDNN times its kernels once, keeps the fastest
+        # TF32 math for fp32 matmuls and convolutions (Ampere and newer): several times faster; training curves
+        # match fp32's. Set both False for bitwise comparisons.
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
         device, out_device, backend = torch.device("cpu"), torch.device("cpu"), "gloo"
@@ -176,7 +183,7 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     # device_id binds NCCL to one GPU; a model split over two GPUs all-reduces on both, so leave it unbound.
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout,
-                            device_id=device if device.type == "cuda" and not args.model_parallel else None)
+                            device_id=device if backend == "nccl" and not args.model_parallel else None)
     batch_per_process = args.batch_size // world_size
     workers_per_process = args.workers // world_size
     print0(f"setup: world_size={world_size} backend={backend} device={device.type} "
@@ -187,7 +194,8 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
     try:
         if local_rank == 0:  # one download per node; the others wait at the barrier
             prepare_dataset(args.dataset, args.data_root)
-        dist.barrier()
+        # Unbound NCCL (--model-parallel) must be told the GPU, or it guesses rank % GPU count: another worker's.
+        dist.barrier(device_ids=[device.index] if backend == "nccl" else None)
         train_set, val_set, num_classes = build_datasets(
             args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val)
     except DataError as exc:  # may differ per node (a missing folder): each rank says what it saw
@@ -243,7 +251,7 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP averages gradients across ranks during backward
             optimizer.step()
-            loss_meter.update(loss.item(), images.size(0))
+            loss_meter.update(loss, images.size(0))  # a tensor: summed on the device, no sync per step
             acc_meter.update(accuracy(output, targets)[0], images.size(0))
             step += 1
             speed.step(args.batch_size)
@@ -259,8 +267,8 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
         # after the last step every rank holds its own: evaluate everywhere with rank 0's, which model.pt gets.
         for buffer in model.module.buffers():
             dist.broadcast(buffer, 0)
-        # model.module, not the DDP wrapper: its forward may broadcast buffers, a collective that would
-        # hang on a rank whose shard has fewer batches (or none). Every rank still evaluates.
+        # model.module, not the DDP wrapper: its first forward after training broadcasts buffers, a collective
+        # that hangs when a rank's shard has no batch, or when rank 0 evaluates alone. Every rank evaluates.
         val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device)
         eta = speed.eta(total_steps - step)
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "

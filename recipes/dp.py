@@ -79,7 +79,7 @@ def evaluate(model, loader, criterion, device):
         images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         output = model(images)
         acc1, acc5 = accuracy(output, targets, topk=(1, 5))
-        loss.update(criterion(output, targets).item(), images.size(0))
+        loss.update(criterion(output, targets), images.size(0))
         top1.update(acc1, images.size(0))
         top5.update(acc5, images.size(0))
     for meter in (loss, top1, top5):
@@ -96,6 +96,11 @@ def main():
     check_args(args, world_size)
     num_gpus = torch.cuda.device_count()
     device = torch.device("cuda", local_rank) if num_gpus else torch.device("cpu")  # outputs gather here
+    if num_gpus:
+        torch.backends.cudnn.benchmark = True  # fixed-size inputs: cuDNN times its kernels once, keeps the fastest
+        # TF32 math for fp32 matmuls and convolutions (Ampere and newer): several times faster; training curves
+        # match fp32's. Set both False for bitwise comparisons.
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     batch_per_process = args.batch_size
     workers_per_process = args.workers
     where = f"DataParallel over {num_gpus} GPU(s)" if num_gpus else "no GPU, DataParallel passes through"
@@ -145,7 +150,7 @@ def main():
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # gradients of all replicas are summed into the GPU 0 model
             optimizer.step()
-            loss_meter.update(loss.item(), images.size(0))
+            loss_meter.update(loss, images.size(0))  # a tensor: summed on the device, no sync per step
             acc_meter.update(accuracy(output, targets)[0], images.size(0))
             step += 1
             speed.step(args.batch_size)

@@ -11,14 +11,16 @@ What it shows (the rest is recipes/ddp_torchrun.py):
 - fp16 needs the scaler: small gradients underflow to zero in fp16, so the loss is multiplied up before
   backward and the gradients divided back before the step (a step with inf/nan gradients is skipped
   and the scale lowered). bf16 has fp32's exponent range, so it needs no scaler. Default: fp16 on GPU,
-  bf16 on CPU (CPU fp16 kernels run 10-50x slower than fp32; bf16 is fine). fp32 turns AMP off.
+  bf16 on CPU (CPU fp16 kernels run 10-50x slower than fp32; bf16 is fine). tf32 turns autocast off and
+  keeps TF32 math in fp32 matmuls and convolutions on GPUs, as every recipe here does; fp32 turns off both.
 - Clipping: scaler.unscale_(optimizer) before clip_grad_norm_, or the norm is taken of scaled gradients.
 - --accum-steps K: K micro-batches per optimizer step, each loss divided by K, and model.no_sync() on
   the first K-1 so DDP all-reduces once per step, not K times. --batch-size stays the GLOBAL batch
   per optimizer step: K=4 computes the same update as K=1 with a quarter of the activation memory.
 - --channels-last: NHWC memory layout, which tensor cores prefer for convolutions under AMP.
 - The scaler's state (current scale, growth tracker) is saved in checkpoint.pt each epoch and restored
-  by --resume (same flags as the interrupted run). recipes/ddp_checkpoint.py does checkpoints in full.
+  by --resume, which refuses a checkpoint written with another --amp-dtype or --epochs (a bf16 run's
+  disabled scaler saves nothing an fp16 scaler could load). recipes/ddp_checkpoint.py does checkpoints in full.
 """
 # launcher: torchrun
 
@@ -65,7 +67,9 @@ def parse_args(argv=None):
     p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
     p.add_argument("--find-unused-parameters", action="store_true",
                    help="needed when some parameters get no gradient in a step")
-    p.add_argument("--amp-dtype", choices=["fp16", "bf16", "fp32"], help="default: fp16 on GPU, bf16 on CPU")
+    p.add_argument("--amp-dtype", choices=["fp16", "bf16", "tf32", "fp32"],
+                   help="default: fp16 on GPU, bf16 on CPU. tf32: no autocast, TF32 matmuls and convolutions on GPUs "
+                        "(the other recipes' setting); fp32: no autocast and no TF32")
     p.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--clip-grad", type=float, help="clip the gradient norm to this (after unscaling)")
     p.add_argument("--channels-last", action="store_true", help="NHWC layout for model and inputs")
@@ -108,7 +112,7 @@ def evaluate(model, loader, criterion, device):
         images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         output = model(images)
         acc1, acc5 = accuracy(output, targets, topk=(1, 5))
-        loss.update(criterion(output, targets).item(), images.size(0))
+        loss.update(criterion(output, targets), images.size(0))
         top1.update(acc1, images.size(0))
         top5.update(acc5, images.size(0))
     for meter in (loss, top1, top5):
@@ -125,20 +129,27 @@ def main():
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     is_main = rank == 0
+    ranks_per_gpu = int(os.environ.get("RANKS_PER_GPU", 1))  # launch.sh G:N: N ranks share GPU G (debugging)
     check_args(args, world_size)
     if torch.cuda.is_available():
-        if local_rank >= torch.cuda.device_count():
+        gpu = local_rank // ranks_per_gpu
+        if gpu >= torch.cuda.device_count():
             die(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
                 "start one process per listed GPU (./launch.sh RECIPE 0,1 does)", all_ranks=True)
         # Before any CUDA work, or every process also puts a context on GPU 0 (write-up 000).
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
+        torch.cuda.set_device(gpu)
+        # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"); gloo shares it, through host memory.
+        device, backend = torch.device("cuda", gpu), "nccl" if ranks_per_gpu == 1 else "gloo"
+        torch.backends.cudnn.benchmark = True  # fixed-size inputs: cuDNN times its kernels once, keeps the fastest
+        # TF32 math for fp32 matmuls and convolutions (Ampere and newer): several times faster; training curves
+        # match fp32's. Set both False for bitwise comparisons.
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     else:
         device, backend = torch.device("cpu"), "gloo"
     # torch's default timeout is 30 min: a rank that died would leave the others hanging that long.
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     batch_per_process = args.batch_size // world_size
@@ -148,7 +159,9 @@ def main():
            f"global_batch={args.batch_size} ({batch_per_process} per process x {world_size}, "
            f"micro_batch={micro_batch} x {args.accum_steps} accum_steps), workers={workers_per_process} per process")
     amp_name = args.amp_dtype or ("fp16" if device.type == "cuda" else "bf16")
-    amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[amp_name]
+    amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "tf32": torch.float32, "fp32": torch.float32}[amp_name]
+    if amp_name == "fp32":  # strict fp32: TF32 off too (set on above); a no-op on the CPU, which has no TF32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
 
     # ------------------------------------------------------------------------------------ data
@@ -178,7 +191,7 @@ def main():
     # ----------------------------------------------------------------------------------- model
     torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
     model = build_model(args.arch, num_classes).to(device, memory_format=memory_format)
-    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                 find_unused_parameters=args.find_unused_parameters)
     torch.manual_seed(args.seed + rank)  # from here on, augmentation and dropout differ per rank
     criterion = torch.nn.CrossEntropyLoss()
@@ -187,16 +200,21 @@ def main():
     # Enabled for fp16 only: with bf16 or fp32 its calls pass straight through.
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     start_epoch, step = 0, 0
+    # What a resume must match: the cosine schedule is laid out for --epochs, and a bf16/fp32 run's disabled
+    # scaler saves {}, which an fp16 scaler cannot load.
+    run_flags = {"amp_dtype": amp_name, "epochs": args.epochs}
     if args.resume:
         ckpt = load_checkpoint(args.resume, map_location=device, require=(
-            "model", "optimizer", "scheduler", "scaler", "epoch", "step", "epochs"))
+            "model", "optimizer", "scheduler", "scaler", "epoch", "step", "flags"))
+        changed = [f"--{k.replace('_', '-')} {ckpt['flags'].get(k)} (this run: {v})"
+                   for k, v in run_flags.items() if ckpt["flags"].get(k) != v]
+        if changed:
+            die(f"{args.resume} was written with {', '.join(changed)}; resume with the same flags")
         load_weights(model.module, ckpt["model"], args.resume)  # a wrong --arch: one line naming the keys
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
         scaler.load_state_dict(ckpt["scaler"])  # without it fp16 restarts at scale 65536 and skips steps
         start_epoch, step = ckpt["epoch"], ckpt["step"]
-        if ckpt["epochs"] != args.epochs:  # the cosine schedule was laid out for that many epochs
-            die(f"{args.resume} was trained with --epochs {ckpt['epochs']}; resume with the same --epochs")
         print0(f"resumed: {args.resume} epoch={start_epoch} step={step} scaler={scaler.state_dict()}")
     print0(f"amp: {amp_name} autocast={amp_dtype != torch.float32} grad_scaler={scaler.is_enabled()}"
            + (" (bf16 is the CPU default: fp16 is 10-50x slower on CPU)" if args.amp_dtype is None
@@ -232,7 +250,7 @@ def main():
                     loss = criterion(output, targets)
                 # Backward outside autocast. /K: the K micro-losses add up to the mean over the full batch.
                 scaler.scale(loss / args.accum_steps).backward()
-            loss_meter.update(loss.item(), images.size(0))
+            loss_meter.update(loss, images.size(0))  # a tensor: summed on the device, no sync per step
             acc_meter.update(accuracy(output, targets)[0], images.size(0))
             if not boundary:
                 continue
@@ -256,8 +274,8 @@ def main():
         # after the last step every rank holds its own: evaluate everywhere with rank 0's, which model.pt gets.
         for buffer in model.module.buffers():
             dist.broadcast(buffer, 0)
-        # model.module, not the DDP wrapper: its forward may broadcast buffers, a collective that would
-        # hang on a rank whose shard has fewer batches (or none). Every rank still evaluates.
+        # model.module, not the DDP wrapper: its first forward after training broadcasts buffers, a collective
+        # that hangs when a rank's shard has no batch, or when rank 0 evaluates alone. Every rank evaluates.
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
             val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device)
         eta = speed.eta(total_steps - step)
@@ -269,7 +287,7 @@ def main():
             os.makedirs(args.out_dir, exist_ok=True)
             torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                         "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                        "epoch": epoch + 1, "step": step, "epochs": args.epochs},
+                        "epoch": epoch + 1, "step": step, "flags": run_flags},
                        os.path.join(args.out_dir, "checkpoint.pt.tmp"))
             # Then rename: a crash mid-write must not destroy the only checkpoint (ddp_checkpoint.py's save_atomic).
             os.replace(os.path.join(args.out_dir, "checkpoint.pt.tmp"), os.path.join(args.out_dir, "checkpoint.pt"))

@@ -1,5 +1,6 @@
 """Helpers for running launch.sh and recipes as a user would, and for making real on-disk data."""
 
+import importlib.util
 import json
 import os
 import sys
@@ -30,11 +31,19 @@ def launch(*args, env=None, cwd=REPO, timeout=300):
     return run_group([str(LAUNCH), *map(str, args)], env=launch_env(env), cwd=cwd, timeout=timeout)
 
 
-def run_direct(recipe, *args, timeout=300):
-    """`python recipes/RECIPE.py ...` without a launcher (a world of one process), on the CPU."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+def run_direct(recipe, *args, env=None, timeout=300):
+    """`python recipes/RECIPE.py ...` without a launcher (a world of one process), on the CPU, plus `env`."""
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")},
+           "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **(env or {})}
     return run_group([sys.executable, f"recipes/{recipe}.py", *map(str, args)], env=env, cwd=REPO, timeout=timeout)
+
+
+def load_recipe(name):
+    """recipes/NAME.py as a module (its main() not run): its parse_args, check_args and classes."""
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", REPO / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def result_of(proc):
@@ -43,6 +52,26 @@ def result_of(proc):
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert len(lines) == 1, f"expected one RESULT line (rank 0 only), got {len(lines)}:\n{proc.stdout}"
     return json.loads(lines[0][len("RESULT "):])
+
+
+def as_if_saved_on_gpu(path, gpu=1):
+    """Rewrite a CPU checkpoint in place so that its tensors say they were saved from cuda:GPU, as a GPU job's
+    are: torch.load without map_location then fails here (no such GPU), and with it loads onto the CPU."""
+    import torch  # here: launch.sh tests need no torch
+
+    obj = torch.load(path, weights_only=True)
+
+    def tagger(storage):
+        return f"cuda:{gpu}" if storage.device.type == "cpu" else None
+
+    torch.serialization.register_package(0, tagger, lambda storage, location: None)
+    try:
+        torch.save(obj, path)
+    finally:
+        torch.serialization._package_registry[:] = [e for e in torch.serialization._package_registry
+                                                     if e[1] is not tagger]
+    with pytest.raises(RuntimeError, match="on a CUDA device|CUDA device 1"):
+        torch.load(path, weights_only=True)  # it really does need map_location now
 
 
 def import_mxnet():
@@ -83,7 +112,7 @@ def fake_gpus(tmp_path):
 
     def make(n):
         bin_dir = tmp_path / f"fake_nvidia_smi_{n}"
-        bin_dir.mkdir()
+        bin_dir.mkdir(exist_ok=True)
         script = bin_dir / "nvidia-smi"
         lines = "".join(f'echo "GPU {i}: Fake GPU (UUID: GPU-{i:08d})"\n' for i in range(n))
         body = lines if n else 'echo "No devices were found"\nexit 6\n'

@@ -1,16 +1,27 @@
-"""apex_ddp.py and apex_amp.py: torch mode at every opt level, the three ways apex is missing, and the apex
-code path through tests/fake_apex (a TEST DOUBLE of apex's API on torch; real apex cannot be installed here)."""
+"""apex_ddp.py and apex_amp.py: torch mode at every opt level; the ways apex is unusable; the contract between
+tests/fake_apex (a TEST DOUBLE of apex on torch) and the real apex 25.04 built from vendor/; and the apex code
+path through the double, which stands in for apex on a GPU (FAKE_APEX_ON_CPU=1)."""
 
+import importlib.util
+import json
 import os
+import subprocess
+import sys
 from collections import defaultdict
 
 import pytest
 import torch
-from conftest import REPO, launch, result_of, run_direct
+from conftest import REPO, as_if_saved_on_gpu, launch, result_of, run_direct
+
+from common import apex_compat
+from common.apex_compat import ApexUnavailable, load_apex
 
 FAKE_APEX = str(REPO / "tests" / "fake_apex")
+DOUBLE = {"PYTHONPATH": FAKE_APEX, "FAKE_APEX_ON_CPU": "1"}  # the double, standing in for apex on a GPU
 SMALL = ["--arch", "tiny_bn", "--workers", "0", "--batch-size", "16", "--image-size", "16",
          "--synthetic-train", "128", "--synthetic-val", "20"]
+REAL_APEX = importlib.util.find_spec("apex") is not None
+INSTALL_APEX = "pip install --no-build-isolation --no-deps ./vendor/apex-25.04.tar.gz (vendor/README.md)"
 
 
 def calls_by_process(log):
@@ -22,30 +33,17 @@ def calls_by_process(log):
     return list(calls.values())
 
 
+def files(folder):
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def one_error(proc):
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    return lines[0].removeprefix("error: ")
+
+
 # --------------------------------------------------------------------------------- torch mode
-
-# The table in apex_amp.py's docstring: (conv weight, BatchNorm weight, optimizer state, loss scaler).
-DTYPES = {"O0": (torch.float32, torch.float32, torch.float32, False),
-          "O1": (torch.float32, torch.float32, torch.float32, True),
-          "O2": (torch.float16, torch.float32, torch.float32, True),  # fp32 masters in the optimizer
-          "O3": (torch.float16, torch.float16, torch.float16, False)}
-
-
-@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
-def test_torch_mode_trains_with_the_dtypes_of_each_opt_level(tmp_path, level):
-    proc = launch("recipes/apex_amp.py", "cpu:2", *SMALL, "--opt-level", level, "--out-dir", tmp_path)
-    result = result_of(proc)
-    assert (result["impl"], result["opt_level"], result["steps"], result["world_size"]) == ("torch", level, 8, 2)
-    # Without apex, auto says so on the first line.
-    assert proc.stdout.splitlines()[0] == (f"impl: torch {level} (apex unavailable: NVIDIA apex is not installed "
-                                           "(it is not on PyPI))")
-    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
-    conv, bn, state, scaled = DTYPES[level]
-    assert ckpt["model"]["features.0.weight"].dtype == conv and ckpt["model"]["features.1.weight"].dtype == bn
-    assert {s["momentum_buffer"].dtype for s in ckpt["optimizer"]["state"].values()} == {state}
-    assert ("scale" in ckpt["amp"]) == scaled
-    assert 0 < result["train_loss"] < 2.4
-
 
 def test_o3_keep_batchnorm_fp32(tmp_path):
     proc = launch("recipes/apex_amp.py", "cpu:2", *SMALL, "--opt-level", "O3",
@@ -55,19 +53,37 @@ def test_o3_keep_batchnorm_fp32(tmp_path):
     assert model["features.0.weight"].dtype == torch.float16 and model["features.1.weight"].dtype == torch.float32
 
 
-def test_torch_mode_checkpoint_restores_the_scaler(tmp_path):
+@pytest.mark.parametrize("level", ["O0", "O1"])
+@pytest.mark.parametrize("impl", ["torch", "apex"])
+def test_keep_batchnorm_fp32_is_refused_where_the_level_does_not_take_it(level, impl):
+    # apex raises inside amp.initialize at O1 (the double too, see the contract test); torch mode ignored it.
+    proc = run_direct("apex_amp", *SMALL, "--opt-level", level, "--keep-batchnorm-fp32", "--impl", impl,
+                      env=DOUBLE if impl == "apex" else None)
+    assert one_error(proc) == (f"--keep-batchnorm-fp32 is for O2 and O3: at {level} BatchNorm already runs in "
+                               "fp32; drop it")
+
+
+def test_torch_mode_checkpoint_restores_the_scaler_and_refuses_another_impl(tmp_path):
     args = [*SMALL, "--opt-level", "O2", "--impl", "torch", "--epochs", "2", "--out-dir", tmp_path]
     cut = launch("recipes/apex_amp.py", "cpu:2", *args, "--max-steps", "4")  # half an epoch: no checkpoint
     assert result_of(cut)["steps"] == 4 and not (tmp_path / "checkpoint.pt").exists()
     first = launch("recipes/apex_amp.py", "cpu:2", *args, "--max-steps", "8")  # epoch 1 of 2 (8 steps each)
     assert result_of(first)["steps"] == 8
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["amp"]["_growth_tracker"] == 8
+    as_if_saved_on_gpu(tmp_path / "checkpoint.pt")  # --resume loads it with map_location=this rank's device
+    # A torch-mode "amp" slot (GradScaler's) into apex, whose amp.load_state_dict raises on its keys: refused first.
+    before = files(tmp_path)
+    other = run_direct("apex_amp", *[a if a != "torch" else "apex" for a in args],
+                       "--resume", tmp_path / "checkpoint.pt", env=DOUBLE)
+    assert one_error(other) == (f"{tmp_path / 'checkpoint.pt'} was written with --impl torch (this run: apex); "
+                                "resume with the same flags")
+    assert files(tmp_path) == before
     resumed = launch("recipes/apex_amp.py", "cpu:2", *args, "--resume", tmp_path / "checkpoint.pt")
     assert result_of(resumed)["steps"] == 16 and "resumed: " in resumed.stdout
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["amp"]["_growth_tracker"] == 16
 
 
-# ------------------------------------------------------------------------- apex missing, 3 ways
+# ------------------------------------------------------------------------- apex unusable, 4 ways
 
 
 def fake_package(root, *subpackages):
@@ -75,26 +91,67 @@ def fake_package(root, *subpackages):
         folder = root / "apex" / sub
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "__init__.py").write_text("")
-    return {"PYTHONPATH": str(root)}
+    return str(root)
+
+
+BUILD = ("install NVIDIA apex 25.04 from source: pip install --no-build-isolation ./vendor/apex-25.04.tar.gz "
+         "(README, section 'NVIDIA apex'), or use --impl torch")
+
+
+def test_load_apex_tells_the_four_ways_apex_is_unusable(tmp_path, monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(apex_compat.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "apex" else real_find_spec(name, *a))
+    with pytest.raises(ApexUnavailable) as why:
+        load_apex(cuda=True)
+    assert str(why.value) == f"NVIDIA apex is not installed (it is not on PyPI); {BUILD}"
+    monkeypatch.undo()
+    if not REAL_APEX:
+        pytest.skip(f"the real apex is not installed here, so its 'no GPU' case is not checked; {INSTALL_APEX}")
+    with pytest.raises(ApexUnavailable, match="^NVIDIA apex needs a GPU and none is visible .*; use --impl torch"):
+        load_apex(cuda=False)
+    amp, ddp, apex = load_apex(cuda=True)  # with a GPU, the real 25.04 is usable
+    assert amp.__name__ == "apex.amp" and ddp.__name__ == "DistributedDataParallel"
+    assert not hasattr(apex, "RUNS_ON_CPU")  # only the double may say it runs on the CPU
 
 
 @pytest.mark.parametrize("recipe", ["apex_amp", "apex_ddp"])
 @pytest.mark.parametrize(("situation", "message"), [
-    ("not installed", "error: NVIDIA apex is not installed (it is not on PyPI); build NVIDIA apex 25.04 from "
-                      "source (README, section 'NVIDIA apex'), or use --impl torch"),
-    ("pypi apex", "is the unrelated PyPI package (a Pyramid toolkit, no amp); pip uninstall apex, then build"),
-    ("apex 25.07", "is too new: apex.amp and apex.parallel were removed in 25.07; pip uninstall apex, then build"),
+    ("pypi apex", f"is the unrelated PyPI package (a Pyramid toolkit, no amp); pip uninstall apex, then {BUILD}"),
+    ("apex 25.07", f"is too new: apex.amp and apex.parallel were removed in 25.07; pip uninstall apex, then {BUILD}"),
+    # The double, like real apex, does not run on the CPU unless told to (FAKE_APEX_ON_CPU=1).
+    ("no GPU", "NVIDIA apex needs a GPU and none is visible (amp.initialize refuses CPU parameters, apex DDP uses "
+               "CUDA streams); use --impl torch on the CPU"),
 ])
-def test_impl_apex_says_why_apex_is_unusable(tmp_path, recipe, situation, message, monkeypatch):
-    if situation == "pypi apex":  # a throwaway package named apex, like the Pyramid one
-        monkeypatch.setenv("PYTHONPATH", fake_package(tmp_path, "views")["PYTHONPATH"])
-    elif situation == "apex 25.07":  # NVIDIA's layout without amp and parallel
-        monkeypatch.setenv("PYTHONPATH", fake_package(tmp_path, "optimizers", "normalization")["PYTHONPATH"])
-    else:
-        monkeypatch.delenv("PYTHONPATH", raising=False)
-    proc = run_direct(recipe, "--impl", "apex")
-    assert proc.returncode == 2
-    assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr, proc.stderr
+def test_impl_apex_says_why_apex_is_unusable(tmp_path, recipe, situation, message):
+    path = {"pypi apex": lambda: fake_package(tmp_path, "views"),  # a throwaway apex, like the Pyramid one
+            "apex 25.07": lambda: fake_package(tmp_path, "optimizers", "normalization"),  # NVIDIA's, no amp
+            "no GPU": lambda: FAKE_APEX}[situation]()
+    assert message in one_error(run_direct(recipe, "--impl", "apex", env={"PYTHONPATH": path}))
+
+
+# ------------------------------------------------------------- the double against the real apex
+
+
+def probe(env):
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "apex_probe.py")], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={**{k: v for k, v in os.environ.items()
+                                                          if k not in ("PYTHONPATH", "FAKE_APEX_ON_CPU")}, **env})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.skipif(not REAL_APEX, reason=f"the real apex is not installed; {INSTALL_APEX}")
+def test_the_double_behaves_like_the_real_apex_where_the_recipes_depend_on_it():
+    real, double, double_on_cpu = probe({}), probe({"PYTHONPATH": FAKE_APEX}), probe(DOUBLE)
+    # Every call the recipes make fits both; the refusals read the same; apex O2's zero_grad takes no argument
+    # (bug: zero_grad(set_to_none=True) crashed the first step) and every level has _amp_lazy_init.
+    assert all(real["the recipes' calls bind"].values()) and double["the recipes' calls bind"] == real[
+        "the recipes' calls bind"]
+    assert double["refuses"] == real["refuses"] and all(real["refuses"].values())
+    assert double_on_cpu["the optimizer initialize returns"] == real["the optimizer initialize returns"]
+    assert real["the optimizer initialize returns"]["O2"]["zero_grad(set_to_none=True) binds"] is False
+    assert (real["runs_on_cpu"], double["runs_on_cpu"], double_on_cpu["runs_on_cpu"]) == (False, False, True)
 
 
 # ------------------------------------------------------------------- the apex path, via the double
@@ -102,7 +159,7 @@ def test_impl_apex_says_why_apex_is_unusable(tmp_path, recipe, situation, messag
 
 def test_apex_amp_call_order_through_the_double(tmp_path):
     log = tmp_path / "apex_calls.log"
-    env = {"PYTHONPATH": FAKE_APEX, "FAKE_APEX_LOG": str(log)}
+    env = {**DOUBLE, "FAKE_APEX_LOG": str(log)}
     args = [*SMALL, "--opt-level", "O2", "--impl", "apex", "--epochs", "2", "--out-dir", tmp_path / "out"]
     first = launch("recipes/apex_amp.py", "cpu:2", *args, "--max-steps", "8", env=env)  # epoch 1 of 2
     assert result_of(first)["impl"] == "apex" and first.stdout.startswith("impl: apex O2\n")
@@ -121,18 +178,19 @@ def test_apex_amp_call_order_through_the_double(tmp_path):
     log.unlink()
     resumed = launch("recipes/apex_amp.py", "cpu:2", *args, "--resume", tmp_path / "out/checkpoint.pt", env=env)
     assert result_of(resumed)["steps"] == 16
-    for calls in calls_by_process(log):  # apex's restore order: initialize, load, then wrap
-        assert calls[:3] == ["amp.initialize O2", "amp.load_state_dict",
-                             "parallel.DistributedDataParallel delay_allreduce=True"]
+    for calls in calls_by_process(log):
+        # apex's restore order: initialize, the weights, then O2's fp32 masters made (from those weights) before
+        # the optimizer state goes into them (loaded earlier, the momentum would be rounded to fp16), amp, wrap.
+        assert calls[:5] == ["amp.initialize O2", "optimizer._amp_lazy_init", "optimizer.load_state_dict",
+                             "amp.load_state_dict", "parallel.DistributedDataParallel delay_allreduce=True"]
 
 
 def test_apex_ddp_through_the_double_matches_torch_ddp(tmp_path):
     log = tmp_path / "apex_calls.log"
     args = ["--arch", "tiny", "--workers", "0", "--max-steps", "4", "--batch-size", "32"]
     apex = launch("recipes/apex_ddp.py", "cpu:2", *args, "--impl", "apex", "--out-dir", tmp_path / "a",
-                  env={"PYTHONPATH": FAKE_APEX, "FAKE_APEX_LOG": str(log)})
-    torch_ddp = launch("recipes/apex_ddp.py", "cpu:2", *args, "--out-dir", tmp_path / "t",
-                       env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+                  env={**DOUBLE, "FAKE_APEX_LOG": str(log)})
+    torch_ddp = launch("recipes/apex_ddp.py", "cpu:2", *args, "--out-dir", tmp_path / "t")
     assert result_of(apex)["impl"] == "apex" and result_of(torch_ddp)["impl"] == "torch"
     for calls in calls_by_process(log):
         assert calls == ["parallel.DistributedDataParallel delay_allreduce=True"] + ["parallel.allreduce"] * 4

@@ -3,6 +3,7 @@
 import multiprocessing
 import pickle
 import socket
+import sys
 import threading
 import time
 
@@ -17,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from common.data import DataError, SyntheticImages, build_datasets, prepare_dataset
 from common.loader import DataLoaderX
 from common.models import build_model, check_arch, unused_parameters_error
-from common.utils import AverageMeter, Throughput, accuracy
+from common.utils import AverageMeter, Throughput, accuracy, first_line, one_line_errors
 
 # ------------------------------------------------------------------------------ meters, accuracy
 
@@ -26,9 +27,10 @@ def test_accuracy_topk():
     output = torch.tensor([[0.1, 0.9, 0.0], [0.8, 0.05, 0.15], [0.2, 0.3, 0.5], [0.5, 0.4, 0.1]])
     target = torch.tensor([1, 2, 0, 1])  # top-2 per row: [1,0] [0,2] [2,1] [0,1]
     top1, top2, top5 = accuracy(output, target, topk=(1, 2, 5))
-    assert top1 == pytest.approx(25.0)   # row 0
-    assert top2 == pytest.approx(75.0)   # rows 0, 1, 3
-    assert top5 == pytest.approx(100.0)  # k above the class count means every class
+    assert all(isinstance(t, torch.Tensor) and t.dim() == 0 for t in (top1, top2, top5))  # no .item(): no sync
+    assert float(top1) == pytest.approx(25.0)   # row 0
+    assert float(top2) == pytest.approx(75.0)   # rows 0, 1, 3
+    assert float(top5) == pytest.approx(100.0)  # k above the class count means every class
 
 
 def test_average_meter_weights_by_count():
@@ -37,6 +39,48 @@ def test_average_meter_weights_by_count():
     m.update(5.0, n=1)
     assert m.avg == pytest.approx(2.0) and m.count == 4
     assert AverageMeter().avg == 0.0
+
+
+def test_average_meter_keeps_a_tensor_sum_on_the_tensors_device():
+    # The training loop passes the loss tensor: summing it where it lives (not float(loss) per step) is what
+    # lets a GPU run ahead of the CPU. The sum is fp64, so a long epoch of fp32 losses does not drift.
+    m = AverageMeter()
+    loss = torch.tensor(0.1, requires_grad=True) * 3
+    m.update(loss, n=32)
+    m.update(torch.tensor(0.5), n=32)
+    assert isinstance(m.sum, torch.Tensor) and m.sum.dtype == torch.float64 and not m.sum.requires_grad
+    assert m.avg == pytest.approx((0.3 + 0.5) / 2) and m.count == 64
+
+
+# The errors a rank meets when its peer hangs or dies, as gloo and NCCL word them (NCCL's text is in
+# libtorch_cuda.so and libnccl.so of the torch wheel; the process exits with os._exit, replaced here).
+@pytest.mark.parametrize(("error", "says"), [
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 5000ms for "
+                  "recv operation to complete"), "another rank did not join a collective within --dist-timeout"),
+    (dist.DistBackendError("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, "
+                           "OpType=ALLREDUCE, NumelIn=2, NumelOut=2, Timeout(ms)=5000) ran for 5006 milliseconds "
+                           "before timing out."), "another rank did not join a collective within --dist-timeout"),
+    (dist.DistBackendError("[Rank 0] Work WorkNCCL(SeqNum=5, OpType=ALLREDUCE) timed out in blocking wait."),
+     "another rank did not join a collective within --dist-timeout"),
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                  "[127.0.0.1]:20417"), "lost the connection to another rank: it failed or was killed"),
+    (dist.DistBackendError("NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3699, remote "
+                           "process exited or there was a network error, NCCL version 2.27.5\nncclRemoteError: A "
+                           "call failed possibly due to a network error or a remote process exiting prematurely."),
+     "lost the connection to another rank: it failed or was killed"),
+])
+def test_a_lost_or_hung_peer_gets_one_line_in_gloo_and_nccl_words(error, says, monkeypatch, capsys):
+    monkeypatch.setattr("common.utils._leave", lambda code: sys.exit(code))
+    with pytest.raises(SystemExit) as leaving, one_line_errors():
+        raise error
+    assert leaving.value.code == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"[rank 0] error: {says}") and first_line(error) in lines[0]
+
+
+def test_other_runtime_errors_keep_their_traceback():
+    with pytest.raises(RuntimeError, match="CUDA out of memory"), one_line_errors():
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
 def _meter_worker(rank, port, results):

@@ -3,166 +3,21 @@ made to diverge. Each drill checks the exit code and the message; where the issu
 are killed, also the time taken and that none of the job's processes is left.
 README.md "What happens when things go wrong" lists what each drill showed."""
 
-import contextlib
 import os
-import queue
 import re
 import signal
 import socket
-import subprocess
-import threading
 import time
 
 import pytest
 import torch
-from conftest import LAUNCH, REPO, launch, launch_env, make_imagefolder
+from conftest import REPO, launch, make_imagefolder
+from jobs import Job, error_lines, job_mid_epoch, signal_all, survivors, tracebacks_beyond_multiprocessing
 
 from common.recordio import IndexedRecordReader
 from tools.pack_rec import main as pack_rec
 
 TINY = ["--arch", "tiny", "--workers", "0"]
-
-
-# ------------------------------------------------------------------------------------------ helpers
-def process_table():
-    """{pid: (ppid, start time)} of every process, from /proc: what `ps` shows."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:  # it exited while we looked
-                continue
-            if fields[0] != "Z":  # a zombie has exited; only its parent's wait() is missing
-                table[int(entry)] = (int(fields[1]), int(fields[19]))
-    return table
-
-
-def environ_of(pid):
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-    except OSError:
-        return {}
-
-
-class Job:
-    """./launch.sh in a new session, its output read line by line, so that a test can act mid-training."""
-
-    def __init__(self, *args, env=None):
-        self.proc = subprocess.Popen([str(LAUNCH), *map(str, args)], env=launch_env(env), cwd=REPO, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-        self.stdout, self.stderr, self.lines = [], [], queue.Queue()
-        self.readers = [threading.Thread(target=self._read, args=(self.proc.stdout, self.stdout, self.lines)),
-                        threading.Thread(target=self._read, args=(self.proc.stderr, self.stderr, None))]
-        for reader in self.readers:
-            reader.start()
-
-    @staticmethod
-    def _read(stream, into, lines):
-        for line in stream:
-            into.append(line)
-            if lines is not None:
-                lines.put(line)
-
-    def wait_for(self, prefix, timeout=120):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.5)
-            except queue.Empty:
-                assert self.proc.poll() is None, f"job ended before {prefix!r}:\n{self.output()}"
-                continue
-            if line.startswith(prefix):
-                return line
-        self.kill()
-        pytest.fail(f"no line starting {prefix!r} within {timeout} s:\n{self.output()}")
-
-    def tree(self):
-        """{pid: start time} of the launcher and all its descendants: ranks (in their own sessions under
-        torchrun) and their DataLoader workers. The start time tells a reused pid from the same process."""
-        table, pids = process_table(), {self.proc.pid}
-        while True:
-            more = {pid for pid, (ppid, _) in table.items() if ppid in pids} - pids
-            if not more:
-                return {pid: table[pid][1] for pid in pids if pid in table}
-            pids |= more
-
-    def rank_pid(self, rank):
-        """The pid of the rank's own process (not of one of its DataLoader workers)."""
-        tree, table = self.tree(), process_table()
-        by_env = [pid for pid in tree if environ_of(pid).get(b"RANK") == str(rank).encode()]
-        if by_env:  # torchrun puts RANK in each rank's environment; its DataLoader workers inherit it
-            return next(pid for pid in by_env if table.get(pid, (None,))[0] not in by_env)
-        # mp.spawn: the launcher's children that run spawn_main, started in rank order
-        workers = sorted((start, pid) for pid, start in tree.items()
-                         if table.get(pid, (None,))[0] == self.proc.pid and b"--multiprocessing-fork" in cmdline(pid))
-        return workers[rank][1]
-
-    def finish(self, timeout):
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail(f"still running {timeout} s later (a hang):\n{self.output()}")
-        for reader in self.readers:
-            reader.join(timeout=30)
-        return self.proc.returncode
-
-    def kill(self):
-        signal_all(self.tree(), signal.SIGKILL)
-        self.proc.wait()
-
-    def output(self):
-        return "stdout:\n" + "".join(self.stdout)[-3000:] + "\nstderr:\n" + "".join(self.stderr)[-5000:]
-
-
-def cmdline(pid):
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
-
-
-def signal_all(pids, sig):
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
-            os.kill(pid, sig)
-
-
-def job_mid_epoch(recipe, out_dir):
-    """A 2-rank job with DataLoader workers, a little into epoch 2 (64 steps, several seconds here)."""
-    job = Job(f"recipes/{recipe}.py", "cpu:2", "--arch", "tiny", "--workers", "2", "--epochs", "20",
-              "--synthetic-train", "4096", "--batch-size", "64", "--out-dir", out_dir)
-    job.wait_for("epoch=1/")
-    time.sleep(0.5)
-    return job
-
-
-def survivors(tree, grace=10):
-    """The processes of `tree` still running `grace` seconds on (same pid and same start time)."""
-    deadline = time.monotonic() + grace
-    while True:
-        table = process_table()
-        alive = {pid for pid, start in tree.items() if table.get(pid, (None, None))[1] == start}
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.1)
-
-
-def error_lines(stderr):
-    return [line for line in stderr.splitlines() if re.match(r"(\[rank \d+\] |launch\.sh: )?error: ", line)]
-
-
-def tracebacks_beyond_multiprocessing(stderr):
-    """The tracebacks in stderr, less those whose every frame is in the standard library's multiprocessing: a
-    DataLoader worker's fd-sharing thread prints a BrokenPipeError when Ctrl-C takes its rank away in the middle
-    of a hand-over (pytorch/pytorch#22924, open upstream). Any frame of torch or of these recipes counts."""
-    blocks = stderr.split("Traceback (most recent call last):")[1:]
-    return [block for block in blocks
-            if not all("/multiprocessing/" in path for path in re.findall(r'File "([^"]+)"', block))]
 
 
 def sample_errors(stderr):
@@ -312,16 +167,20 @@ def test_a_corrupt_record_under_dataloaderx_names_its_index_and_key(faces_with_a
 
 
 # ----------------------------------------------------- drill 5: a checkpoint that does not fit
-RESUMABLE = {  # recipe: (its checkpoint file, extra flags)
-    "ddp_checkpoint": ("latest.pt", []),
-    "torch_amp": ("checkpoint.pt", ["--amp-dtype", "bf16"]),
-    "apex_amp": ("checkpoint.pt", ["--impl", "torch", "--opt-level", "O0"]),
+RESUMABLE = {  # recipe: (its checkpoint file, extra flags, a flag the checkpoint was not written with, what is said)
+    "ddp_checkpoint": ("latest.pt", [], ["--epochs", "3"],
+                       "was trained with --epochs 2; resume with the same --epochs"),
+    # a bf16 run's disabled scaler saved {}, which an fp16 GradScaler cannot load
+    "torch_amp": ("checkpoint.pt", ["--amp-dtype", "bf16"], ["--amp-dtype", "fp16"],
+                  "was written with --amp-dtype bf16 (this run: fp16); resume with the same flags"),
+    "apex_amp": ("checkpoint.pt", ["--impl", "torch", "--opt-level", "O0"], ["--opt-level", "O2"],
+                 "was written with --opt-level O0 (this run: O2); resume with the same flags"),
 }
 
 
 @pytest.mark.parametrize("recipe", sorted(RESUMABLE))
 def test_a_wrong_or_truncated_checkpoint_is_refused_and_nothing_is_overwritten(tmp_path, recipe):
-    name, extra = RESUMABLE[recipe]
+    name, extra, other_flags, other_says = RESUMABLE[recipe]
     out = tmp_path / "out"
     args = [f"recipes/{recipe}.py", "cpu:2", "--workers", "0", "--synthetic-train", "64", "--synthetic-val", "32",
             "--batch-size", "32", "--epochs", "2", *extra, "--out-dir", out]
@@ -346,6 +205,11 @@ def test_a_wrong_or_truncated_checkpoint_is_refused_and_nothing_is_overwritten(t
     messages = {line.split("error: ", 1)[1] for line in error_lines(truncated.stderr)}
     assert len(messages) == 1 and messages.pop().startswith(f"cannot load {cut} ("), truncated.stderr
     assert "Traceback" not in truncated.stderr
+
+    other = launch(*args, "--arch", "tiny_bn", *other_flags, "--resume", out / name)
+    assert other.returncode == 2, other.stderr[-3000:]
+    assert {line.split("error: ", 1)[1] for line in error_lines(other.stderr)} == {f"{out / name} {other_says}"}
+    assert "Traceback" not in other.stderr
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing written, nothing replaced
 
 

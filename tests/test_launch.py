@@ -1,5 +1,6 @@
 """launch.sh: device parsing, bad input, ports, launcher choice, multi-node, via --dry-run (no torch import)."""
 
+import os
 import shlex
 import socket
 import subprocess
@@ -74,10 +75,14 @@ def test_devices_omitted_without_gpu_runs_cpu2_and_says_so(fake_gpus):
 @pytest.mark.parametrize(("devices", "gpus", "message"), [
     ("0,,1", 4, "bad GPU list '0,,1': an empty entry between commas"),
     (",1", 4, "an empty entry between commas"),
-    ("a,b", 4, "bad DEVICES 'a,b': expected a GPU list like 0,1,3, or cpu, or cpu:N"),
+    ("a,b", 4, "bad DEVICES 'a,b': expected a GPU list like 0,1,3, or G:N (N processes on GPU G), or cpu, or cpu:N"),
     ("0,1,1", 4, "GPU 1 is listed twice in '0,1,1'; list each GPU once, e.g. 0,1"),
     ("0,7", 4, "GPU 7 does not exist: this machine has 4 GPU(s), ids 0-3; e.g. 0,1,2,3"),
-    ("0,1", 0, "DEVICES '0,1' asks for GPUs, but nvidia-smi finds none on this machine; use cpu or cpu:N"),
+    ("0,1", 0, "DEVICES '0,1' asks for GPUs, but this machine has none (nvidia-smi, or torch without it); use cpu"),
+    ("0:2", 0, "DEVICES '0:2' asks for GPUs, but this machine has none"),
+    ("3:2", 2, "GPU 3 does not exist: this machine has 2 GPU(s), ids 0-1"),
+    ("0:0", 2, "bad DEVICES '0:0': G:N needs N >= 1 processes, e.g. 0:2"),
+    ("GPU-1a2b,GPU-1a2b", 2, "a GPU is listed twice in 'GPU-1a2b,GPU-1a2b'; list each once"),
     ("cpu:0", 0, "cpu:N needs a whole number N >= 1"),
     ("cpu:two", 0, "cpu:N needs a whole number N >= 1"),
 ])
@@ -90,6 +95,63 @@ def test_bad_devices(devices, gpus, message, fake_gpus):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("launch.sh: error: ") and message in lines[0], proc.stderr
     assert elapsed < 1.0
+
+
+def test_n_processes_share_one_gpu(fake_gpus):
+    # NCCL refuses two ranks on one GPU: the recipes read RANKS_PER_GPU, put every rank on that GPU, use gloo.
+    env, argv, stderr = dry_run("recipes/ddp_torchrun.py", "1:2", env=fake_gpus(2))
+    assert (env["CUDA_VISIBLE_DEVICES"], env["RANKS_PER_GPU"], flag(argv, "nproc-per-node")) == ("1", "2", "2")
+    assert "2 process(es) per node on GPU 1 shared by 2 processes (gloo: NCCL takes one process per GPU)" in stderr
+    env, argv, _ = dry_run("recipes/ddp_spawn.py", "0:3", env=fake_gpus(1))  # spawn reads the same variables
+    assert (env["CUDA_VISIBLE_DEVICES"], env["RANKS_PER_GPU"], env["NPROC_PER_NODE"]) == ("0", "3", "3")
+    assert dry_run("recipes/ddp_torchrun.py", "0,1", env=fake_gpus(2))[0]["RANKS_PER_GPU"] == "1"
+
+
+@pytest.mark.parametrize("devices", [
+    "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6,GPU-1d5ee8a9-79a7-4fa9-9b2e-4f4c1e44cd0e",
+    "MIG-GPU-8932f937-d72c-4106-c12f-20bd9faed9f6/1/0",
+    "MIG-bfbb0c2f-4bda-5ce5-b67f-0f5c13a5dc4e"])
+@pytest.mark.parametrize("how", ["DEVICES", "inherited CUDA_VISIBLE_DEVICES"])
+def test_gpu_uuids_and_mig_ids_pass_through(devices, how):
+    # As job schedulers set CUDA_VISIBLE_DEVICES: no nvidia-smi numbering to check, CUDA takes them as they are.
+    args, env = ([devices], None) if how == "DEVICES" else ([], {"CUDA_VISIBLE_DEVICES": devices})
+    env, argv, _ = dry_run("recipes/ddp_torchrun.py", *args, "--epochs", "1", env=env)
+    assert env["CUDA_VISIBLE_DEVICES"] == devices
+    assert flag(argv, "nproc-per-node") == str(devices.count(",") + 1) and argv[-2:] == ["--epochs", "1"]
+
+
+@pytest.fixture
+def without_nvidia_smi(tmp_path):
+    """PATH with every command but nvidia-smi (a container without the driver's utility capability), and a
+    stand-in torch whose CUDA counts FAKE_GPUS devices when CUDA_VISIBLE_DEVICES is unset, else 0."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for folder in reversed(os.environ["PATH"].split(os.pathsep)):  # earlier PATH entries win
+        if os.path.isdir(folder):
+            for entry in os.scandir(folder):
+                if entry.name != "nvidia-smi":
+                    target = bin_dir / entry.name
+                    target.unlink(missing_ok=True)
+                    target.symlink_to(entry.path)
+    fake = tmp_path / "fake_torch" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        "import os\nclass cuda:\n    @staticmethod\n    def device_count():\n"
+        "        env = os.environ\n"
+        "        ok = 'CUDA_VISIBLE_DEVICES' not in env and env.get('CUDA_DEVICE_ORDER') == 'PCI_BUS_ID'\n"
+        "        return int(env['FAKE_GPUS']) if ok else 0\n")
+    return lambda gpus: {"PATH": str(bin_dir), "PYTHONPATH": str(fake.parent), "FAKE_GPUS": str(gpus)}
+
+
+def test_without_nvidia_smi_cuda_counts_the_gpus(without_nvidia_smi):
+    env, argv, _ = dry_run("recipes/ddp_torchrun.py", env=without_nvidia_smi(2))  # omitted: all GPUs, not cpu:2
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and flag(argv, "nproc-per-node") == "2"
+    env, _, _ = dry_run("recipes/ddp_torchrun.py", "1", env=without_nvidia_smi(2))
+    assert env["CUDA_VISIBLE_DEVICES"] == "1"
+    proc = launch("recipes/ddp_torchrun.py", "2", env=without_nvidia_smi(2))
+    assert proc.returncode == 2 and "GPU 2 does not exist: this machine has 2 GPU(s)" in proc.stderr
+    env, argv, stderr = dry_run("recipes/ddp_torchrun.py", env=without_nvidia_smi(0))
+    assert flag(argv, "nproc-per-node") == "2" and "no GPU found, running cpu:2" in stderr
 
 
 def test_missing_recipe_lists_the_real_ones():

@@ -6,9 +6,7 @@ import shutil
 import pytest
 import torch
 from conftest import import_mxnet, launch, make_imagefolder, result_of, run_direct
-from torch.utils.data import DataLoader, TensorDataset
 
-from common.loader import DataLoaderX
 from tools.bench_loader import main as bench_loader
 from tools.bench_recordio import main as bench_recordio
 from tools.pack_rec import pack_folder
@@ -71,16 +69,6 @@ def test_reader_mxnet(faces_rec, tmp_path):
         assert proc.returncode == 2
         assert "mxnet does not import" in proc.stderr and "use reader='python'" in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: DataLoaderX's CUDA side-stream path")
-def test_dataloaderx_cuda_stream_gives_the_same_batches():
-    ds = TensorDataset(torch.randn(257, 3, 8, 8), torch.arange(257))
-    plain = [(x.cuda(), y.cuda()) for x, y in DataLoader(ds, batch_size=16, pin_memory=True)]
-    fast = list(DataLoaderX("cuda", ds, batch_size=16, pin_memory=True))
-    assert len(fast) == len(plain) and all(x.is_cuda for x, _ in fast)
-    for (xa, ya), (xb, yb) in zip(plain, fast, strict=True):
-        assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 
 def test_loader_benchmark_prints_both_epoch_times(capsys):

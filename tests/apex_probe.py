@@ -1,0 +1,87 @@
+"""Run as a script where `apex` imports (the real one, or tests/fake_apex on PYTHONPATH). Prints, as one JSON
+line, how that apex behaves where the recipes depend on it; tests/test_apex.py compares the double's answers
+with the real apex's."""
+
+import inspect
+import json
+
+import apex
+import torch
+from apex import amp
+from apex.parallel import DistributedDataParallel
+from torch import nn
+
+
+def binds(fn, *args, **kwargs):
+    """Whether a call of this shape (the one a recipe makes) fits fn's signature."""
+    try:
+        inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
+
+
+def first_error_line(call):
+    try:
+        call()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    return None
+
+
+def model():
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+
+
+def sgd(module):
+    return torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+
+
+def processed_optimizer(level):
+    """The optimizer amp.initialize returns at `level`, or None where this apex cannot say on the CPU. Real apex
+    cannot finish initialize on the CPU (its loss scaler allocates a CUDA tensor), so its optimizer comes from
+    the function initialize gets it from (apex/amp/_initialize.py: _process_optimizer)."""
+    net = model()
+    if getattr(apex, "RUNS_ON_CPU", False):
+        return amp.initialize(net, sgd(net), opt_level=level, verbosity=0)[1]
+    try:
+        from apex.amp._process_optimizer import _process_optimizer
+        from apex.amp.frontend import Properties, opt_levels
+    except ImportError:  # the double, not told to run on the CPU
+        return None
+    return _process_optimizer(sgd(net), opt_levels[level](Properties()))
+
+
+def optimizer_report(level):
+    optimizer = processed_optimizer(level)
+    if optimizer is None:
+        return None
+    return {"zero_grad() binds": binds(optimizer.zero_grad),
+            "zero_grad(set_to_none=True) binds": binds(optimizer.zero_grad, set_to_none=True),
+            "has _amp_lazy_init": callable(getattr(optimizer, "_amp_lazy_init", None))}
+
+
+net = model()
+loss = net(torch.ones(1, 3, 4, 4)).sum()
+runs_on_cpu = getattr(apex, "RUNS_ON_CPU", False)
+print(json.dumps({
+    "runs_on_cpu": runs_on_cpu,
+    "the recipes' calls bind": {
+        "amp.initialize(model, optimizer, opt_level=, keep_batchnorm_fp32=, verbosity=)":
+            binds(amp.initialize, net, sgd(net), opt_level="O2", keep_batchnorm_fp32=None, verbosity=0),
+        "amp.scale_loss(loss, optimizer)": binds(amp.scale_loss, loss, sgd(net)),
+        "amp.state_dict()": binds(amp.state_dict),
+        "amp.load_state_dict(state)": binds(amp.load_state_dict, {}),
+        "DistributedDataParallel(model, delay_allreduce=True)": binds(DistributedDataParallel, net,
+                                                                      delay_allreduce=True),
+    },
+    "refuses": {
+        "keep_batchnorm_fp32 at O1": first_error_line(
+            lambda: amp.initialize(model(), sgd(net), opt_level="O1", keep_batchnorm_fp32=True, verbosity=0)),
+        "a wrapped model": first_error_line(
+            lambda: amp.initialize(nn.DataParallel(model()), sgd(net), opt_level="O2", verbosity=0)),
+        "CPU parameters": None if runs_on_cpu else first_error_line(
+            lambda: amp.initialize(model(), sgd(net), opt_level="O0", verbosity=0)),
+    },
+    "the optimizer initialize returns": {level: optimizer_report(level) for level in ("O0", "O1", "O2", "O3")},
+}))
