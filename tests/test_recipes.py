@@ -7,9 +7,8 @@ import pytest
 import torch
 from conftest import launch, result_of, run_direct
 from torch.utils.data import DataLoader
-from torch.utils.data.distributed import DistributedSampler
 
-from common.data import SyntheticImages, build_datasets
+from common.data import build_datasets
 from common.models import build_model
 
 TINY = ["--arch", "tiny", "--workers", "0"]
@@ -73,11 +72,10 @@ def test_ddp_says_how_it_split_the_batch_and_workers(synthetic_runs):
             "workers=1 per process") in proc.stdout
 
 
-@pytest.mark.parametrize(("recipe", "devices", "arch"), [
-    ("ddp_torchrun", "cpu:2", "tiny"), ("ddp_torchrun", "cpu:2", "tiny_bn"), ("dp", "cpu", "tiny")])
+@pytest.mark.parametrize(("recipe", "devices", "arch"), [("ddp_torchrun", "cpu:2", "tiny"), ("dp", "cpu", "tiny")])
 def test_imagefolder_eval_is_exact(imagefolder, tmp_path, recipe, devices, arch):
-    # 21 validation images over 2 ranks: a padding sampler would score 22, drop_last 20. With BatchNorm,
-    # each rank's running statistics drift apart after the last step: all must evaluate with rank 0's.
+    # 21 validation images over 2 ranks: a padding sampler would score 22, drop_last 20. (Exact eval with
+    # BatchNorm, in every recipe, is in test_conformance.py; this is the PNG path with its transforms.)
     proc = launch(f"recipes/{recipe}.py", devices, "--dataset", "imagefolder", "--data-root", imagefolder,
                   "--image-size", "16", "--batch-size", "8", "--epochs", "2", "--arch", arch, "--workers", "0",
                   "--out-dir", tmp_path)
@@ -89,20 +87,6 @@ def test_imagefolder_eval_is_exact(imagefolder, tmp_path, recipe, devices, arch)
     assert single_process_acc1(model, val) == pytest.approx(result["val_acc1"], abs=1e-3)
     printed_loss = float(re.findall(r"val_loss=([\d.]+)", proc.stdout)[-1])  # 4 decimals
     assert single_process_loss(model, val) == pytest.approx(printed_loss, abs=2e-4)
-
-
-def test_two_ranks_on_half_batches_match_one_process_on_the_full_batch(tmp_path):
-    common = ["--dataset", "synthetic", *TINY, "--batch-size", "32", "--max-steps", "6", "--lr", "0.05"]
-    two = launch("recipes/ddp_torchrun.py", "cpu:2", *common, "--out-dir", tmp_path / "two")
-    one = run_direct("ddp_torchrun", *common, "--out-dir", tmp_path / "one")  # no launcher: a world of 1
-    assert result_of(two)["steps"] == result_of(one)["steps"] == 6
-    assert "setup: world_size=1 backend=gloo" in one.stdout
-    a = torch.load(tmp_path / "two/model.pt", weights_only=True)
-    b = torch.load(tmp_path / "one/model.pt", weights_only=True)
-    initial = build_model("tiny", 10).state_dict()
-    for name in a:
-        assert (a[name] - initial[name]).abs().max() > 1e-4 or "bias" in name  # it really trained
-        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6, msg=name)
 
 
 def test_unused_parameters_fail_clearly_then_train_with_the_flag(tmp_path):
@@ -117,17 +101,11 @@ def test_unused_parameters_fail_clearly_then_train_with_the_flag(tmp_path):
     assert result_of(ok)["steps"] == 3
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--arch", "resnet19"], "error: unknown --arch 'resnet19'; did you mean resnet18"),
-    (["--dataset", "imagefolder", "--data-root", "/nonexistent"],
-     "error: --data-root '/nonexistent' has no train/ folder; expected ROOT/train/<class>/*.png|jpg"),
-    (["--workers", "-1"], "error: --workers -1 must be >= 0"),
-    (["--lr", "0"], "error: --lr"),
-    (["--max-steps", "0"], "error: --max-steps 0 must be >= 1"),
-])
 @pytest.mark.parametrize("recipe", ["ddp_torchrun", "dp"])
-def test_bad_flags_give_one_line_and_exit_2(recipe, args, message):
-    proc = run_direct(recipe, *args)
+def test_a_missing_data_root_gives_one_line_and_exit_2(recipe):
+    # The shared flags are checked in every recipe by test_conformance.py; this one fails while building the data.
+    message = "error: --data-root '/nonexistent' has no train/ folder; expected ROOT/train/<class>/*.png|jpg"
+    proc = run_direct(recipe, "--dataset", "imagefolder", "--data-root", "/nonexistent")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and message in proc.stderr, proc.stderr
 
@@ -138,37 +116,3 @@ def test_global_batch_must_split_evenly_across_processes(tmp_path):
     assert ("error: --batch-size 5 is the GLOBAL batch and must be a multiple of the 2 processes; "
             "try --batch-size 4") in proc.stderr
     assert proc.stderr.count("error: --batch-size") == 1  # said once, by rank 0
-
-
-def reference_training(epochs, steps_per_epoch, batch, lr, set_epoch):
-    """What ddp_torchrun.py should compute at world size 1, written out plainly."""
-    torch.manual_seed(0)
-    model = build_model("tiny", 10)
-    train = SyntheticImages(steps_per_epoch * batch)
-    sampler = DistributedSampler(train, num_replicas=1, rank=0, shuffle=True, seed=0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
-    for epoch in range(epochs):
-        if set_epoch:
-            sampler.set_epoch(epoch)
-        for x, y in DataLoader(train, batch_size=batch, sampler=sampler, drop_last=True):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-        scheduler.step()
-    return model.state_dict()
-
-
-def test_training_matches_a_plain_reference_loop_including_the_per_epoch_shuffle(tmp_path):
-    # Catches a missing set_epoch (the same order every epoch), a wrong LR schedule or optimizer.
-    args = ["--dataset", "synthetic", *TINY, "--epochs", "3", "--batch-size", "64", "--lr", "0.05",
-            "--synthetic-train", "128", "--synthetic-val", "10", "--out-dir", tmp_path]
-    proc = run_direct("ddp_torchrun", *args)
-    assert result_of(proc)["steps"] == 6
-    saved = torch.load(tmp_path / "model.pt", weights_only=True)
-    expected = reference_training(epochs=3, steps_per_epoch=2, batch=64, lr=0.05, set_epoch=True)
-    same_order_every_epoch = reference_training(epochs=3, steps_per_epoch=2, batch=64, lr=0.05, set_epoch=False)
-    for name in saved:
-        torch.testing.assert_close(saved[name], expected[name], rtol=0, atol=1e-6, msg=name)
-    assert max((saved[n] - same_order_every_epoch[n]).abs().max() for n in saved) > 1e-4

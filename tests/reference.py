@@ -1,0 +1,133 @@
+"""What a recipe's job should compute, written out as one plain single-process loop: the specification the
+conformance suite (tests/test_conformance.py) holds every recipe to.
+
+A DDP job of W ranks, each training on its shard of the global batch, is the same as one process that runs each
+rank's shard through the model in turn and averages the gradients, with two details of DDP made explicit:
+- the order: DistributedSampler's permutation of epoch e (set_epoch(e)), rank r taking every W-th index;
+- BatchNorm: each rank normalises with its own shard's statistics, and the running statistics that count
+  are rank 0's (DDP copies rank 0's buffers to the others, so theirs are overwritten and rank 0's never are).
+"""
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import RandomSampler
+from torch.utils.data.distributed import DistributedSampler
+
+
+class Plain:
+    """fp32: no autocast, no loss scaling (the same methods as apex_amp.py's TorchAmp)."""
+
+    def __init__(self, clip=None):
+        self.clip = clip
+
+    def initialize(self, model, optimizer):
+        return model, optimizer
+
+    def autocast(self):
+        return contextlib.nullcontext()
+
+    def cast_input(self, images):
+        return images
+
+    def backward(self, loss, optimizer):
+        loss.backward()
+
+    def step(self, optimizer):
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(_params(optimizer), self.clip)
+        optimizer.step()
+
+
+class Autocast(Plain):
+    """torch.amp as torch_amp.py uses it: autocast to `dtype`, a GradScaler for fp16, unscale before clipping."""
+
+    def __init__(self, dtype, clip=None):
+        super().__init__(clip)
+        self.dtype = dtype
+        self.scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
+
+    def autocast(self):
+        return torch.autocast("cpu", dtype=self.dtype, enabled=self.dtype != torch.float32)
+
+    def backward(self, loss, optimizer):
+        self.scaler.scale(loss).backward()
+
+    def step(self, optimizer):
+        if self.clip:
+            self.scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(_params(optimizer), self.clip)
+        self.scaler.step(optimizer)
+        self.scaler.update()
+
+
+def _params(optimizer):
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def shard_orders(dataset, world, epoch, seed, sampler):
+    """Each rank's sample order in `epoch`: DistributedSampler's with set_epoch, or (one process) RandomSampler's
+    `sampler`, a RandomSampler over `dataset` drawing from its own generator, as recipes/dp.py builds it."""
+    if sampler is not None:
+        return [list(sampler)]
+    orders = []
+    for rank in range(world):
+        shard = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed)
+        shard.set_epoch(epoch)
+        orders.append(list(shard))
+    return orders
+
+
+def train(model, mixed, train_set, *, world, epochs, batch, lr, accum=1, seed=0, one_process_shuffle=False,
+          with_labels=False):
+    """Train `model` (built after torch.manual_seed(seed), as the recipes build it) the way a W-rank job would.
+    mixed: Plain, Autocast or apex_amp.py's TorchAmp. Returns (per-epoch mean training loss, model)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
+    model, optimizer = mixed.initialize(model, optimizer)
+    sampler = RandomSampler(train_set, generator=torch.Generator().manual_seed(seed)) if one_process_shuffle else None
+    micro = batch // world // accum
+    losses = []
+    for epoch in range(epochs):
+        model.train()
+        orders = shard_orders(train_set, world, epoch, seed, sampler)
+        steps = min(len(order) // micro for order in orders) // accum
+        total, count = 0.0, 0
+        for step in range(steps):
+            optimizer.zero_grad()
+            for rank, order in enumerate(orders):
+                kept = {k: v.clone() for k, v in model.named_buffers()}  # rank 0's statistics are the ones kept
+                for m in range(accum):
+                    start = (step * accum + m) * micro
+                    images, labels = zip(*(train_set[i] for i in order[start:start + micro]), strict=True)
+                    images, labels = torch.stack(images), torch.tensor(labels)
+                    with mixed.autocast():
+                        output = model(mixed.cast_input(images), labels) if with_labels else model(
+                            mixed.cast_input(images))
+                        loss = F.cross_entropy(output.float(), labels)
+                    mixed.backward(loss / (accum * world), optimizer)  # DDP averages over ranks; /K per micro-step
+                    total, count = total + loss.item() * len(labels), count + len(labels)
+                if rank:
+                    with torch.no_grad():
+                        for name, buffer in model.named_buffers():
+                            buffer.copy_(kept[name])
+            mixed.step(optimizer)
+        scheduler.step()
+        losses.append(total / count)
+    return losses, model
+
+
+@torch.no_grad()
+def evaluate(model, mixed, val_set):
+    """(mean loss, top-1 %, samples) over the whole validation set in one process, in the recipe's precision."""
+    model.eval()
+    total, correct = 0.0, 0
+    for start in range(0, len(val_set), 50):
+        images, labels = zip(*(val_set[i] for i in range(start, min(start + 50, len(val_set)))), strict=True)
+        images, labels = torch.stack(images), torch.tensor(labels)
+        with mixed.autocast():
+            output = model(mixed.cast_input(images)).float()
+        total += F.cross_entropy(output, labels, reduction="sum").item()
+        correct += (output.argmax(1) == labels).sum().item()
+    return total / len(val_set), 100.0 * correct / len(val_set), len(val_set)

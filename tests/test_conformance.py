@@ -1,0 +1,218 @@
+"""Every recipe proves every shared lesson. One real multi-process CPU run per recipe and training mode, each
+checked against tests/reference.py (a plain single-process loop that shuffles per epoch as DistributedSampler
+does and averages the ranks' gradients as DDP does):
+- the per-epoch training losses and the final weights equal the reference's: a missing set_epoch, a wrong batch
+  split, a missing loss division or a skipped unscale_ shows (tolerance per mode, in CASES);
+- exact eval with BatchNorm: val_samples is the whole set, and val_loss / val_acc1 equal one process evaluating
+  the saved model.pt (which loads into the bare model: saved from model.module);
+- DDP itself, counted by tests/instrument/sitecustomize.py: one gradient all-reduce per optimizer step (no_sync
+  during accumulation) and no forward through the wrapper during evaluation;
+- the shared bad flags: one line and exit 2, in every recipe.
+tools/mutation_check.py deletes these lessons from the recipes one at a time and reports which this suite misses.
+"""
+
+import json
+import re
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from conftest import REPO, launch, load_recipe, result_of, run_direct
+from reference import Autocast, Plain, evaluate, train
+
+from common.apex_compat import ApexUnavailable, load_apex
+from common.data import build_datasets
+from common.models import build_model
+
+ARGS = {"arch": "tiny_bn", "batch": 32, "epochs": 2, "lr": 0.05, "image_size": 16, "train": 128, "val": 37}
+SMALL = ["--arch", ARGS["arch"], "--workers", "0", "--batch-size", ARGS["batch"], "--epochs", ARGS["epochs"],
+         "--lr", ARGS["lr"], "--image-size", ARGS["image_size"], "--synthetic-train", ARGS["train"],
+         "--synthetic-val", ARGS["val"]]  # 37: an odd set, which a padding sampler would miscount
+
+
+@dataclass(frozen=True)
+class Case:
+    recipe: str
+    flags: tuple = ()
+    devices: str = "cpu:2"
+    precision: str = "fp32"  # fp32 | torch_amp's bf16, fp16 | apex_amp's O0-O3 (torch mode)
+    accum: int = 1
+    clip: float | None = None
+    weights_atol: float = 1e-6  # fp32: DDP's all-reduce adds in another order than the reference's backward
+    loss_atol: float = 1e-4  # printed with 4 decimals
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def world(self):
+        return 1 if self.devices == "cpu" else int(self.devices.split(":")[1])
+
+
+CASES = {
+    "dp": Case("dp", devices="cpu"),
+    "ddp_torchrun": Case("ddp_torchrun"),
+    "ddp_launch": Case("ddp_launch"),
+    "ddp_spawn": Case("ddp_spawn"),
+    "ddp_spawn:model-parallel": Case("ddp_spawn", ("--model-parallel",)),
+    "ddp_checkpoint": Case("ddp_checkpoint"),
+    "mx_face_prefetch": Case("mx_face_prefetch", ("--rec", "synthetic")),
+    "apex_ddp": Case("apex_ddp"),  # torch's DDP: apex needs a GPU
+    "apex_amp:O0": Case("apex_amp", ("--opt-level", "O0"), precision="O0"),
+    "apex_amp:O1": Case("apex_amp", ("--opt-level", "O1"), precision="O1"),
+    "apex_amp:O2": Case("apex_amp", ("--opt-level", "O2"), precision="O2"),  # fp16 weights, fp32 masters
+    # fp16 weights updated in fp16: the ranks' fp16 gradients add in another order, one fp16 step (2^-10) apart.
+    "apex_amp:O3": Case("apex_amp", ("--opt-level", "O3"), precision="O3", weights_atol=1e-3),
+    "torch_amp:fp32": Case("torch_amp", ("--amp-dtype", "fp32", "--accum-steps", "4", "--clip-grad", "1.0"),
+                           accum=4, clip=1.0),
+    # bf16 activations: a last-bit difference in an fp32 gradient can flip a bf16 rounding (2^-8) downstream.
+    "torch_amp:bf16": Case("torch_amp", ("--amp-dtype", "bf16", "--accum-steps", "2", "--clip-grad", "1.0"),
+                           precision="bf16", accum=2, clip=1.0, weights_atol=1e-5),
+    "torch_amp:fp16": Case("torch_amp", ("--amp-dtype", "fp16", "--accum-steps", "2", "--clip-grad", "1.0"),
+                           precision="fp16", accum=2, clip=1.0),
+}
+DDP = {"ddp_torchrun", "ddp_launch", "ddp_spawn", "ddp_checkpoint", "mx_face_prefetch", "apex_ddp", "apex_amp",
+       "torch_amp"}
+
+
+def mixed_for(case):
+    """The precision of a case as the reference's Plain / Autocast, or apex_amp.py's own TorchAmp."""
+    if case.precision.startswith("O"):
+        return load_recipe("apex_amp").TorchAmp(case.precision, False, torch.device("cpu"))
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[case.precision]
+    return Autocast(dtype, case.clip) if case.recipe == "torch_amp" else Plain(case.clip)
+
+
+def fresh_model(case):
+    torch.manual_seed(0)  # --seed 0: the recipes build their model right after torch.manual_seed(args.seed)
+    if case.recipe == "mx_face_prefetch":
+        face = load_recipe("mx_face_prefetch")
+        return face.FaceModel(ARGS["arch"], 128, 10, "cosface", 16.0, 0.2)  # the recipe's defaults
+    return build_model(ARGS["arch"], 10)
+
+
+def datasets():
+    train_set, val_set, _ = build_datasets("synthetic", image_size=ARGS["image_size"], synthetic_train=ARGS["train"],
+                                           synthetic_val=ARGS["val"])
+    return train_set, val_set
+
+
+def epoch_losses(stdout):
+    return [float(x) for x in re.findall(r"^epoch=\d+/\d+ .*?train_loss=([\d.]+)", stdout, re.M)]
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def run(request, tmp_path_factory):
+    """One real run of a case (shared by every check below) and the reference's answer for it."""
+    name, case = request.param, CASES[request.param]
+    out, counts = tmp_path_factory.mktemp(name.replace(":", "_")), tmp_path_factory.mktemp("counts")
+    proc = launch(f"recipes/{case.recipe}.py", case.devices, *SMALL, *case.flags, "--out-dir", out,
+                  env={"PYTHONPATH": str(REPO / "tests" / "instrument"), "COUNT_DDP_DIR": str(counts)})
+    train_set, _ = datasets()
+    losses, model = train(fresh_model(case), mixed_for(case), train_set, world=case.world, epochs=ARGS["epochs"],
+                          batch=ARGS["batch"], lr=ARGS["lr"], accum=case.accum,
+                          one_process_shuffle=case.devices == "cpu", with_labels=case.recipe == "mx_face_prefetch")
+    return {"name": name, "case": case, "proc": proc, "out": out, "counts": counts, "losses": losses,
+            "weights": model.state_dict()}
+
+
+def test_training_equals_the_reference_loop(run):
+    case, proc = run["case"], run["proc"]
+    result = result_of(proc)
+    steps = ARGS["epochs"] * ARGS["train"] // ARGS["batch"]
+    assert (result["world_size"], result["steps"]) == (case.world, steps), result
+    printed = epoch_losses(proc.stdout)
+    assert printed == pytest.approx(run["losses"], abs=case.loss_atol), (printed, run["losses"])
+    saved = torch.load(run["out"] / "model.pt", weights_only=True)
+    assert saved.keys() == run["weights"].keys()  # saved from model.module: no "module." prefix
+    diffs = {k: (saved[k].float() - run["weights"][k].float()).abs().max().item() for k in saved}
+    loss_diff = max(abs(a - b) for a, b in zip(printed, run["losses"], strict=True))
+    print(f"{run['name']}: weights {max(diffs.values()):.1e} (atol {case.weights_atol:.0e}), losses {loss_diff:.1e} "
+          f"(atol {case.loss_atol:.1e}) from the reference")  # README numbers: pytest -rP tests/test_conformance.py
+    assert max(diffs.values()) <= case.weights_atol, sorted(diffs.items(), key=lambda kv: -kv[1])[:3]
+    initial = fresh_model(case).state_dict()
+    assert max((saved[k].float() - initial[k].float()).abs().max().item() for k in saved) > 100 * case.weights_atol
+
+
+def test_eval_is_exact_with_batchnorm(run):
+    case, proc = run["case"], run["proc"]
+    result = result_of(proc)
+    _, val_set = datasets()
+    model, mixed = fresh_model(case), mixed_for(case)
+    model, _ = mixed.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1))  # the recipe's precision
+    model.load_state_dict(torch.load(run["out"] / "model.pt", weights_only=True))
+    loss, acc1, samples = evaluate(model, mixed, val_set)
+    assert result["val_samples"] == samples == ARGS["val"]
+    assert result["val_acc1"] == pytest.approx(acc1, abs=1e-3)
+    printed_loss = float(re.findall(r"val_loss=([\d.]+)", proc.stdout)[-1])
+    assert printed_loss == pytest.approx(loss, abs=1.5e-4)
+
+
+def test_ddp_reduces_once_per_step_and_evaluates_outside_the_wrapper(run):
+    case = run["case"]
+    files = sorted(run["counts"].glob("rank*.json"))
+    if case.recipe not in DDP:
+        assert not files  # DataParallel: no process group
+        return
+    counts = [json.loads(f.read_text()) for f in files]
+    steps = ARGS["epochs"] * ARGS["train"] // ARGS["batch"]
+    # DDP buckets gradients by dtype, and each dtype of tiny_bn fits one bucket (O2: fp16 weights, fp32
+    # BatchNorm): one all-reduce per bucket per optimizer step, whatever --accum-steps is.
+    buckets = len({t.dtype for k, t in torch.load(run["out"] / "model.pt", weights_only=True).items()
+                   if "running" not in k and "num_batches" not in k})
+    assert counts == [{"grad_allreduces": steps * buckets, "eval_forwards": 0}] * case.world, counts
+
+
+def test_mode_specific_lines(run):
+    name, proc, out = run["name"], run["proc"], run["out"]
+    if name == "ddp_spawn:model-parallel":
+        assert "model-parallel: features on cpu, fc on cpu in every worker" in proc.stdout
+    if name.startswith("apex_amp:"):
+        level = name.split(":")[1]
+        with pytest.raises(ApexUnavailable) as why:  # on the CPU apex is unusable even where it is installed
+            load_apex(cuda=False)
+        assert proc.stdout.splitlines()[0] == f"impl: torch {level} (apex unavailable: {why.value.short})"
+        ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
+        # apex_amp.py's table: conv weight, BatchNorm weight, optimizer state (fp32 masters at O2), scaler.
+        conv, bn, state, scaled = {"O0": ("float32", "float32", "float32", False),
+                                   "O1": ("float32", "float32", "float32", True),
+                                   "O2": ("float16", "float32", "float32", True),
+                                   "O3": ("float16", "float16", "float16", False)}[level]
+        assert str(ckpt["model"]["features.0.weight"].dtype) == f"torch.{conv}"
+        assert str(ckpt["model"]["features.1.weight"].dtype) == f"torch.{bn}"
+        assert {str(s["momentum_buffer"].dtype) for s in ckpt["optimizer"]["state"].values()} == {f"torch.{state}"}
+        assert ("scale" in ckpt["amp"]) == scaled
+        assert ckpt["flags"] == {"impl": "torch", "opt_level": level, "keep_batchnorm_fp32": False,
+                                 "epochs": ARGS["epochs"]}
+    if name.startswith("torch_amp:"):
+        dtype = name.split(":")[1]
+        assert (f"amp: {dtype} autocast={dtype != 'fp32'} grad_scaler={dtype == 'fp16'}") in proc.stdout
+        assert f"micro_batch={ARGS['batch'] // 2 // CASES[name].accum} x {CASES[name].accum} accum_steps" in proc.stdout
+
+
+# ------------------------------------------------------------------------------ shared bad flags
+
+RECIPES = sorted({case.recipe for case in CASES.values()})
+BAD = [  # (flags, what the one line starts with); world size 2 (dp: 1)
+    (["--batch-size", "3"], "--batch-size 3 is the GLOBAL batch and must be a multiple of"),
+    (["--workers", "-1"], "--workers -1 must be >= 0"),
+    (["--epochs", "0"], "--epochs 0 must be >= 1"),
+    (["--max-steps", "0"], "--max-steps 0 must be >= 1"),
+    (["--image-size", "0"], "--image-size 0 must be >= 1"),
+    (["--lr", "0"], "--lr"),
+    (["--arch", "resnet19"], "unknown --arch 'resnet19'; did you mean resnet18"),
+]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_refuses_the_shared_bad_flags_with_one_line(recipe, capsys):
+    module = load_recipe(recipe)
+    world = 1 if recipe == "dp" else 2
+    for flags, says in BAD + ([] if recipe == "dp" else [(["--dist-timeout", "0"], "--lr")]):
+        if recipe == "dp" and flags[0] == "--batch-size":
+            flags, says = ["--batch-size", "0"], "--batch-size 0 is the GLOBAL batch and must be a multiple of"
+        with pytest.raises(SystemExit) as leaving:
+            module.check_args(module.parse_args(flags), world)
+        err = capsys.readouterr().err
+        assert leaving.value.code == 2 and err.count("\n") == 1 and err.startswith(f"error: {says}"), (flags, err)
+    # And the recipe calls it before anything else: a real process exits 2 with the one line.
+    proc = run_direct(recipe, "--workers", "-1")
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: --workers -1 must be >= 0", proc.stderr

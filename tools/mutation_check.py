@@ -1,0 +1,135 @@
+"""Delete the cookbook's lessons from the recipes, one at a time, and report which deletions the tests miss.
+
+    python tools/mutation_check.py                               # every edit on every recipe: ~25 min on 2 cores
+    python tools/mutation_check.py --recipes torch_amp --edits unscale,no_sync
+    python tools/mutation_check.py --out bench/mutation.json     # also write the results as JSON
+
+For each recipe and each edit whose text the recipe contains, it copies the working tree to a scratch folder,
+applies the edit there (never to this tree), and runs the tests that guard that recipe: its cases of
+tests/test_conformance.py, plus its resume test for the map_location edit. An edit is "noticed" when they fail,
+"MISSED" when they pass. Exit 0 when every edit was noticed, 1 otherwise.
+"""
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Edit:
+    name: str
+    pitfall: str
+    old: str
+    new: str
+
+
+EDITS = [
+    Edit("set_epoch", "no sampler.set_epoch(epoch): every epoch replays the same order",
+         "train_sampler.set_epoch(epoch)", "pass"),
+    Edit("bn_broadcast", "no broadcast of rank 0's BatchNorm buffers before evaluating",
+         "dist.broadcast(buffer, 0)", "pass"),
+    Edit("global_batch", "the global --batch-size not divided across processes",
+         "batch_per_process = args.batch_size // world_size", "batch_per_process = args.batch_size"),
+    Edit("eval_module", "evaluation through the DDP wrapper, not model.module",
+         "evaluate(model.module,", "evaluate(model,"),
+    Edit("save_module", "saving the wrapper's state_dict (keys with 'module.')",
+         "torch.save(model.module.state_dict(), path)", "torch.save(model.state_dict(), path)"),
+    Edit("map_location", "torch.load without map_location (onto the GPU it was saved from)",
+         "map_location=device", "map_location=None"),
+    Edit("unscale", "clipping fp16 gradients without scaler.unscale_ first",
+         "scaler.unscale_(optimizer)", "pass"),
+    Edit("loss_division", "accumulated micro-batch losses not divided by --accum-steps",
+         "scaler.scale(loss / args.accum_steps)", "scaler.scale(loss)"),
+    Edit("no_sync", "an all-reduce on every micro-batch (no model.no_sync())",
+         "contextlib.nullcontext() if boundary else model.no_sync()", "contextlib.nullcontext()"),
+]
+
+# The tests that guard a recipe: its conformance cases (a -k expression), and for the edits they cannot see on the
+# CPU, the test that can (a checkpoint tagged as saved on cuda:1 must be loaded with map_location).
+CONFORMANCE = "tests/test_conformance.py"
+RESUME_TESTS = {
+    "ddp_checkpoint": "tests/test_recipe_variants.py::test_resume_reproduces_the_uninterrupted_run_bitwise",
+    "torch_amp": "tests/test_recipe_variants.py::test_fp16_trains_and_the_scaler_state_survives_resume",
+    "apex_amp": "tests/test_apex.py::test_torch_mode_checkpoint_restores_the_scaler_and_refuses_another_impl",
+}
+
+
+def tests_for(recipe, edit):
+    if edit.name == "map_location":
+        return [RESUME_TESTS[recipe]]
+    # The recipe's own cases: "[dp]" but not "[apex_ddp]", "[apex_amp:O0]" to "[apex_amp:O3]".
+    return [CONFORMANCE, "-k", f"[{recipe}] or [{recipe}:"]
+
+
+def scratch_copy(into):
+    """The working tree as git sees it (tracked and untracked, not ignored): no .venv, no runs."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        source = REPO / name
+        if source.is_file():
+            (into / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, into / name)
+
+
+def check(recipe, edit, timeout):
+    with tempfile.TemporaryDirectory(prefix=f"mutant_{recipe}_{edit.name}_") as tmp:
+        tree = Path(tmp)
+        scratch_copy(tree)
+        path = tree / "recipes" / f"{recipe}.py"
+        text = path.read_text()
+        path.write_text(text.replace(edit.old, edit.new))
+        start = time.monotonic()
+        try:
+            proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                                   *tests_for(recipe, edit)], cwd=tree, capture_output=True, text=True,
+                                  timeout=timeout)
+            outcome = "noticed" if proc.returncode == 1 else "MISSED" if proc.returncode == 0 else (
+                f"error (pytest exit {proc.returncode})")
+            summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-300:]
+        except subprocess.TimeoutExpired:
+            outcome, summary = "noticed", f"the tests did not finish within {timeout} s (a hang)"
+        return {"recipe": recipe, "edit": edit.name, "pitfall": edit.pitfall, "outcome": outcome,
+                "seconds": round(time.monotonic() - start, 1), "tests": summary}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--recipes", help="comma-separated recipe names (default: every recipe in recipes/)")
+    p.add_argument("--edits", help=f"comma-separated edits (default: all: {', '.join(e.name for e in EDITS)})")
+    p.add_argument("--timeout", type=float, default=600, help="seconds one mutant's tests may take")
+    p.add_argument("--out", help="also write the results here as JSON")
+    args = p.parse_args(argv)
+    recipes = args.recipes.split(",") if args.recipes else sorted(f.stem for f in (REPO / "recipes").glob("*.py"))
+    edits = EDITS if not args.edits else [e for e in EDITS if e.name in args.edits.split(",")]
+    unknown = [r for r in recipes if not (REPO / "recipes" / f"{r}.py").is_file()] + [
+        e for e in (args.edits.split(",") if args.edits else []) if e not in {x.name for x in EDITS}]
+    if unknown:
+        p.error(f"unknown recipe or edit: {', '.join(unknown)}")
+    mutants = [(r, e) for r in recipes for e in edits if e.old in (REPO / "recipes" / f"{r}.py").read_text()
+               and (e.name != "map_location" or r in RESUME_TESTS)]
+    print(f"{len(mutants)} mutants: each edit on each recipe that contains its text", flush=True)
+    results = []
+    for i, (recipe, edit) in enumerate(mutants, 1):
+        results.append(check(recipe, edit, args.timeout))
+        r = results[-1]
+        print(f"[{i}/{len(mutants)}] {r['outcome']:8} {recipe:17} {edit.name:14} {r['seconds']:6.1f} s  {r['tests']}",
+              flush=True)
+    missed = [r for r in results if r["outcome"] != "noticed"]
+    print(f"\n{len(results) - len(missed)} of {len(results)} edits noticed"
+          + (f"; missed: {', '.join(r['recipe'] + ':' + r['edit'] for r in missed)}" if missed else ""))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"results": results}, indent=1) + "\n")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
