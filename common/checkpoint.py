@@ -1,15 +1,75 @@
-"""Checkpoint loading that fails with one line: a truncated file, a file of another kind, or weights for
-another architecture raise CheckpointError naming the file and the mismatch, before anything is written."""
+"""Checkpoints that fail with one line. Loading: a truncated file, a file of another kind, or weights for another
+architecture raise CheckpointError naming the file and the mismatch, before anything is written. Saving: atomic,
+and a write the disk refuses (full, I/O error) raises SaveError naming the file and the cause, the previous
+checkpoint left whole."""
+
+import os
+import shutil
 
 import torch
 
-from common.utils import OneLineError, first_line
+from common.utils import OneLineError, first_line, human
 
 
 class CheckpointError(OneLineError):
     """The file cannot be resumed from; the message names it and says why."""
 
     code = 2  # bad input, like a bad flag
+
+
+class SaveError(OneLineError):
+    """A checkpoint could not be written; the message says which and why. The previous one is untouched."""
+
+
+class _Recorder:
+    """The file torch.save writes into, keeping the OSError of a failed write: torch reports it only as
+    "[enforce fail at inline_container.cc] unexpected pos", which does not say that the disk is full."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self):
+        self.f.flush()
+
+
+def _free(path):
+    try:
+        return human(shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free)
+    except OSError:
+        return "unknown"
+
+
+def save_atomic(obj, path):
+    """torch.save to a temp file in the same folder, then rename over `path` (atomic on POSIX): a crash or a full
+    disk mid-write leaves the previous file whole."""
+    # One fixed temp name (only rank 0 writes): a write killed halfway is replaced by the next. Two jobs sharing
+    # an --out-dir would collide here, as they would on `path` itself.
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            sink = _Recorder(f)
+            try:
+                torch.save(obj, sink)
+            except RuntimeError:
+                if sink.error is None:
+                    raise
+                raise sink.error from None
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise SaveError(f"cannot write {path} ({exc.strerror or exc}; {_free(path)} free there): the previous "
+                        f"{os.path.basename(path)}, if any, is whole; free some space, then --resume") from exc
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def load_checkpoint(path, map_location, require=()):

@@ -58,6 +58,8 @@ def die(message, code=2, all_ranks=False):
         # before printing and the job would fail without a word. Rank 0 meets the same check at about the same
         # time and exits within this wait (a heuristic: a rank 0 slower by more than this loses its line).
         time.sleep(DIE_GRACE_SECONDS)
+    if dist.is_available() and dist.is_initialized():
+        _leave(code)  # with a process group up, a normal exit can abort in its destructors (see _leave)
     sys.exit(code)
 
 
@@ -191,6 +193,14 @@ def peak_memory_mb(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def human(size):
+    """Bytes for a person: 812 kB, 1.4 MB, 3.2 GB."""
+    for unit, scale in (("GB", 2**30), ("MB", 2**20)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size / 2**10:.0f} kB"
 
 
 def result_line(**fields):

@@ -11,10 +11,11 @@ What it shows (the rest is recipes/ddp_torchrun.py):
   it also writes best.pt. Then dist.barrier(), then every rank loads latest.pt with
   map_location=its own device (write-up 000's save -> barrier -> load): without the barrier a fast
   rank reads a half-written file; without map_location every rank loads onto the GPU it was saved from.
-  (This reload also proves the file loads on every rank now, not on the day you need it. The shared
-  file needs a filesystem every node can see.)
-- Writes are atomic: a temp file in the same directory, then os.replace. A crash mid-write leaves the
-  previous checkpoint whole.
+  (This reload also proves the file loads on every rank now, not on the day you need it.) The folder
+  must be one every node sees: checked at start-up, before the first step, with the room the
+  checkpoints need (common.outputs.check_out_dir).
+- Writes are atomic (common.checkpoint.save_atomic): a temp file in the same directory, then os.replace.
+  A crash or a full disk mid-write leaves the previous checkpoint whole; a failed write is one line.
 - --resume PATH|auto restores all of it and continues: the same losses and, on CPU, bitwise the same
   weights as a run that never stopped. The DataLoader workers are not persistent here because each
   epoch's worker seeds come from the RNG state that is checkpointed, so a resumed epoch replays the same
@@ -43,9 +44,10 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
-from common.checkpoint import load_checkpoint, load_weights
+from common.checkpoint import load_checkpoint, load_weights, save_atomic
 from common.data import DataError, build_datasets, prepare_dataset
 from common.models import build_model, check_arch, unused_parameters_error
+from common.outputs import check_out_dir, state_bytes
 from common.utils import AverageMeter, Throughput, accuracy, die, one_line_errors, peak_memory_mb, print0, result_line
 
 
@@ -96,22 +98,6 @@ def check_args(args, world_size):
 
 
 # ------------------------------------------------------------------------------------ checkpoints
-def save_atomic(obj, path):
-    """torch.save to a temp file in the same directory, then rename over `path` (atomic on POSIX)."""
-    # One fixed name (only rank 0 writes): a write killed halfway is replaced by the next. Two jobs sharing
-    # an --out-dir would collide here, as they would on latest.pt itself.
-    tmp = f"{path}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def rng_state(device):
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
 
@@ -236,6 +222,12 @@ def main():
         else:
             print0(f"resume: saved with {len(ckpt['rng'])} ranks, now {world_size}: random streams start afresh")
         print0(f"resume: {resume} at epoch {start_epoch} step {step} best_acc1={best_acc1:.2f}")
+    # Before the first step: an --out-dir that cannot hold the checkpoints, or that another node cannot see (every
+    # rank loads latest.pt), fails now, not after hours of training.
+    check_out_dir(args.out_dir, is_main, {"latest.pt": state_bytes(model.module, optimizer),
+                                          "best.pt": state_bytes(model.module), "model.pt": state_bytes(model.module)},
+                  shared=True)
+
     # ----------------------------------------------------------------------------------- train
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
     speed = Throughput()

@@ -41,9 +41,10 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
-from common.checkpoint import load_checkpoint, load_weights
+from common.checkpoint import load_checkpoint, load_weights, save_atomic
 from common.data import DataError, build_datasets, prepare_dataset
 from common.models import build_model, check_arch, unused_parameters_error
+from common.outputs import check_out_dir, state_bytes
 from common.utils import AverageMeter, Throughput, accuracy, die, one_line_errors, peak_memory_mb, print0, result_line
 
 
@@ -219,6 +220,10 @@ def main():
     print0(f"amp: {amp_name} autocast={amp_dtype != torch.float32} grad_scaler={scaler.is_enabled()}"
            + (" (bf16 is the CPU default: fp16 is 10-50x slower on CPU)" if args.amp_dtype is None
               and device.type == "cpu" else ""))
+    # Before the first step: an --out-dir that cannot hold the checkpoints fails now, not after hours of training.
+    check_out_dir(args.out_dir, is_main, {"checkpoint.pt": state_bytes(model.module, optimizer),
+                                          "model.pt": state_bytes(model.module)})
+
     # ----------------------------------------------------------------------------------- train
     total_steps = min(args.epochs * steps_per_epoch, args.max_steps or float("inf"))
     speed = Throughput()
@@ -283,14 +288,11 @@ def main():
                f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
                f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={eta}")
         # After each whole epoch (not one cut short by --max-steps), so an interrupted run can --resume.
-        if is_main and step % steps_per_epoch == 0:
-            os.makedirs(args.out_dir, exist_ok=True)
-            torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                        "epoch": epoch + 1, "step": step, "flags": run_flags},
-                       os.path.join(args.out_dir, "checkpoint.pt.tmp"))
-            # Then rename: a crash mid-write must not destroy the only checkpoint (ddp_checkpoint.py's save_atomic).
-            os.replace(os.path.join(args.out_dir, "checkpoint.pt.tmp"), os.path.join(args.out_dir, "checkpoint.pt"))
+        if is_main and step % steps_per_epoch == 0:  # atomic: a crash mid-write keeps the previous checkpoint
+            save_atomic({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                         "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                         "epoch": epoch + 1, "step": step, "flags": run_flags},
+                        os.path.join(args.out_dir, "checkpoint.pt"))
         if step >= total_steps:
             break
 

@@ -1,7 +1,11 @@
 """common/: meters, accuracy, dataset builders on real on-disk formats, DataLoaderX."""
 
+import errno
+import io
 import multiprocessing
+import os
 import pickle
+import re
 import socket
 import sys
 import threading
@@ -15,10 +19,12 @@ import torch.multiprocessing as mp
 import torchvision
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from common import checkpoint
+from common.checkpoint import SaveError, save_atomic
 from common.data import DataError, SyntheticImages, build_datasets, prepare_dataset
 from common.loader import DataLoaderX
 from common.models import build_model, check_arch, unused_parameters_error
-from common.utils import AverageMeter, Throughput, accuracy, first_line, one_line_errors
+from common.utils import AverageMeter, Throughput, accuracy, first_line, human, one_line_errors
 
 # ------------------------------------------------------------------------------ meters, accuracy
 
@@ -259,3 +265,32 @@ def test_dataloaderx_break_stops_the_thread_and_workers(workers):
         time.sleep(0.05)
     assert producer_threads() == []
     assert multiprocessing.active_children() == []
+
+
+# --------------------------------------------------------------------------------- checkpoints
+
+
+def test_save_atomic_keeps_the_previous_file_when_the_disk_fills(tmp_path, monkeypatch):
+    path = tmp_path / "latest.pt"
+    save_atomic({"epoch": 1}, path)
+    real_open = open
+
+    class FillingFile(io.FileIO):  # a disk with 1 kB left: the real torch.save then fails with its own words
+        def write(self, data):
+            if self.tell() + len(data) > 1024:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return super().write(data)
+
+    monkeypatch.setattr(checkpoint, "open", lambda file, mode: FillingFile(file, "w") if mode == "wb"
+                        else real_open(file, mode), raising=False)
+    with pytest.raises(SaveError) as failed:
+        save_atomic({"epoch": 2, "weights": torch.zeros(10_000)}, path)
+    assert re.fullmatch(rf"cannot write {re.escape(str(path))} \(No space left on device; \d+(\.\d)? [kMG]B free "
+                        r"there\): the previous latest\.pt, if any, is whole; free some space, then --resume",
+                        str(failed.value)), str(failed.value)
+    assert torch.load(path, weights_only=True) == {"epoch": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["latest.pt"]  # no temp file left behind
+
+
+def test_human_sizes():
+    assert [human(n) for n in (812 * 2**10, 1.44 * 2**20, 3.2 * 2**30)] == ["812 kB", "1.4 MB", "3.2 GB"]

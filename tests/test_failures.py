@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, launch, make_imagefolder
+from conftest import REPO, launch, make_imagefolder, run_direct
 from jobs import Job, error_lines, job_mid_epoch, signal_all, survivors, tracebacks_beyond_multiprocessing
 
 from common.recordio import IndexedRecordReader
@@ -262,3 +262,99 @@ def test_ctrl_c_stops_every_process(tmp_path, recipe):
     assert code == 128 + signal.SIGINT, job.output()
     assert not tracebacks_beyond_multiprocessing("".join(job.stderr)), job.output()
     assert not survivors(tree), (sorted(tree), job.output())
+
+
+# ------------------------------------- drill 8: an output place that cannot be written, or fills up
+ALL_RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.py"))
+
+
+def trained(stdout):
+    return re.search(r"^epoch=", stdout, re.M) is not None
+
+
+@pytest.mark.parametrize("recipe", ALL_RECIPES)
+def test_every_recipe_checks_its_out_dir_before_the_first_step(tmp_path, recipe):
+    in_the_way = tmp_path / "runs_x"
+    in_the_way.write_text("a file where the out-dir should go\n")
+    extra = ["--rec", "synthetic"] if recipe == "mx_face_prefetch" else []
+    start = time.monotonic()
+    proc = run_direct(recipe, *TINY, *extra, "--epochs", "5", "--out-dir", in_the_way, timeout=120)
+    took = time.monotonic() - start
+    print(f"drill 8 {recipe}: exit {proc.returncode} after {took:.1f} s")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    # (mp.spawn's parent adds which worker it was: "error: worker 0 (pid N) exited with code 2; ...")
+    said = [line for line in error_lines(proc.stderr) if not re.match(r"error: worker \d \(pid \d+\) exited", line)]
+    assert said == [f"error: --out-dir {in_the_way} is a file, not a folder; pass a folder to write to"], said
+    assert not trained(proc.stdout) and "Traceback" not in proc.stderr  # before any training
+    assert in_the_way.read_text() == "a file where the out-dir should go\n" and took < 30
+
+
+def test_an_out_dir_whose_parent_cannot_be_created_stops_every_rank(tmp_path):
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("")
+    start = time.monotonic()
+    proc = launch("recipes/ddp_torchrun.py", "cpu:2", *TINY, "--out-dir", blocker / "runs" / "x", timeout=120)
+    print(f"drill 8 parent: exit {proc.returncode} after {time.monotonic() - start:.1f} s")
+    assert proc.returncode == 2
+    assert error_lines(proc.stderr)[0] == (f"error: cannot write to --out-dir {blocker / 'runs' / 'x'} (Not a "
+                                           f"directory at {blocker / 'runs'}); pass a folder you can write to")
+    assert len(error_lines(proc.stderr)) == 1 and not trained(proc.stdout)
+    assert [p.name for p in tmp_path.iterdir()] == ["not_a_folder"]
+
+
+def test_too_little_free_space_stops_before_training_saying_both_numbers(tmp_path):
+    # FAULT_DISK_FREE: tests/faults/sitecustomize.py makes the disk report 50 kB free (a test double of a full
+    # disk). tiny_bn's checkpoint.pt is ~44 kB and model.pt ~23 kB: with the temp copy, more than 50 kB.
+    out = tmp_path / "new" / "out"
+    start = time.monotonic()
+    proc = launch("recipes/torch_amp.py", "cpu:2", *TINY, "--arch", "tiny_bn", "--out-dir", out, timeout=120,
+                  env={"PYTHONPATH": str(REPO / "tests/faults"), "FAULT_DISK_FREE": "51200"})
+    print(f"drill 8 free space: exit {proc.returncode} after {time.monotonic() - start:.1f} s")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    said = error_lines(proc.stderr)
+    assert len(said) == 1 and re.fullmatch(
+        rf"error: --out-dir {re.escape(str(out))} has 50 kB free, and this run will write 1\d\d kB there "
+        r"\(checkpoint\.pt \d\d kB, model\.pt \d\d kB, and a temp copy of the largest for its atomic save\); free "
+        r"some space or pass another --out-dir", said[0]), said
+    assert not trained(proc.stdout)
+    assert not (tmp_path / "new").exists()  # the folders it made to test the disk are gone again
+
+
+def test_a_disk_that_fills_during_a_save_keeps_the_previous_checkpoint(tmp_path):
+    # FAULT_DISK_FULL: the second time rank 0 writes latest.pt.tmp (epoch 2), the disk takes 4 kB and refuses
+    # the rest with ENOSPC. torch.save itself reports only "unexpected pos"; save_atomic says what happened.
+    out = tmp_path / "out"
+    proc = launch("recipes/ddp_checkpoint.py", "cpu:2", *TINY, "--epochs", "3", "--synthetic-train", "256",
+                  "--batch-size", "64", "--out-dir", out, timeout=120,
+                  env={"PYTHONPATH": str(REPO / "tests/faults"), "FAULT_DISK_FULL": "latest.pt.tmp:2:4096"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert f"FAULT: {out / 'latest.pt.tmp'} fills the disk after 4096 bytes" in proc.stdout
+    said = [line for line in error_lines(proc.stderr) if "lost the connection" not in line]
+    assert len(said) == 1 and re.fullmatch(
+        rf"\[rank 0\] error: cannot write {re.escape(str(out / 'latest.pt'))} \(No space left on device; [\d.]+ [kMG]B "
+        r"free there\): the previous latest\.pt, if any, is whole; free some space, then --resume", said[0]), said
+    assert "Traceback" not in proc.stderr
+    assert torch.load(out / "latest.pt", weights_only=True)["epoch"] == 1  # epoch 1's, whole
+    assert sorted(p.name for p in out.iterdir()) == ["best.pt", "latest.pt"]  # no temp file, no model.pt
+
+
+def test_an_out_dir_that_another_node_cannot_see_stops_both_nodes(tmp_path):
+    # Two "nodes" on this box, one process each, each with its own --out-dir: what a folder on each node's local
+    # disk looks like. ddp_checkpoint's ranks load what rank 0 saves, so this must stop before training.
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = str(s.getsockname()[1])
+    jobs = [Job("recipes/ddp_checkpoint.py", "cpu:1", *TINY, "--out-dir", tmp_path / f"node{node}",
+                env={"NNODES": "2", "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+            for node in (0, 1)]
+    start = time.monotonic()
+    codes = [job.finish(timeout=120) for job in jobs]
+    print(f"drill 8 unshared: exits {codes} after {time.monotonic() - start:.1f} s")
+    assert codes == [2, 2], [job.output() for job in jobs]
+    for node, job in enumerate(jobs):  # each node's local rank 0 says it, of its own --out-dir
+        assert error_lines("".join(job.stderr)) == [
+            f"error: --out-dir {tmp_path / f'node{node}'} must be on storage that every node shares: rank 1 on "
+            f"{socket.gethostname()} cannot see the file rank 0 wrote there, and would not see its checkpoints; use "
+            "a shared folder (NFS, Lustre, a cluster file system)"], job.output()
+        assert not trained("".join(job.stdout))
+    assert list(tmp_path.iterdir()) == []  # node 0's folder, made for the test file, is gone again

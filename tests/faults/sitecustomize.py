@@ -1,4 +1,5 @@
-"""Fault injection for tests/test_failures.py: a test double of a BUG in training code, not of torch.
+"""Fault injection for tests/test_failures.py: test doubles of a BUG in training code and of a FULL DISK, not of
+torch. Each part below acts only when its environment variable is set.
 
 Python imports this module at start-up when tests/faults is on PYTHONPATH. With
 FAULT_COLLECTIVE="RANK:OP:N:MODE" in the environment, the process whose RANK is RANK (torchrun sets RANK
@@ -32,3 +33,57 @@ if _spec and os.environ.get("RANK") == _spec.split(":")[0]:
         return None
 
     setattr(dist, _op, _faulty)
+
+# FAULT_DISK_FREE=BYTES: the disk reports BYTES free (shutil.disk_usage), as a nearly full one would.
+if os.environ.get("FAULT_DISK_FREE"):
+    import shutil
+
+    _usage = shutil.disk_usage
+
+    def _nearly_full(path):
+        total, used, _ = _usage(path)
+        return type(_usage(path))(total, used, int(os.environ["FAULT_DISK_FREE"]))
+
+    shutil.disk_usage = _nearly_full
+
+# FAULT_DISK_FULL="NAME:N:BYTES": in rank 0 (or a process without RANK), the N-th time a file named NAME is
+# opened for writing, it takes BYTES and then every write fails with ENOSPC, as on a disk that filled up.
+if os.environ.get("FAULT_DISK_FULL") and os.environ.get("RANK", "0") == "0":
+    import builtins
+    import errno
+
+    _name, _nth, _room = os.environ["FAULT_DISK_FULL"].split(":")
+    _opened, _open = [0], builtins.open
+
+    class _FillingFile:
+        def __init__(self, f, room):
+            self._f, self._room = f, room
+
+        def write(self, data):
+            if len(data) > self._room:
+                self._f.write(bytes(data[: self._room]))
+                self._room = 0
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self._room -= len(data)
+            return self._f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self._f.close()
+
+    def _open_filling(file, mode="r", *args, **kwargs):
+        f = _open(file, mode, *args, **kwargs)
+        if "w" in mode and os.path.basename(str(file)) == _name:
+            _opened[0] += 1
+            if _opened[0] == int(_nth):
+                sys.stdout.write(f"FAULT: {file} fills the disk after {_room} bytes\n")
+                sys.stdout.flush()
+                return _FillingFile(f, int(_room))
+        return f
+
+    builtins.open = _open_filling
