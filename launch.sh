@@ -18,7 +18,9 @@ usage: ./launch.sh [--dry-run] RECIPE [DEVICES] [recipe args...]
 
 Environment: MASTER_PORT (default: a free port), MASTER_ADDR (default 127.0.0.1),
 NNODES and NODE_RANK for multi-node (then MASTER_ADDR and MASTER_PORT are required),
-PYTHON (default python3), OMP_NUM_THREADS (default: cores / processes).
+MAX_RESTARTS (default 0): torchrun restarts every rank this many times when one fails (give the
+recipe --resume auto so it goes on from its last checkpoint), PYTHON (default python3),
+OMP_NUM_THREADS (default: cores / processes).
 
 The recipe names its launcher in a line '# launcher: torchrun|torch.distributed.launch|python'.
 
@@ -158,6 +160,14 @@ if ! [[ $node_rank =~ ^[0-9]+$ ]] || ((10#$node_rank >= nnodes)); then
   fail "NODE_RANK='$node_rank' must be 0..$((nnodes - 1)) (NNODES=$nnodes)"
 fi
 node_rank=$((10#$node_rank))
+max_restarts=${MAX_RESTARTS:-0}
+if ! [[ $max_restarts =~ ^[0-9]+$ ]]; then
+  fail "MAX_RESTARTS='$max_restarts' must be a whole number >= 0"
+fi
+max_restarts=$((10#$max_restarts))
+if ((max_restarts > 0)) && [[ $launcher == python ]]; then
+  fail "MAX_RESTARTS needs a recipe started by torchrun; $(basename "$recipe") starts its own processes ('# launcher: python'), which nothing restarts"
+fi
 if ((nnodes > 1)) && [[ -z ${MASTER_ADDR:-} || -z ${MASTER_PORT:-} ]]; then
   fail "NNODES=$nnodes needs MASTER_ADDR (node 0's address) and MASTER_PORT, set the same on every node"
 fi
@@ -199,15 +209,25 @@ case $launcher in
   python) cmd=("$python") ;;
 esac
 if [[ $launcher != python ]]; then
-  cmd+=(--nnodes="$nnodes" --node-rank="$node_rank" --nproc-per-node="$nprocs"
-    --master-addr="$master_addr" --master-port="$master_port")
+  cmd+=(--nnodes="$nnodes" --nproc-per-node="$nprocs" --max-restarts="$max_restarts")
+  if ((max_restarts == 0)); then
+    cmd+=(--node-rank="$node_rank" --master-addr="$master_addr" --master-port="$master_port")
+  else
+    # Restarts: the ranks must not share one store across attempts (torchrun's default), or a restarted rank can
+    # read a dead rank's address left there and connect to it (its orphaned DataLoader workers still hold its
+    # sockets). With the c10d rendezvous and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 every attempt gets a new store.
+    cmd+=(--rdzv-backend=c10d --rdzv-endpoint="$master_addr:$master_port" --rdzv-id="cookbook-$master_port")
+  fi
 fi
 cmd+=("$recipe" "$@")
 env_vars=(CUDA_VISIBLE_DEVICES="$visible" CUDA_DEVICE_ORDER=PCI_BUS_ID OMP_NUM_THREADS="$threads"
   MASTER_ADDR="$master_addr" MASTER_PORT="$master_port" NNODES="$nnodes" NODE_RANK="$node_rank"
   NPROC_PER_NODE="$nprocs" RANKS_PER_GPU="$ranks_per_gpu")
+((max_restarts == 0)) || env_vars+=(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
 
-echo "launch.sh: $nprocs process(es) per node on $where, $nnodes node(s), $launcher, master $master_addr:$master_port" >&2
+restarts=""
+((max_restarts == 0)) || restarts=", up to $max_restarts restart(s)"
+echo "launch.sh: $nprocs process(es) per node on $where, $nnodes node(s), $launcher$restarts, master $master_addr:$master_port" >&2
 if [[ $dry_run == 1 ]]; then
   line=""
   for word in "${env_vars[@]}" "${cmd[@]}"; do

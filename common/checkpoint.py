@@ -8,7 +8,7 @@ import shutil
 
 import torch
 
-from common.utils import OneLineError, first_line, human
+from common.utils import OneLineError, first_line, human, print0
 
 
 class CheckpointError(OneLineError):
@@ -70,6 +70,17 @@ def save_atomic(obj, path):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def find_resume(resume, latest):
+    """--resume PATH, or with 'auto' (what a job restarted by MAX_RESTARTS passes) `latest` where it exists,
+    else None: a first run starts from scratch, and says so."""
+    if resume != "auto":
+        return resume
+    if os.path.isfile(latest):
+        return latest
+    print0(f"resume: no {latest} yet, starting from scratch")
+    return None
 
 
 def load_checkpoint(path, map_location, require=()):

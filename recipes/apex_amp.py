@@ -4,6 +4,7 @@
     ./launch.sh recipes/apex_amp.py 0,1,3 --dataset cifar100 --opt-level O2               # apex, else torch
     ./launch.sh recipes/apex_amp.py cpu:2 --arch tiny_bn --opt-level O2 --impl torch       # CPU (slow fp16)
     ./launch.sh recipes/apex_amp.py 0,1,3 --opt-level O2 --resume runs/apex_amp/checkpoint.pt
+    MAX_RESTARTS=3 ./launch.sh recipes/apex_amp.py 0,1,3 --opt-level O2 --resume auto  # a dead rank: all restart
 
 What it shows (the rest is recipes/ddp_torchrun.py): the write-ups' apex pattern, in the order apex
 requires: amp.initialize(model, optimizer, opt_level) BEFORE the DDP wrap (apex refuses a wrapped
@@ -49,7 +50,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common.apex_compat import ApexUnavailable, load_apex
-from common.checkpoint import load_checkpoint, load_weights, save_atomic
+from common.checkpoint import find_resume, load_checkpoint, load_weights, save_atomic
 from common.data import DataError, build_datasets, prepare_dataset
 from common.models import build_model, check_arch, unused_parameters_error
 from common.outputs import check_out_dir, state_bytes
@@ -80,7 +81,8 @@ def parse_args(argv=None):
     p.add_argument("--opt-level", choices=["O0", "O1", "O2", "O3"], default="O1")
     p.add_argument("--keep-batchnorm-fp32", action="store_true",
                    help="O3: keep BatchNorm in fp32 (O2 always does; O0 and O1 do not take it)")
-    p.add_argument("--resume", help="checkpoint.pt to continue from (model, optimizer, scheduler, amp)")
+    p.add_argument("--resume", help="a checkpoint.pt to continue from (model, optimizer, scheduler, amp), "
+                   "or 'auto': OUT_DIR/checkpoint.pt if it exists (for MAX_RESTARTS)")
     return p.parse_args(argv)
 
 
@@ -99,7 +101,7 @@ def check_args(args, world_size):
         die("--lr and --dist-timeout must be > 0")
     if args.keep_batchnorm_fp32 and args.opt_level in ("O0", "O1"):  # apex raises at O1; at O0 it does nothing
         die(f"--keep-batchnorm-fp32 is for O2 and O3: at {args.opt_level} BatchNorm already runs in fp32; drop it")
-    if args.resume and not os.path.isfile(args.resume):
+    if args.resume and args.resume != "auto" and not os.path.isfile(args.resume):
         die(f"--resume {args.resume}: no such file", all_ranks=True)  # files can differ per node
     try:
         check_arch(args.arch)
@@ -311,19 +313,20 @@ def main():
     start_epoch, step = 0, 0
     run_flags = {"impl": impl, "opt_level": args.opt_level, "keep_batchnorm_fp32": args.keep_batchnorm_fp32,
                  "epochs": args.epochs}  # what a resume must match: the "amp" slot is in the impl's own format
-    if args.resume:  # apex's order: initialize, then model, optimizer, amp
-        ckpt = load_checkpoint(args.resume, map_location=device, require=(
+    resume = find_resume(args.resume, os.path.join(args.out_dir, "checkpoint.pt"))  # 'auto': the last one, if any
+    if resume:  # apex's order: initialize, then model, optimizer, amp
+        ckpt = load_checkpoint(resume, map_location=device, require=(
             "model", "optimizer", "scheduler", "amp", "epoch", "step", "flags"))
         changed = [f"--{k.replace('_', '-')} {ckpt['flags'].get(k)} (this run: {v})"
                    for k, v in run_flags.items() if ckpt["flags"].get(k) != v]
         if changed:
-            die(f"{args.resume} was written with {', '.join(changed)}; resume with the same flags")
-        load_weights(model, ckpt["model"], args.resume)  # a wrong --arch: one line naming the keys
+            die(f"{resume} was written with {', '.join(changed)}; resume with the same flags")
+        load_weights(model, ckpt["model"], resume)  # a wrong --arch: one line naming the keys
         mixed.load_optimizer_state(optimizer, ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
         mixed.load_state_dict(ckpt["amp"])
         start_epoch, step = ckpt["epoch"], ckpt["step"]
-        print0(f"resumed: {args.resume} epoch={start_epoch} step={step} amp={ckpt['amp']}")
+        print0(f"resumed: {resume} epoch={start_epoch} step={step} amp={ckpt['amp']}")
     if impl == "apex":
         model = ApexDDP(model, delay_allreduce=True)  # one all-reduce of all gradients after backward
     else:
@@ -339,7 +342,7 @@ def main():
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
     speed = Throughput()
     if start_epoch >= args.epochs:
-        die(f"{args.resume} already finished all {args.epochs} epochs; nothing to resume")
+        die(f"{resume} already finished all {args.epochs} epochs; nothing to resume")
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
         model.train()
@@ -405,7 +408,7 @@ def main():
                        world_size=world_size, device=device.type, steps=step,
                        train_loss=round(loss_meter.avg, 6), val_acc1=round(val_acc1, 4), val_samples=val_samples,
                        images_per_sec=round(speed.images_per_sec, 2), peak_mem_mb=max(peaks),
-                       peak_mem_mb_per_rank=peaks, t_first_step=speed.first_step_at))
+                       peak_mem_mb_per_rank=peaks, first_step_end_unix=speed.first_step_at))
     dist.destroy_process_group()
 
 

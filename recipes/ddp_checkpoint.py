@@ -2,6 +2,8 @@
 
     ./launch.sh recipes/ddp_checkpoint.py 0,1,3 --dataset cifar100 --epochs 30
     ./launch.sh recipes/ddp_checkpoint.py 0,1,3 --dataset cifar100 --epochs 30 --resume auto   # after a crash
+    MAX_RESTARTS=3 ./launch.sh recipes/ddp_checkpoint.py 0,1,3 --epochs 30 --resume auto  # restarts by itself
+    sbatch --nodes 2 slurm/train.sbatch recipes/ddp_checkpoint.py --epochs 30 --resume auto   # SLURM, 2 nodes
     ./launch.sh recipes/ddp_checkpoint.py cpu:2 --arch tiny --epochs 3 --resume auto
     ./launch.sh recipes/ddp_checkpoint.py cpu:2 --arch tiny --init-from runs/dp/model.pt      # start from weights
 
@@ -44,7 +46,7 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
-from common.checkpoint import load_checkpoint, load_weights, save_atomic
+from common.checkpoint import find_resume, load_checkpoint, load_weights, save_atomic
 from common.data import DataError, build_datasets, prepare_dataset
 from common.models import build_model, check_arch, unused_parameters_error
 from common.outputs import check_out_dir, state_bytes
@@ -201,11 +203,7 @@ def main():
         state = load_checkpoint(args.init_from, map_location=device)  # onto THIS rank's device
         load_weights(model.module, state.get("model", state), args.init_from)  # a checkpoint or bare weights
         print0(f"init: weights from {args.init_from}")
-    resume = args.resume
-    if resume == "auto":
-        resume = latest if os.path.isfile(latest) else None
-        if resume is None:
-            print0(f"resume: no {latest} yet, starting from scratch")
+    resume = find_resume(args.resume, latest)  # 'auto': latest.pt if there is one (what MAX_RESTARTS reruns)
     if resume:
         ckpt = load_checkpoint(resume, map_location=device, require=(
             "model", "optimizer", "scheduler", "epoch", "step", "best_acc1", "rng", "args"))
@@ -309,7 +307,7 @@ def main():
     print0(result_line(recipe="ddp_checkpoint", world_size=world_size, device=device.type, steps=step,
                        train_loss=round(loss_meter.avg, 6), val_acc1=round(val_acc1, 4), val_samples=val_samples,
                        images_per_sec=round(speed.images_per_sec, 2), peak_mem_mb=max(peaks),
-                       peak_mem_mb_per_rank=peaks, t_first_step=speed.first_step_at))
+                       peak_mem_mb_per_rank=peaks, first_step_end_unix=speed.first_step_at))
     dist.destroy_process_group()
 
 

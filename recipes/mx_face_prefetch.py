@@ -293,7 +293,7 @@ def main():
     print0(result_line(recipe="mx_face_prefetch", world_size=world_size, device=device.type, steps=step,
                        train_loss=round(loss_meter.avg, 6), val_acc1=round(val_acc1, 4), val_samples=val_samples,
                        images_per_sec=round(speed.images_per_sec, 2), peak_mem_mb=max(peaks),
-                       peak_mem_mb_per_rank=peaks, t_first_step=speed.first_step_at))
+                       peak_mem_mb_per_rank=peaks, first_step_end_unix=speed.first_step_at))
     dist.destroy_process_group()
 
 

@@ -4,6 +4,7 @@
     ./launch.sh recipes/torch_amp.py 0 --amp-dtype bf16 --accum-steps 4 --clip-grad 1.0
     ./launch.sh recipes/torch_amp.py cpu:2 --arch tiny                # bf16 on CPU (the CPU default)
     ./launch.sh recipes/torch_amp.py cpu:2 --arch tiny --epochs 3 --resume runs/torch_amp/checkpoint.pt
+    MAX_RESTARTS=3 ./launch.sh recipes/torch_amp.py 0,1,3 --epochs 30 --resume auto  # a dead rank: all restart
 
 What it shows (the rest is recipes/ddp_torchrun.py):
 - torch.amp.autocast(device_type, dtype) around forward and loss only; torch.amp.GradScaler(device_type),
@@ -41,7 +42,7 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
-from common.checkpoint import load_checkpoint, load_weights, save_atomic
+from common.checkpoint import find_resume, load_checkpoint, load_weights, save_atomic
 from common.data import DataError, build_datasets, prepare_dataset
 from common.models import build_model, check_arch, unused_parameters_error
 from common.outputs import check_out_dir, state_bytes
@@ -74,7 +75,8 @@ def parse_args(argv=None):
     p.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--clip-grad", type=float, help="clip the gradient norm to this (after unscaling)")
     p.add_argument("--channels-last", action="store_true", help="NHWC layout for model and inputs")
-    p.add_argument("--resume", help="checkpoint.pt to continue from (model, optimizer, scheduler, scaler)")
+    p.add_argument("--resume", help="a checkpoint.pt to continue from (model, optimizer, scheduler, scaler), "
+                   "or 'auto': OUT_DIR/checkpoint.pt if it exists (for MAX_RESTARTS)")
     return p.parse_args(argv)
 
 
@@ -94,7 +96,7 @@ def check_args(args, world_size):
             die(f"{flag} {value} must be >= {low}")
     if args.lr <= 0 or args.dist_timeout <= 0 or (args.clip_grad is not None and args.clip_grad <= 0):
         die("--lr, --dist-timeout and --clip-grad must be > 0")
-    if args.resume and not os.path.isfile(args.resume):
+    if args.resume and args.resume != "auto" and not os.path.isfile(args.resume):
         die(f"--resume {args.resume}: no such file", all_ranks=True)  # files can differ per node
     try:
         check_arch(args.arch)
@@ -204,19 +206,20 @@ def main():
     # What a resume must match: the cosine schedule is laid out for --epochs, and a bf16/fp32 run's disabled
     # scaler saves {}, which an fp16 scaler cannot load.
     run_flags = {"amp_dtype": amp_name, "epochs": args.epochs}
-    if args.resume:
-        ckpt = load_checkpoint(args.resume, map_location=device, require=(
+    resume = find_resume(args.resume, os.path.join(args.out_dir, "checkpoint.pt"))  # 'auto': the last one, if any
+    if resume:
+        ckpt = load_checkpoint(resume, map_location=device, require=(
             "model", "optimizer", "scheduler", "scaler", "epoch", "step", "flags"))
         changed = [f"--{k.replace('_', '-')} {ckpt['flags'].get(k)} (this run: {v})"
                    for k, v in run_flags.items() if ckpt["flags"].get(k) != v]
         if changed:
-            die(f"{args.resume} was written with {', '.join(changed)}; resume with the same flags")
-        load_weights(model.module, ckpt["model"], args.resume)  # a wrong --arch: one line naming the keys
+            die(f"{resume} was written with {', '.join(changed)}; resume with the same flags")
+        load_weights(model.module, ckpt["model"], resume)  # a wrong --arch: one line naming the keys
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
         scaler.load_state_dict(ckpt["scaler"])  # without it fp16 restarts at scale 65536 and skips steps
         start_epoch, step = ckpt["epoch"], ckpt["step"]
-        print0(f"resumed: {args.resume} epoch={start_epoch} step={step} scaler={scaler.state_dict()}")
+        print0(f"resumed: {resume} epoch={start_epoch} step={step} scaler={scaler.state_dict()}")
     print0(f"amp: {amp_name} autocast={amp_dtype != torch.float32} grad_scaler={scaler.is_enabled()}"
            + (" (bf16 is the CPU default: fp16 is 10-50x slower on CPU)" if args.amp_dtype is None
               and device.type == "cpu" else ""))
@@ -228,7 +231,7 @@ def main():
     total_steps = min(args.epochs * steps_per_epoch, args.max_steps or float("inf"))
     speed = Throughput()
     if start_epoch >= args.epochs:
-        die(f"{args.resume} already finished all {args.epochs} epochs; nothing to resume")
+        die(f"{resume} already finished all {args.epochs} epochs; nothing to resume")
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
         model.train()
@@ -308,7 +311,7 @@ def main():
     print0(result_line(recipe="torch_amp", world_size=world_size, device=device.type, steps=step,
                        train_loss=round(loss_meter.avg, 6), val_acc1=round(val_acc1, 4), val_samples=val_samples,
                        images_per_sec=round(speed.images_per_sec, 2), peak_mem_mb=max(peaks),
-                       peak_mem_mb_per_rank=peaks, t_first_step=speed.first_step_at))
+                       peak_mem_mb_per_rank=peaks, first_step_end_unix=speed.first_step_at))
     dist.destroy_process_group()
 
 

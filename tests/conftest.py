@@ -17,10 +17,22 @@ REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "launch.sh"
 
 
+def pytest_collection_modifyitems(config, items):
+    """The GPU tier runs only when asked for (-m gpu, or any -m naming it): a plain run, or the quick tier's
+    -m "not slow", stays on the CPU even on a machine with a GPU."""
+    if "gpu" in (config.getoption("markexpr") or ""):
+        return
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+
+
 def launch_env(env=None):
     """os.environ with this interpreter as PYTHON, less the variables launch.sh reads, plus `env`."""
     full_env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
-    for name in ("CUDA_VISIBLE_DEVICES", "MASTER_PORT", "MASTER_ADDR", "NNODES", "NODE_RANK", "LAUNCH_DRY_RUN"):
+    for name in ("CUDA_VISIBLE_DEVICES", "MASTER_PORT", "MASTER_ADDR", "NNODES", "NODE_RANK", "LAUNCH_DRY_RUN",
+                 "MAX_RESTARTS", "RANKS_PER_GPU", "DEVICES"):
         if env is None or name not in env:
             full_env.pop(name, None)
     return full_env

@@ -45,6 +45,7 @@ def one_error(proc):
 
 # --------------------------------------------------------------------------------- torch mode
 
+@pytest.mark.slow
 def test_o3_keep_batchnorm_fp32(tmp_path):
     proc = launch("recipes/apex_amp.py", "cpu:2", *SMALL, "--opt-level", "O3",
                   "--keep-batchnorm-fp32", "--impl", "torch", "--out-dir", tmp_path)
@@ -53,6 +54,7 @@ def test_o3_keep_batchnorm_fp32(tmp_path):
     assert model["features.0.weight"].dtype == torch.float16 and model["features.1.weight"].dtype == torch.float32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", ["O0", "O1"])
 @pytest.mark.parametrize("impl", ["torch", "apex"])
 def test_keep_batchnorm_fp32_is_refused_where_the_level_does_not_take_it(level, impl):
@@ -63,6 +65,7 @@ def test_keep_batchnorm_fp32_is_refused_where_the_level_does_not_take_it(level, 
                                "fp32; drop it")
 
 
+@pytest.mark.slow
 def test_torch_mode_checkpoint_restores_the_scaler_and_refuses_another_impl(tmp_path):
     args = [*SMALL, "--opt-level", "O2", "--impl", "torch", "--epochs", "2", "--out-dir", tmp_path]
     cut = launch("recipes/apex_amp.py", "cpu:2", *args, "--max-steps", "4")  # half an epoch: no checkpoint
@@ -78,8 +81,8 @@ def test_torch_mode_checkpoint_restores_the_scaler_and_refuses_another_impl(tmp_
     assert one_error(other) == (f"{tmp_path / 'checkpoint.pt'} was written with --impl torch (this run: apex); "
                                 "resume with the same flags")
     assert files(tmp_path) == before
-    resumed = launch("recipes/apex_amp.py", "cpu:2", *args, "--resume", tmp_path / "checkpoint.pt")
-    assert result_of(resumed)["steps"] == 16 and "resumed: " in resumed.stdout
+    resumed = launch("recipes/apex_amp.py", "cpu:2", *args, "--resume", "auto")  # OUT_DIR/checkpoint.pt
+    assert result_of(resumed)["steps"] == 16 and f"resumed: {tmp_path / 'checkpoint.pt'} epoch=1 " in resumed.stdout
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["amp"]["_growth_tracker"] == 16
 
 
@@ -123,6 +126,7 @@ def test_load_apex_tells_the_four_ways_apex_is_unusable(tmp_path, monkeypatch):
     ("no GPU", "NVIDIA apex needs a GPU and none is visible (amp.initialize refuses CPU parameters, apex DDP uses "
                "CUDA streams); use --impl torch on the CPU"),
 ])
+@pytest.mark.slow
 def test_impl_apex_says_why_apex_is_unusable(tmp_path, recipe, situation, message):
     path = {"pypi apex": lambda: fake_package(tmp_path, "views"),  # a throwaway apex, like the Pyramid one
             "apex 25.07": lambda: fake_package(tmp_path, "optimizers", "normalization"),  # NVIDIA's, no amp
@@ -157,6 +161,7 @@ def test_the_double_behaves_like_the_real_apex_where_the_recipes_depend_on_it():
 # ------------------------------------------------------------------- the apex path, via the double
 
 
+@pytest.mark.slow
 def test_apex_amp_call_order_through_the_double(tmp_path):
     log = tmp_path / "apex_calls.log"
     env = {**DOUBLE, "FAKE_APEX_LOG": str(log)}
@@ -185,6 +190,7 @@ def test_apex_amp_call_order_through_the_double(tmp_path):
                              "amp.load_state_dict", "parallel.DistributedDataParallel delay_allreduce=True"]
 
 
+@pytest.mark.slow
 def test_apex_ddp_through_the_double_matches_torch_ddp(tmp_path):
     log = tmp_path / "apex_calls.log"
     args = ["--arch", "tiny", "--workers", "0", "--max-steps", "4", "--batch-size", "32"]

@@ -45,6 +45,7 @@ def two_recipes(tmp_path_factory):
     return proc, out
 
 
+@pytest.mark.slow
 def test_table_matches_result_lines(two_recipes):
     proc, out = two_recipes
     md = (out / "results.md").read_text()
@@ -60,7 +61,7 @@ def test_table_matches_result_lines(two_recipes):
         expected = {
             "images/s": ips,
             "s / 20 it": 20 * BATCH / ips,
-            "launch -> step 1 (s)": result["t_first_step"] - run["t_launch"],
+            "launch -> step 1 (s)": result["first_step_end_unix"] - run["t_launch"],
             "step ms": 1000 * BATCH / ips,
             "bare ms": run["bare_step_ms"],
             "step / bare": (1000 * BATCH / ips) / run["bare_step_ms"],
@@ -81,6 +82,7 @@ def test_table_matches_result_lines(two_recipes):
     assert next(line for line in md.splitlines() if line.startswith("| ddp_torchrun")) in proc.stdout  # printed too
 
 
+@pytest.mark.slow
 def test_png_is_valid(two_recipes):
     _, out = two_recipes
     with Image.open(out / "results.png") as image:
@@ -88,6 +90,7 @@ def test_png_is_valid(two_recipes):
         assert image.format == "PNG" and image.size[0] > 0 and image.size[1] > 0
 
 
+@pytest.mark.slow
 def test_failed_and_missing_entries(tmp_path):
     """A bad flag fails the entry, the next one still runs, a missing recipe file is skipped; exit 1."""
     proc = bench("--recipes", "broken,ghost,broken_too", "--out", tmp_path, *FAST,

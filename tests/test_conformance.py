@@ -69,6 +69,9 @@ CASES = {
     "torch_amp:fp16": Case("torch_amp", ("--amp-dtype", "fp16", "--accum-steps", "2", "--clip-grad", "1.0"),
                            precision="fp16", accum=2, clip=1.0),
 }
+# The quick tier (pytest -m "not slow") keeps one real 2-process job per launcher: torchrun, the legacy
+# torch.distributed.launch, and mp.spawn.
+QUICK = {"ddp_torchrun", "ddp_launch", "ddp_spawn"}
 DDP = {"ddp_torchrun", "ddp_launch", "ddp_spawn", "ddp_checkpoint", "mx_face_prefetch", "apex_ddp", "apex_amp",
        "torch_amp"}
 
@@ -99,7 +102,8 @@ def epoch_losses(stdout):
     return [float(x) for x in re.findall(r"^epoch=\d+/\d+ .*?train_loss=([\d.]+)", stdout, re.M)]
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=() if name in QUICK else pytest.mark.slow)
+                                        for name in sorted(CASES)])
 def run(request, tmp_path_factory):
     """One real run of a case (shared by every check below) and the reference's answer for it."""
     name, case = request.param, CASES[request.param]
@@ -202,7 +206,7 @@ BAD = [  # (flags, what the one line starts with); world size 2 (dp: 1)
 ]
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", [pytest.param(r, marks=() if r in QUICK else pytest.mark.slow) for r in RECIPES])
 def test_every_recipe_refuses_the_shared_bad_flags_with_one_line(recipe, capsys):
     module = load_recipe(recipe)
     world = 1 if recipe == "dp" else 2

@@ -17,6 +17,7 @@ from jobs import Job, error_lines, job_mid_epoch, signal_all, survivors, traceba
 from common.recordio import IndexedRecordReader
 from tools.pack_rec import main as pack_rec
 
+pytestmark = pytest.mark.slow  # real multi-process jobs, each several seconds
 TINY = ["--arch", "tiny", "--workers", "0"]
 
 

@@ -263,6 +263,25 @@ def test_bad_multi_node_environment(env, message):
     assert proc.returncode == 2 and message in proc.stderr
 
 
+def test_max_restarts_goes_to_torchrun_with_a_fresh_store_per_attempt():
+    env, argv, stderr = dry_run("recipes/ddp_checkpoint.py", "cpu:2", "--resume", "auto", env={"MAX_RESTARTS": "3"})
+    assert flag(argv, "max-restarts") == "3" and flag(argv, "rdzv-backend") == "c10d"
+    assert flag(argv, "rdzv-endpoint") == f"127.0.0.1:{env['MASTER_PORT']}"
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and "up to 3 restart(s)" in stderr
+    env, argv, _ = dry_run("recipes/ddp_checkpoint.py", "cpu:2")  # the default: no restarts, as before
+    assert flag(argv, "max-restarts") == "0" and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in env
+    assert flag(argv, "master-port") == env["MASTER_PORT"]
+
+
+@pytest.mark.parametrize(("recipe", "value", "message"), [
+    ("ddp_spawn", "1", "MAX_RESTARTS needs a recipe started by torchrun; ddp_spawn.py starts its own processes"),
+    ("ddp_torchrun", "-1", "MAX_RESTARTS='-1' must be a whole number >= 0"),
+])
+def test_bad_max_restarts(recipe, value, message):
+    proc = launch(f"recipes/{recipe}.py", "cpu:2", env={"MAX_RESTARTS": value})
+    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
 def test_cpu_threads_split_across_processes():
     env, _, _ = dry_run("recipes/ddp_torchrun.py", "cpu:2")
     cores = int(subprocess.run(["nproc"], capture_output=True, text=True).stdout)

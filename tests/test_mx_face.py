@@ -23,6 +23,7 @@ def faces_rec(tmp_path_factory):
     return tmp / "rec"
 
 
+@pytest.mark.slow
 def test_trains_on_a_packed_rec_well_above_chance(faces_rec, tmp_path):
     proc = launch("recipes/mx_face_prefetch.py", "cpu:2", "--rec", faces_rec, *FACES, "--workers", "2",
                   "--epochs", "3", "--out-dir", tmp_path)
@@ -34,6 +35,7 @@ def test_trains_on_a_packed_rec_well_above_chance(faces_rec, tmp_path):
     assert state["head.weight"].shape == (5, 128) and not any(k.startswith("module.") for k in state)
 
 
+@pytest.mark.slow
 def test_synthetic_needs_no_data(tmp_path):
     proc = launch("recipes/mx_face_prefetch.py", "cpu:2", "--rec", "synthetic", *FACES, "--workers", "0",
                   "--batch-size", "64", "--epochs", "2", "--out-dir", tmp_path)
@@ -44,6 +46,7 @@ def test_synthetic_needs_no_data(tmp_path):
     ("idx", "train.idx: idx line 3 malformed: 'garbage' (expected 'key<TAB>offset')"),
     ("rec", "is outside"),  # a .rec cut short: the idx points past its end
 ])
+@pytest.mark.slow
 def test_a_damaged_file_fails_at_start_with_one_line(faces_rec, tmp_path, damage, message):
     bad = tmp_path / "bad"
     shutil.copytree(faces_rec, bad)
@@ -60,6 +63,7 @@ def test_a_damaged_file_fails_at_start_with_one_line(faces_rec, tmp_path, damage
         assert "train.rec" in proc.stderr and "truncated .rec?" in proc.stderr
 
 
+@pytest.mark.slow
 def test_reader_mxnet(faces_rec, tmp_path):
     proc = run_direct("mx_face_prefetch", "--rec", faces_rec, *FACES, "--reader", "mxnet", "--workers", "0",
                       "--max-steps", "3", "--out-dir", tmp_path)

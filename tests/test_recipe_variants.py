@@ -58,6 +58,7 @@ def test_ddp_launch_accepts_all_three_local_rank_spellings(monkeypatch):
     assert parse(["--local-rank=0"]).local_rank == 0  # the launcher's flag wins
 
 
+@pytest.mark.slow
 def test_ddp_launch_trains_under_torch_distributed_launch(tmp_path):
     proc = launch("recipes/ddp_launch.py", "cpu:2", *TINY, "--max-steps", "4", "--out-dir", tmp_path)
     result = result_of(proc)
@@ -68,6 +69,7 @@ def test_ddp_launch_trains_under_torch_distributed_launch(tmp_path):
 # ---------------------------------------------------------------------------------- ddp_spawn
 
 
+@pytest.mark.slow
 def test_ddp_spawn_worker_errors_end_the_program(tmp_path):
     # A sample that does not load: one line from the worker that read it, then the exit the parent saw.
     root = make_imagefolder(tmp_path / "data", train_per_class=8, val_per_class=3)
@@ -93,15 +95,17 @@ def test_ddp_spawn_worker_errors_end_the_program(tmp_path):
 
 # ---------------------------------------------------------------------------------- torch_amp
 
+@pytest.mark.slow
 def test_fp16_trains_and_the_scaler_state_survives_resume(tmp_path):
     small = [*TINY, "--batch-size", "32", "--lr", "0.05", "--synthetic-train", "256", "--synthetic-val", "50",
              "--image-size", "16", "--amp-dtype", "fp16", "--clip-grad", "1.0", "--epochs", "2", "--out-dir", tmp_path]
-    first = launch("recipes/torch_amp.py", "cpu:2", *small, "--max-steps", "8")  # stops after epoch 1
+    first = launch("recipes/torch_amp.py", "cpu:2", *small, "--resume", "auto", "--max-steps", "8")  # epoch 1 of 2
     assert result_of(first)["steps"] == 8 and "grad_scaler=True" in first.stdout
+    assert f"resume: no {tmp_path / 'checkpoint.pt'} yet, starting from scratch" in first.stdout
     saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert saved["epoch"] == 1 and saved["scaler"]["scale"] > 0 and saved["scaler"]["_growth_tracker"] == 8
     as_if_saved_on_gpu(tmp_path / "checkpoint.pt")  # --resume loads it with map_location=this rank's device
-    resumed = launch("recipes/torch_amp.py", "cpu:2", *small, "--resume", tmp_path / "checkpoint.pt")
+    resumed = launch("recipes/torch_amp.py", "cpu:2", *small, "--resume", "auto")  # what MAX_RESTARTS reruns
     assert result_of(resumed)["steps"] == 16
     assert "resumed: " in resumed.stdout and "'_growth_tracker': 8}" in resumed.stdout
     # A scaler that was not restored would count from 0 again and end at 8.
@@ -132,6 +136,7 @@ def checkpoint_runs(tmp_path_factory):
     return {"tmp": tmp, "data": data, "args": args, "straight": straight, "first": first, "resumed": resumed}
 
 
+@pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_run_bitwise(checkpoint_runs):
     straight, first, resumed = (checkpoint_runs[k] for k in ("straight", "first", "resumed"))
     assert result_of(straight)["steps"] == result_of(resumed)["steps"] == 21 and result_of(first)["steps"] == 7
@@ -141,6 +146,7 @@ def test_resume_reproduces_the_uninterrupted_run_bitwise(checkpoint_runs):
     assert all(torch.equal(a[name], b[name]) for name in a)
 
 
+@pytest.mark.slow
 def test_best_is_saved_only_when_accuracy_improves(checkpoint_runs):
     out = checkpoint_runs["straight"].stdout
     accs = [float(re.search(r"val_acc1=([\d.]+)", line).group(1)) for line in epoch_lines(out)]
@@ -152,6 +158,7 @@ def test_best_is_saved_only_when_accuracy_improves(checkpoint_runs):
     assert latest["epoch"] == 3 and len(latest["rng"]) == 2 and latest["args"]["epochs"] == 3
 
 
+@pytest.mark.slow
 def test_init_from_weights_with_module_prefix_and_a_wrong_arch(checkpoint_runs, tmp_path):
     trained = params(checkpoint_runs["tmp"] / "straight/model.pt")
     torch.save({f"module.{k}": v for k, v in trained.items()}, tmp_path / "wrapped.pt")  # as a DDP/DP wrapper saves
@@ -166,6 +173,7 @@ def test_init_from_weights_with_module_prefix_and_a_wrong_arch(checkpoint_runs, 
     assert len(wrong.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_a_truncated_checkpoint_is_refused_and_nothing_is_overwritten(checkpoint_runs, tmp_path):
     good = (checkpoint_runs["tmp"] / "straight/latest.pt").read_bytes()
     (tmp_path / "latest.pt").write_bytes(good[: len(good) // 2])

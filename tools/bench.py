@@ -23,7 +23,7 @@ Columns:
   s / 20 it         20 * global batch / images/s: seconds for 20 optimizer steps
   peak MB per rank  the recipe's peak_mem_mb_per_rank; DataParallel lists one value per GPU, so GPU 0's
                     extra memory (gathered outputs, gradients) shows
-  launch -> step 1  t_first_step (the end of the first optimizer step) minus the wall-clock time just
+  launch -> step 1  first_step_end_unix (when the first optimizer step ended) minus the wall-clock time just
                     before launch.sh was started: interpreter, launcher, process group, data, model, step 1
   step ms           recipe step time = global batch / images/s. In one step each replica (a DDP process, or
                     one GPU of DataParallel) trains on global batch / replicas images
@@ -267,7 +267,7 @@ def add_derived(run, args, bare_cache):
     step_s = args.batch_size / ips if ips > 0 else float("inf")
     run.update(world_size=result["world_size"], device=result["device"], images_per_sec=ips,
                s_per_20_it=20 * step_s, peak_mem_mb_per_rank=per_rank, replicas=replicas,
-               batch_per_replica=batch, launch_to_first_step_s=result["t_first_step"] - run["t_launch"],
+               batch_per_replica=batch, launch_to_first_step_s=result["first_step_end_unix"] - run["t_launch"],
                step_ms=1000 * step_s, bare_step_ms=1000 * bare_cache[key], step_vs_bare=step_s / bare_cache[key])
 
 

@@ -10,17 +10,46 @@ rank's exit code was. Here that becomes one line naming every failed rank and ho
 code of the rank that failed first, so a recipe's `exit 2` for a bad flag stays 2 and a rank killed by a
 signal gives 128 + its number, as in a shell. Ctrl-C or SIGTERM to this process stops every rank the same
 way and exits 128 + the signal number.
+
+Ranks die with it: torchrun starts each rank in a session of its own, so a SIGKILL of torchrun (or of
+launch.sh, which becomes this process) used to leave them training. Here every rank it starts gets Linux's
+parent-death signal (prctl PR_SET_PDEATHSIG): the kernel SIGKILLs it when this process dies, however it
+dies; its DataLoader workers notice that their parent is gone within 5 s and exit.
+
+With --max-restarts N (launch.sh: MAX_RESTARTS=N), torchrun restarts all ranks when one fails, up to N
+times; recipes run with --resume auto then continue from their last whole epoch.
 """
 
 import contextlib
+import ctypes
+import functools
 import os
 import signal
+import subprocess
 import sys
 
 from torch.distributed import launch as legacy_launch
 from torch.distributed import run as torch_run
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def ranks_die_with_this_process():
+    """Every rank torchrun starts from now on gets SIGKILL from the kernel when this process dies (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return
+    prctl, launcher = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()
+
+    def in_the_rank():  # between fork and exec, in the new process
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != launcher:  # it died before prctl: no signal will come
+            os._exit(1)
+
+    # torchrun's SubprocessHandler starts each rank with this module's Popen.
+    subprocess_handler.Popen = functools.partial(subprocess.Popen, preexec_fn=in_the_rank)
 
 
 def describe(rank, failure):
@@ -52,6 +81,7 @@ def main(argv):
     legacy = argv[:1] == ["--legacy-launch"]
     if legacy:
         argv = argv[1:]
+    ranks_die_with_this_process()
     try:
         if legacy:
             legacy_launch.launch(legacy_launch.parse_args(argv))
