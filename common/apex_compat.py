@@ -10,6 +10,9 @@ Four ways to not have it, each with its own fix (README, "NVIDIA apex"):
 
 import importlib
 import importlib.util
+import os
+
+from common.utils import first_line
 
 BUILD_HINT = ("install NVIDIA apex 25.04 from source: pip install --no-build-isolation ./vendor/apex-25.04.tar.gz "
               "(README, section 'NVIDIA apex'), or use --impl torch")
@@ -25,35 +28,38 @@ class ApexUnavailable(Exception):
         self.short = short
 
 
-def _has(package, name):
-    return importlib.util.find_spec(f"{package.__name__}.{name}") is not None
+def _has(spec, name):
+    """Whether the package at `spec` has the subpackage or module `name`, looked up on disk: no import."""
+    return any(os.path.isdir(os.path.join(folder, name)) or os.path.isfile(os.path.join(folder, f"{name}.py"))
+               for folder in spec.submodule_search_locations or ())
 
 
 def load_apex(cuda):
     """(apex.amp, apex.parallel.DistributedDataParallel, apex) or ApexUnavailable. cuda: whether this process
     will train on a GPU (torch.cuda.is_available())."""
-    if importlib.util.find_spec("apex") is None:
+    spec = importlib.util.find_spec("apex")
+    if spec is None:
         raise ApexUnavailable("NVIDIA apex is not installed (it is not on PyPI)", BUILD_HINT)
-    try:
-        apex = importlib.import_module("apex")
-    except Exception as exc:  # a broken build fails in its own ways
-        raise ApexUnavailable(f"apex is installed but does not import ({type(exc).__name__}: {exc})",
-                              BUILD_HINT) from exc
-    where = getattr(apex, "__file__", None) or list(getattr(apex, "__path__", []))
-    if not (_has(apex, "amp") and _has(apex, "parallel")):
-        if any(_has(apex, name) for name in NVIDIA_ONLY):
+    where, nvidia = spec.origin, any(_has(spec, name) for name in NVIDIA_ONLY)
+    if not (_has(spec, "amp") and _has(spec, "parallel")):
+        if nvidia:
             raise ApexUnavailable(f"the NVIDIA apex at {where} is too new: apex.amp and apex.parallel were "
                                   "removed in 25.07", "pip uninstall apex, then " + BUILD_HINT)
         raise ApexUnavailable(f"the 'apex' at {where} is the unrelated PyPI package (a Pyramid toolkit, "
                               "no amp)", "pip uninstall apex, then " + BUILD_HINT)
+    no_gpu = ApexUnavailable("NVIDIA apex needs a GPU and none is visible (amp.initialize refuses CPU parameters, "
+                             "apex DDP uses CUDA streams)", "use --impl torch on the CPU")
+    if nvidia and not cuda:  # not even imported: it cannot run here, and its import takes a second
+        raise no_gpu
     try:
+        apex = importlib.import_module("apex")
         amp = importlib.import_module("apex.amp")
         parallel = importlib.import_module("apex.parallel")
-    except Exception as exc:
-        raise ApexUnavailable(f"apex.amp / apex.parallel fail to import ({type(exc).__name__}: {exc})",
+    except Exception as exc:  # a broken build fails in its own ways
+        raise ApexUnavailable(f"apex is installed but does not import ({type(exc).__name__}: {first_line(exc)})",
                               BUILD_HINT) from exc
-    # Only tests/fake_apex, a test double of apex on torch, may say that it runs on the CPU.
+    # An apex without NVIDIA's other subpackages is tests/fake_apex, a test double of apex on torch: only it may
+    # say that it runs on the CPU.
     if not cuda and not getattr(apex, "RUNS_ON_CPU", False):
-        raise ApexUnavailable("NVIDIA apex needs a GPU and none is visible (amp.initialize refuses CPU parameters, "
-                              "apex DDP uses CUDA streams)", "use --impl torch on the CPU")
+        raise no_gpu
     return amp, parallel.DistributedDataParallel, apex

@@ -4,7 +4,6 @@ import difflib
 import re
 
 import torch.nn as nn
-import torchvision
 
 
 class TinyCNN(nn.Module):
@@ -36,11 +35,15 @@ TINY = {"tiny": {}, "tiny_unused": {"unused_branch": True}, "tiny_bn": {"batchno
 
 
 def arch_names():
+    import torchvision  # only for its models: importing it costs each process over a second
+
     return sorted(TINY) + sorted(torchvision.models.list_models(module=torchvision.models))
 
 
 def check_arch(arch):
     """Raise ValueError naming the closest known architectures when `arch` is unknown."""
+    if arch in TINY:  # no need to import torchvision to know these
+        return
     names = arch_names()
     if arch not in names:
         close = difflib.get_close_matches(arch, names, n=3) or ["tiny", "resnet18", "resnet50"]
@@ -51,6 +54,8 @@ def build_model(arch, num_classes):
     check_arch(arch)
     if arch in TINY:
         return TinyCNN(num_classes, **TINY[arch])
+    import torchvision
+
     return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
 
 

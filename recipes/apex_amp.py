@@ -23,12 +23,10 @@ apex removed amp in 25.07. torch.amp replaces it (recipes/torch_amp.py). This re
     O3     pure fp16 (--keep-batchnorm-fp32 optional),    model.half() (BatchNorm too unless the flag),
            static loss scale 1.0                          no loss scaling, the optimizer steps fp16 weights
 
-A checkpoint holds the loss scaler's state in the slot "amp" in both modes (amp.state_dict() or
-GradScaler.state_dict(), two formats), with the flags that wrote it: --resume refuses another --impl,
---opt-level, --keep-batchnorm-fp32 or --epochs. As in apex, O2's fp32 master weights are re-made from the
-loaded model on resume, before the optimizer state is loaded into them. Under apex, O2's optimizer.zero_grad
-takes no argument. apex needs a GPU: on the CPU --impl auto runs torch. On CPU fp16 runs 10-50x slower than
-fp32: use --arch tiny / tiny_bn and small images there.
+The checkpoint's "amp" slot holds amp.state_dict() or GradScaler.state_dict() (two formats) beside the flags
+that wrote it: --resume refuses another --impl, --opt-level, --keep-batchnorm-fp32 or --epochs. As in apex,
+O2's fp32 masters are re-made from the loaded model, then the optimizer state goes into them. apex needs a GPU
+(on the CPU --impl auto runs torch); CPU fp16 is 10-50x slower than fp32: use --arch tiny / tiny_bn there.
 """
 # launcher: torchrun
 
@@ -51,9 +49,10 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common.apex_compat import ApexUnavailable, load_apex
 from common.checkpoint import find_resume, load_checkpoint, load_weights, save_atomic
-from common.data import DataError, build_datasets, prepare_dataset
+from common.data import DataError, build_datasets, default_workers, prepare_dataset
 from common.models import build_model, check_arch, unused_parameters_error
 from common.outputs import check_out_dir, state_bytes
+from common.tensorboard_log import TensorBoard
 from common.utils import AverageMeter, Throughput, accuracy, die, one_line_errors, peak_memory_mb, print0, result_line
 
 
@@ -68,11 +67,14 @@ def parse_args(argv=None):
     p.add_argument("--arch", default="resnet18", help="torchvision model name, or tiny / tiny_unused")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=128, help="GLOBAL batch, split evenly across processes")
-    p.add_argument("--workers", type=int, default=4, help="TOTAL DataLoader workers, split across processes")
+    p.add_argument("--workers", type=int,
+                   help="DataLoader workers PER PROCESS (default: cores per process - 1, at most 4)")
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs, benchmarks)")
     p.add_argument("--out-dir", default="runs/apex_amp", help="model.pt and checkpoint.pt go here")
+    p.add_argument("--tb-dir", help="write TensorBoard curves here (rank 0): tensorboard --logdir TB_DIR")
+    p.add_argument("--tb-every", type=int, default=20, help="--tb-dir: the training loss every N optimizer steps")
     p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
     p.add_argument("--find-unused-parameters", action="store_true",
                    help="torch DDP only: needed when some parameters get no gradient in a step")
@@ -94,7 +96,7 @@ def check_args(args, world_size):
     for flag, value, low in [("--epochs", args.epochs, 1), ("--workers", args.workers, 0),
                              ("--max-steps", args.max_steps, 1), ("--image-size", args.image_size, 1),
                              ("--synthetic-train", args.synthetic_train, 1),
-                             ("--synthetic-val", args.synthetic_val, 1)]:
+                             ("--synthetic-val", args.synthetic_val, 1), ("--tb-every", args.tb_every, 1)]:
         if value is not None and value < low:
             die(f"{flag} {value} must be >= {low}")
     if args.lr <= 0 or args.dist_timeout <= 0:
@@ -133,6 +135,9 @@ class ApexAmp:
 
     def step(self, optimizer):
         optimizer.step()  # apex patched step() to skip a step whose gradients overflowed
+
+    def loss_scale(self):
+        return self.amp.state_dict()["loss_scaler0"]["loss_scale"]  # for TensorBoard
 
     def load_optimizer_state(self, optimizer, state):
         # O2 makes its fp32 master weights lazily (at the first step): until then the optimizer holds the fp16
@@ -195,6 +200,9 @@ class TorchAmp:
         with torch.no_grad():
             for p, master in self.masters:
                 p.copy_(master)
+
+    def loss_scale(self):
+        return self.scaler.get_scale() if self.scaler.is_enabled() else 1.0  # O0, O3: no scaling (apex: 1.0)
 
     def load_optimizer_state(self, optimizer, state):
         optimizer.load_state_dict(state)  # O2's masters exist from initialize(): the momentum stays fp32
@@ -273,7 +281,8 @@ def main():
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     batch_per_process = args.batch_size // world_size
-    workers_per_process = args.workers // world_size
+    # --workers counts per process; unset: one per core this process has beyond its own, at most 4.
+    workers_per_process = default_workers(args.workers, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     print0(f"setup: world_size={world_size} backend={backend} device={device.type} "
            f"global_batch={args.batch_size} ({batch_per_process} per process x {world_size}), "
            f"workers={workers_per_process} per process")
@@ -341,6 +350,8 @@ def main():
     # ----------------------------------------------------------------------------------- train
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
     speed = Throughput()
+    # Resumed: the curves go on from `step`; what an interrupted run logged after its checkpoint is dropped.
+    tb = TensorBoard(args.tb_dir, args.tb_every, is_main, device, vars(args), start_step=step)
     if start_epoch >= args.epochs:
         die(f"{resume} already finished all {args.epochs} epochs; nothing to resume")
     for epoch in range(start_epoch, args.epochs):
@@ -368,6 +379,7 @@ def main():
             acc_meter.update(accuracy(output, targets)[0], images.size(0))
             step += 1
             speed.step(args.batch_size)
+            tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"], loss_scale=mixed.loss_scale)
             if step >= total_steps:
                 break
         scheduler.step()
@@ -387,6 +399,8 @@ def main():
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
                f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
                f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={eta}")
+        tb.epoch(step, train_loss=loss_meter.avg, train_acc1=acc_meter.avg, val_loss=val_loss, val_acc1=val_acc1,
+                 val_acc5=val_acc5, images_per_sec=loss_meter.count / epoch_time)
         # After each whole epoch (not one cut short by --max-steps), so an interrupted run can --resume.
         if is_main and step % len(train_loader) == 0:  # atomic: a crash mid-write keeps the previous checkpoint
             save_atomic({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
@@ -396,6 +410,7 @@ def main():
             break
 
     # ------------------------------------------------------------------------------------ save
+    tb.close()
     peaks = [torch.zeros((), device=device) for _ in range(world_size)]
     dist.all_gather(peaks, torch.tensor(peak_memory_mb(device), device=device))  # every rank's own peak
     peaks = [round(p.item(), 1) for p in peaks]

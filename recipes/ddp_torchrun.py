@@ -32,9 +32,10 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
-from common.data import DataError, build_datasets, prepare_dataset
+from common.data import DataError, build_datasets, default_workers, prepare_dataset
 from common.models import build_model, check_arch, unused_parameters_error
 from common.outputs import check_out_dir, state_bytes
+from common.tensorboard_log import TensorBoard
 from common.utils import AverageMeter, Throughput, accuracy, die, one_line_errors, peak_memory_mb, print0, result_line
 
 
@@ -49,11 +50,14 @@ def parse_args(argv=None):
     p.add_argument("--arch", default="resnet18", help="torchvision model name, or tiny / tiny_unused")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=128, help="GLOBAL batch, split evenly across processes")
-    p.add_argument("--workers", type=int, default=4, help="TOTAL DataLoader workers, split across processes")
+    p.add_argument("--workers", type=int,
+                   help="DataLoader workers PER PROCESS (default: cores per process - 1, at most 4)")
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs, benchmarks)")
     p.add_argument("--out-dir", default="runs/ddp_torchrun", help="model.pt is written here")
+    p.add_argument("--tb-dir", help="write TensorBoard curves here (rank 0): tensorboard --logdir TB_DIR")
+    p.add_argument("--tb-every", type=int, default=20, help="--tb-dir: the training loss every N optimizer steps")
     p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
     p.add_argument("--find-unused-parameters", action="store_true",
                    help="needed when some parameters get no gradient in a step")
@@ -68,7 +72,7 @@ def check_args(args, world_size):
     for flag, value, low in [("--epochs", args.epochs, 1), ("--workers", args.workers, 0),
                              ("--max-steps", args.max_steps, 1), ("--image-size", args.image_size, 1),
                              ("--synthetic-train", args.synthetic_train, 1),
-                             ("--synthetic-val", args.synthetic_val, 1)]:
+                             ("--synthetic-val", args.synthetic_val, 1), ("--tb-every", args.tb_every, 1)]:
         if value is not None and value < low:
             die(f"{flag} {value} must be >= {low}")
     if args.lr <= 0 or args.dist_timeout <= 0:
@@ -131,7 +135,8 @@ def main():
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     batch_per_process = args.batch_size // world_size
-    workers_per_process = args.workers // world_size
+    # --workers counts per process; unset: one per core this process has beyond its own, at most 4.
+    workers_per_process = default_workers(args.workers, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     print0(f"setup: world_size={world_size} backend={backend} device={device.type} "
            f"global_batch={args.batch_size} ({batch_per_process} per process x {world_size}), "
            f"workers={workers_per_process} per process")
@@ -175,6 +180,7 @@ def main():
     # ----------------------------------------------------------------------------------- train
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
     step, speed = 0, Throughput()
+    tb = TensorBoard(args.tb_dir, args.tb_every, is_main, device, vars(args), start_step=step)  # off without --tb-dir
     for epoch in range(args.epochs):
         train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
         model.train()
@@ -199,6 +205,7 @@ def main():
             acc_meter.update(accuracy(output, targets)[0], images.size(0))
             step += 1
             speed.step(args.batch_size)
+            tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"])
             if step >= total_steps:
                 break
         scheduler.step()
@@ -218,10 +225,13 @@ def main():
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
                f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
                f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={eta}")
+        tb.epoch(step, train_loss=loss_meter.avg, train_acc1=acc_meter.avg, val_loss=val_loss, val_acc1=val_acc1,
+                 val_acc5=val_acc5, images_per_sec=loss_meter.count / epoch_time)
         if step >= total_steps:
             break
 
     # ------------------------------------------------------------------------------------ save
+    tb.close()
     peaks = [torch.zeros((), device=device) for _ in range(world_size)]
     dist.all_gather(peaks, torch.tensor(peak_memory_mb(device), device=device))  # every rank's own peak
     peaks = [round(p.item(), 1) for p in peaks]

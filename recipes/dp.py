@@ -26,9 +26,10 @@ from torch.utils.data import DataLoader, RandomSampler
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
-from common.data import DataError, build_datasets, prepare_dataset
+from common.data import DataError, build_datasets, default_workers, prepare_dataset
 from common.models import build_model, check_arch
 from common.outputs import check_out_dir, state_bytes
+from common.tensorboard_log import TensorBoard
 from common.utils import AverageMeter, Throughput, accuracy, die, one_line_errors, peak_memory_mb, print0, result_line
 
 
@@ -43,11 +44,13 @@ def parse_args(argv=None):
     p.add_argument("--arch", default="resnet18", help="torchvision model name, or tiny / tiny_unused")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=128, help="whole batch, split across the GPUs")
-    p.add_argument("--workers", type=int, default=4, help="DataLoader workers (one process)")
+    p.add_argument("--workers", type=int, help="DataLoader workers (one process; default: cores - 1, at most 4)")
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs, benchmarks)")
     p.add_argument("--out-dir", default="runs/dp", help="model.pt is written here")
+    p.add_argument("--tb-dir", help="write TensorBoard curves here (rank 0): tensorboard --logdir TB_DIR")
+    p.add_argument("--tb-every", type=int, default=20, help="--tb-dir: the training loss every N optimizer steps")
     return p.parse_args(argv)
 
 
@@ -59,7 +62,7 @@ def check_args(args, world_size):
     for flag, value, low in [("--epochs", args.epochs, 1), ("--workers", args.workers, 0),
                              ("--max-steps", args.max_steps, 1), ("--image-size", args.image_size, 1),
                              ("--synthetic-train", args.synthetic_train, 1),
-                             ("--synthetic-val", args.synthetic_val, 1)]:
+                             ("--synthetic-val", args.synthetic_val, 1), ("--tb-every", args.tb_every, 1)]:
         if value is not None and value < low:
             die(f"{flag} {value} must be >= {low}")
     if args.lr <= 0:
@@ -103,7 +106,7 @@ def main():
         # match fp32's. Set both False for bitwise comparisons.
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     batch_per_process = args.batch_size
-    workers_per_process = args.workers
+    workers_per_process = default_workers(args.workers, processes_per_node=1)
     where = f"DataParallel over {num_gpus} GPU(s)" if num_gpus else "no GPU, DataParallel passes through"
     print0(f"setup: 1 process, {where}, batch={args.batch_size} (split across the GPUs), workers={args.workers}")
 
@@ -141,6 +144,7 @@ def main():
     # ----------------------------------------------------------------------------------- train
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
     step, speed = 0, Throughput()
+    tb = TensorBoard(args.tb_dir, args.tb_every, is_main, device, vars(args), start_step=step)  # off without --tb-dir
     for epoch in range(args.epochs):
         model.train()
         loss_meter, acc_meter = AverageMeter(), AverageMeter()
@@ -158,6 +162,7 @@ def main():
             acc_meter.update(accuracy(output, targets)[0], images.size(0))
             step += 1
             speed.step(args.batch_size)
+            tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"])
             if step >= total_steps:
                 break
         scheduler.step()
@@ -171,10 +176,13 @@ def main():
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
                f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
                f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={eta}")
+        tb.epoch(step, train_loss=loss_meter.avg, train_acc1=acc_meter.avg, val_loss=val_loss, val_acc1=val_acc1,
+                 val_acc5=val_acc5, images_per_sec=loss_meter.count / epoch_time)
         if step >= total_steps:
             break
 
     # ------------------------------------------------------------------------------------ save
+    tb.close()
     # Per GPU: DataParallel gathers outputs and gradients on GPU 0, so it is the fullest.
     peaks = [round(peak_memory_mb(torch.device("cuda", i)), 1) for i in range(num_gpus)] or [
         round(peak_memory_mb(device), 1)]

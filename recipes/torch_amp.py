@@ -43,9 +43,10 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common.checkpoint import find_resume, load_checkpoint, load_weights, save_atomic
-from common.data import DataError, build_datasets, prepare_dataset
+from common.data import DataError, build_datasets, default_workers, prepare_dataset
 from common.models import build_model, check_arch, unused_parameters_error
 from common.outputs import check_out_dir, state_bytes
+from common.tensorboard_log import TensorBoard
 from common.utils import AverageMeter, Throughput, accuracy, die, one_line_errors, peak_memory_mb, print0, result_line
 
 
@@ -61,11 +62,14 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=128,
                    help="GLOBAL batch per optimizer step, split across processes and --accum-steps")
-    p.add_argument("--workers", type=int, default=4, help="TOTAL DataLoader workers, split across processes")
+    p.add_argument("--workers", type=int,
+                   help="DataLoader workers PER PROCESS (default: cores per process - 1, at most 4)")
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs, benchmarks)")
     p.add_argument("--out-dir", default="runs/torch_amp", help="model.pt and checkpoint.pt go here")
+    p.add_argument("--tb-dir", help="write TensorBoard curves here (rank 0): tensorboard --logdir TB_DIR")
+    p.add_argument("--tb-every", type=int, default=20, help="--tb-dir: the training loss every N optimizer steps")
     p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
     p.add_argument("--find-unused-parameters", action="store_true",
                    help="needed when some parameters get no gradient in a step")
@@ -91,7 +95,7 @@ def check_args(args, world_size):
     for flag, value, low in [("--epochs", args.epochs, 1), ("--workers", args.workers, 0),
                              ("--max-steps", args.max_steps, 1), ("--image-size", args.image_size, 1),
                              ("--synthetic-train", args.synthetic_train, 1),
-                             ("--synthetic-val", args.synthetic_val, 1)]:
+                             ("--synthetic-val", args.synthetic_val, 1), ("--tb-every", args.tb_every, 1)]:
         if value is not None and value < low:
             die(f"{flag} {value} must be >= {low}")
     if args.lr <= 0 or args.dist_timeout <= 0 or (args.clip_grad is not None and args.clip_grad <= 0):
@@ -157,7 +161,8 @@ def main():
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     batch_per_process = args.batch_size // world_size
     micro_batch = batch_per_process // args.accum_steps
-    workers_per_process = args.workers // world_size
+    # --workers counts per process; unset: one per core this process has beyond its own, at most 4.
+    workers_per_process = default_workers(args.workers, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     print0(f"setup: world_size={world_size} backend={backend} device={device.type} "
            f"global_batch={args.batch_size} ({batch_per_process} per process x {world_size}, "
            f"micro_batch={micro_batch} x {args.accum_steps} accum_steps), workers={workers_per_process} per process")
@@ -230,6 +235,8 @@ def main():
     # ----------------------------------------------------------------------------------- train
     total_steps = min(args.epochs * steps_per_epoch, args.max_steps or float("inf"))
     speed = Throughput()
+    # Resumed: the curves go on from `step`; what an interrupted run logged after its checkpoint is dropped.
+    tb = TensorBoard(args.tb_dir, args.tb_every, is_main, device, vars(args), start_step=step)
     if start_epoch >= args.epochs:
         die(f"{resume} already finished all {args.epochs} epochs; nothing to resume")
     for epoch in range(start_epoch, args.epochs):
@@ -270,6 +277,8 @@ def main():
             optimizer.zero_grad(set_to_none=True)
             step += 1
             speed.step(args.batch_size)
+            tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"],
+                    loss_scale=scaler.get_scale if scaler.is_enabled() else None)
             if step >= total_steps:
                 break
         scheduler.step()
@@ -290,6 +299,8 @@ def main():
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
                f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
                f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={eta}")
+        tb.epoch(step, train_loss=loss_meter.avg, train_acc1=acc_meter.avg, val_loss=val_loss, val_acc1=val_acc1,
+                 val_acc5=val_acc5, images_per_sec=loss_meter.count / epoch_time)
         # After each whole epoch (not one cut short by --max-steps), so an interrupted run can --resume.
         if is_main and step % steps_per_epoch == 0:  # atomic: a crash mid-write keeps the previous checkpoint
             save_atomic({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
@@ -300,6 +311,7 @@ def main():
             break
 
     # ------------------------------------------------------------------------------------ save
+    tb.close()
     peaks = [torch.zeros((), device=device) for _ in range(world_size)]
     dist.all_gather(peaks, torch.tensor(peak_memory_mb(device), device=device))  # every rank's own peak
     peaks = [round(p.item(), 1) for p in peaks]

@@ -124,7 +124,7 @@ def signal_all(pids, sig):
 
 def job_mid_epoch(recipe, out_dir, devices="cpu:2"):
     """A 2-rank job with DataLoader workers, a little into epoch 2 (64 steps, several seconds here)."""
-    job = Job(f"recipes/{recipe}.py", devices, "--arch", "tiny", "--workers", "2", "--epochs", "20",
+    job = Job(f"recipes/{recipe}.py", devices, "--arch", "tiny", "--workers", "1", "--epochs", "20",
               "--synthetic-train", "4096", "--batch-size", "64", "--out-dir", out_dir)
     job.wait_for("epoch=1/")
     time.sleep(0.5)

@@ -11,7 +11,7 @@ from collections import defaultdict
 
 import pytest
 import torch
-from conftest import REPO, as_if_saved_on_gpu, launch, result_of, run_direct
+from conftest import REPO, as_if_saved_on_gpu, launch, load_recipe, result_of, run_direct
 
 from common import apex_compat
 from common.apex_compat import ApexUnavailable, load_apex
@@ -54,15 +54,15 @@ def test_o3_keep_batchnorm_fp32(tmp_path):
     assert model["features.0.weight"].dtype == torch.float16 and model["features.1.weight"].dtype == torch.float32
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("level", ["O0", "O1"])
-@pytest.mark.parametrize("impl", ["torch", "apex"])
-def test_keep_batchnorm_fp32_is_refused_where_the_level_does_not_take_it(level, impl):
-    # apex raises inside amp.initialize at O1 (the double too, see the contract test); torch mode ignored it.
-    proc = run_direct("apex_amp", *SMALL, "--opt-level", level, "--keep-batchnorm-fp32", "--impl", impl,
-                      env=DOUBLE if impl == "apex" else None)
-    assert one_error(proc) == (f"--keep-batchnorm-fp32 is for O2 and O3: at {level} BatchNorm already runs in "
-                               "fp32; drop it")
+def test_keep_batchnorm_fp32_is_refused_where_the_level_does_not_take_it(level, capsys):
+    # apex raises inside amp.initialize at O1 (the double too, see the contract test); torch mode ignored it. The
+    # check is in check_args, before either implementation is touched.
+    recipe = load_recipe("apex_amp")
+    with pytest.raises(SystemExit) as leaving:
+        recipe.check_args(recipe.parse_args(["--opt-level", level, "--keep-batchnorm-fp32"]), 2)
+    assert leaving.value.code == 2 and capsys.readouterr().err == (
+        f"error: --keep-batchnorm-fp32 is for O2 and O3: at {level} BatchNorm already runs in fp32; drop it\n")
 
 
 @pytest.mark.slow
@@ -118,13 +118,14 @@ def test_load_apex_tells_the_four_ways_apex_is_unusable(tmp_path, monkeypatch):
     assert not hasattr(apex, "RUNS_ON_CPU")  # only the double may say it runs on the CPU
 
 
-@pytest.mark.parametrize("recipe", ["apex_amp", "apex_ddp"])
-@pytest.mark.parametrize(("situation", "message"), [
-    ("pypi apex", f"is the unrelated PyPI package (a Pyramid toolkit, no amp); pip uninstall apex, then {BUILD}"),
-    ("apex 25.07", f"is too new: apex.amp and apex.parallel were removed in 25.07; pip uninstall apex, then {BUILD}"),
-    # The double, like real apex, does not run on the CPU unless told to (FAKE_APEX_ON_CPU=1).
-    ("no GPU", "NVIDIA apex needs a GPU and none is visible (amp.initialize refuses CPU parameters, apex DDP uses "
-               "CUDA streams); use --impl torch on the CPU"),
+@pytest.mark.parametrize(("recipe", "situation", "message"), [
+    ("apex_amp", "pypi apex", f"is the unrelated PyPI package (a Pyramid toolkit, no amp); pip uninstall apex, then "
+                              f"{BUILD}"),
+    ("apex_amp", "apex 25.07", f"is too new: apex.amp and apex.parallel were removed in 25.07; pip uninstall apex, "
+                               f"then {BUILD}"),
+    # The double, like real apex, does not run on the CPU unless told to (FAKE_APEX_ON_CPU=1); both recipes ask.
+    *((recipe, "no GPU", "NVIDIA apex needs a GPU and none is visible (amp.initialize refuses CPU parameters, apex DDP "
+                         "uses CUDA streams); use --impl torch on the CPU") for recipe in ("apex_amp", "apex_ddp")),
 ])
 @pytest.mark.slow
 def test_impl_apex_says_why_apex_is_unusable(tmp_path, recipe, situation, message):

@@ -55,7 +55,7 @@ def test_ranks_and_their_workers_die_with_a_sigkilled_launcher(tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_rank_is_restarted_and_the_job_ends_as_if_nothing_happened(tmp_path):
-    args = ["recipes/ddp_checkpoint.py", "cpu:2", "--arch", "tiny", "--workers", "2", "--epochs", "3",
+    args = ["recipes/ddp_checkpoint.py", "cpu:2", "--arch", "tiny", "--workers", "1", "--epochs", "3",
             "--synthetic-train", "4096", "--batch-size", "64", "--resume", "auto"]
     straight = launch(*args, "--out-dir", tmp_path / "straight")
     assert result_of(straight)["steps"] == 192

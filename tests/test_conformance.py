@@ -7,22 +7,26 @@ does and averages the ranks' gradients as DDP does):
   the saved model.pt (which loads into the bare model: saved from model.module);
 - DDP itself, counted by tests/instrument/sitecustomize.py: one gradient all-reduce per optimizer step (no_sync
   during accumulation) and no forward through the wrapper during evaluation;
-- the shared bad flags: one line and exit 2, in every recipe.
+- the shared bad flags: one line and exit 2, from every recipe's check_args (test_failures.py's drill 8 shows, in a
+  real process of every recipe, that nothing is trained before the start-up checks pass).
 tools/mutation_check.py deletes these lessons from the recipes one at a time and reports which this suite misses.
 """
 
 import json
 import re
+import time
 from dataclasses import dataclass, field
 
 import pytest
 import torch
-from conftest import REPO, launch, load_recipe, result_of, run_direct
+from conftest import REPO, launch, load_recipe, result_of
+from PIL import Image
 from reference import Autocast, Plain, evaluate, train
 
 from common.apex_compat import ApexUnavailable, load_apex
 from common.data import build_datasets
 from common.models import build_model
+from tools.plot_tb import main as plot_tb
 
 ARGS = {"arch": "tiny_bn", "batch": 32, "epochs": 2, "lr": 0.05, "image_size": 16, "train": 128, "val": 37}
 SMALL = ["--arch", ARGS["arch"], "--workers", "0", "--batch-size", ARGS["batch"], "--epochs", ARGS["epochs"],
@@ -108,21 +112,30 @@ def run(request, tmp_path_factory):
     """One real run of a case (shared by every check below) and the reference's answer for it."""
     name, case = request.param, CASES[request.param]
     out, counts = tmp_path_factory.mktemp(name.replace(":", "_")), tmp_path_factory.mktemp("counts")
+    started = time.time()
     proc = launch(f"recipes/{case.recipe}.py", case.devices, *SMALL, *case.flags, "--out-dir", out,
+                  "--tb-dir", out / "tb", "--tb-every", TB_EVERY,
                   env={"PYTHONPATH": str(REPO / "tests" / "instrument"), "COUNT_DDP_DIR": str(counts)})
     train_set, _ = datasets()
     losses, model = train(fresh_model(case), mixed_for(case), train_set, world=case.world, epochs=ARGS["epochs"],
                           batch=ARGS["batch"], lr=ARGS["lr"], accum=case.accum,
                           one_process_shuffle=case.devices == "cpu", with_labels=case.recipe == "mx_face_prefetch")
-    return {"name": name, "case": case, "proc": proc, "out": out, "counts": counts, "losses": losses,
-            "weights": model.state_dict()}
+    return {"name": name, "case": case, "proc": proc, "started": started, "out": out, "counts": counts,
+            "losses": losses, "weights": model.state_dict()}
 
 
 def test_training_equals_the_reference_loop(run):
     case, proc = run["case"], run["proc"]
     result = result_of(proc)
     steps = ARGS["epochs"] * ARGS["train"] // ARGS["batch"]
-    assert (result["world_size"], result["steps"]) == (case.world, steps), result
+    assert (result["recipe"], result["world_size"], result["steps"]) == (case.recipe, case.world, steps), result
+    assert result["val_acc1"] > 30, result  # it learns: 10 classes, chance is 10%
+    # RESULT: every rank's peak and the largest, the throughput, when the first step ended (Unix time)
+    assert len(result["peak_mem_mb_per_rank"]) == case.world and max(result["peak_mem_mb_per_rank"]) == result[
+        "peak_mem_mb"] > 0 and result["images_per_sec"] > 0
+    assert run["started"] < result["first_step_end_unix"] < time.time()
+    lines = re.findall(r"^epoch=.*", proc.stdout, re.M)  # one per epoch: rank 0 alone prints
+    assert [line.split()[:2] for line in lines] == [[f"epoch={e}/2", f"step={e * steps // 2}/{steps}"] for e in (1, 2)]
     printed = epoch_losses(proc.stdout)
     assert printed == pytest.approx(run["losses"], abs=case.loss_atol), (printed, run["losses"])
     saved = torch.load(run["out"] / "model.pt", weights_only=True)
@@ -165,8 +178,76 @@ def test_ddp_reduces_once_per_step_and_evaluates_outside_the_wrapper(run):
     assert counts == [{"grad_allreduces": steps * buckets, "eval_forwards": 0}] * case.world, counts
 
 
+def test_tensorboard_curves_match_the_printed_lines(run):
+    # One writer (rank 0: one event file), the same tags in every recipe, and the printed numbers in them.
+    case, proc = run["case"], run["proc"]
+    curves = read_curves(run["out"] / "tb")
+    amp = case.precision in ("fp16", "O1", "O2") or case.recipe == "apex_amp"
+    assert set(curves) == TAGS | ({"train/loss_scale"} if amp else set()), sorted(curves)
+    assert len(list((run["out"] / "tb").glob("events.out.tfevents.*"))) == 1
+    steps = ARGS["epochs"] * ARGS["train"] // ARGS["batch"]
+    per_epoch = steps // ARGS["epochs"]
+    assert [s for s, _ in curves["train/loss"]] == list(range(TB_EVERY, steps + 1, TB_EVERY))
+    assert [s for s, _ in curves["epoch/val_loss"]] == list(range(per_epoch, steps + 1, per_epoch))
+    lines = re.findall(r"^epoch=\d+/\d+ .*", proc.stdout, re.M)
+    for (_, logged), line in zip(curves["epoch/train_loss"], lines, strict=True):
+        assert f"train_loss={logged:.4f}" in line, (logged, line)
+    for name in ("val_loss", "val_acc1", "val_acc5", "train_acc1"):
+        for (_, logged), line in zip(curves[f"epoch/{name}"], lines, strict=True):
+            digits = 4 if name.endswith("loss") else 2
+            assert f"{name}={logged:.{digits}f}" in line, (name, logged, line)
+    # The window means over TB_EVERY steps average to the epoch's mean (equal sample counts per step).
+    windows = [v for _, v in curves["train/loss"]][: per_epoch // TB_EVERY]
+    assert sum(windows) / len(windows) == pytest.approx(curves["epoch/train_loss"][0][1], rel=1e-5)
+    lrs = [v for _, v in curves["train/lr"]]
+    assert lrs[0] == pytest.approx(ARGS["lr"]) and lrs[-1] < ARGS["lr"]  # cosine: lower in epoch 2
+    assert all(v > 0 for _, v in curves["epoch/peak_mem_mb"])
+    assert "--batch-size" in curves["flags"]
+
+
+@pytest.mark.parametrize("run", ["ddp_torchrun"], indirect=True)  # one recipe's curves are enough for the tool
+def test_plot_tb_draws_the_curves_from_the_event_files(run, tmp_path):
+    png = tmp_path / "curves.png"
+    assert plot_tb([str(run["out"] / "tb"), "--out", str(png)]) == 0
+    with Image.open(png) as image:
+        image.verify()
+        assert image.format == "PNG" and image.size == (1100, 700)
+
+
+def test_plot_tb_refuses_a_folder_without_events(tmp_path, capsys):
+    assert plot_tb([str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"error: {tmp_path} holds no TensorBoard event file (events.out.tfevents.*): "
+                                       "pass a recipe's --tb-dir\n")
+
+
+RESUMABLE = {"ddp_checkpoint": "latest.pt", "torch_amp:fp32": "checkpoint.pt", "apex_amp:O0": "checkpoint.pt"}
+
+
+@pytest.mark.parametrize("run", [pytest.param(name, marks=pytest.mark.slow) for name in RESUMABLE], indirect=True)
+def test_a_resumed_run_continues_the_curves_without_repeats_or_gaps(run, tmp_path):
+    # Stopped 2 steps into epoch 2 (its checkpoint is epoch 1's, its curves went 2 steps further), then
+    # --resume auto: the curves must equal the uninterrupted run's, step for step.
+    case = run["case"]
+    args = [f"recipes/{case.recipe}.py", case.devices, *SMALL, *case.flags, "--out-dir", tmp_path,
+            "--tb-dir", tmp_path / "tb", "--tb-every", TB_EVERY]
+    per_epoch = ARGS["train"] // ARGS["batch"]
+    first = launch(*args, "--max-steps", per_epoch + 2)
+    assert result_of(first)["steps"] == per_epoch + 2
+    assert torch.load(tmp_path / RESUMABLE[run["name"]], weights_only=True)["step"] == per_epoch
+    resumed = launch(*args, "--resume", "auto")
+    assert result_of(resumed)["steps"] == 2 * per_epoch
+    assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 2  # one writer per run
+    straight, pieced = read_curves(run["out"] / "tb"), read_curves(tmp_path / "tb")
+    for tag in TAGS - {"flags", "epoch/images_per_sec", "epoch/peak_mem_mb"}:  # those two: timing and memory
+        assert [s for s, _ in pieced[tag]] == [s for s, _ in straight[tag]], tag
+        assert [v for _, v in pieced[tag]] == pytest.approx([v for _, v in straight[tag]], abs=1e-6), tag
+
+
 def test_mode_specific_lines(run):
     name, proc, out = run["name"], run["proc"], run["out"]
+    if name == "ddp_torchrun":  # says how it split the global batch, and the workers it gave each process
+        assert ("setup: world_size=2 backend=gloo device=cpu global_batch=32 (16 per process x 2), workers=0 per "
+                "process") in proc.stdout
     if name == "ddp_spawn:model-parallel":
         assert "model-parallel: features on cpu, fc on cpu in every worker" in proc.stdout
     if name.startswith("apex_amp:"):
@@ -194,6 +275,24 @@ def test_mode_specific_lines(run):
 
 # ------------------------------------------------------------------------------ shared bad flags
 
+TB_EVERY = 2
+TAGS = {"train/loss", "train/acc1", "train/lr", "epoch/train_loss", "epoch/train_acc1", "epoch/val_loss",
+        "epoch/val_acc1", "epoch/val_acc5", "epoch/images_per_sec", "epoch/peak_mem_mb", "flags"}
+
+
+def read_curves(tb_dir):
+    """{tag: [(step, value), ...]} and {"flags": text}, read back with tensorboard's own reader (which also drops
+    what a purge_step left behind)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    curves = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    for tag in events.Tags()["tensors"]:  # add_text is stored as a string tensor
+        curves[tag.removesuffix("/text_summary")] = events.Tensors(tag)[0].tensor_proto.string_val[0].decode()
+    return curves
+
+
 RECIPES = sorted({case.recipe for case in CASES.values()})
 BAD = [  # (flags, what the one line starts with); world size 2 (dp: 1)
     (["--batch-size", "3"], "--batch-size 3 is the GLOBAL batch and must be a multiple of"),
@@ -206,7 +305,7 @@ BAD = [  # (flags, what the one line starts with); world size 2 (dp: 1)
 ]
 
 
-@pytest.mark.parametrize("recipe", [pytest.param(r, marks=() if r in QUICK else pytest.mark.slow) for r in RECIPES])
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_refuses_the_shared_bad_flags_with_one_line(recipe, capsys):
     module = load_recipe(recipe)
     world = 1 if recipe == "dp" else 2
@@ -217,6 +316,3 @@ def test_every_recipe_refuses_the_shared_bad_flags_with_one_line(recipe, capsys)
             module.check_args(module.parse_args(flags), world)
         err = capsys.readouterr().err
         assert leaving.value.code == 2 and err.count("\n") == 1 and err.startswith(f"error: {says}"), (flags, err)
-    # And the recipe calls it before anything else: a real process exits 2 with the one line.
-    proc = run_direct(recipe, "--workers", "-1")
-    assert proc.returncode == 2 and proc.stderr.strip() == "error: --workers -1 must be >= 0", proc.stderr

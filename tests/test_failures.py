@@ -124,7 +124,7 @@ def test_diverging_ranks_fail_within_the_dist_timeout(tmp_path, fault, says):
 
 
 # ---------------------------------------------------------- drill 4: a sample that does not load
-@pytest.mark.parametrize("workers", ["0", "2"])
+@pytest.mark.parametrize("workers", ["0", "1"])
 def test_a_corrupt_image_in_one_rank_names_its_index_and_file(tmp_path, workers):
     root = make_imagefolder(tmp_path / "data", train_per_class=8, val_per_class=3)
     bad = root / "train" / "class_1" / "005.png"  # ImageFolder sorts: class_0 has 0-7, so this is sample 13
@@ -154,7 +154,7 @@ def faces_with_a_bad_record(tmp_path_factory):
     return tmp / "rec"
 
 
-@pytest.mark.parametrize("workers", ["0", "2"])  # 0: read in DataLoaderX's thread; 2: in a worker under it
+@pytest.mark.parametrize("workers", ["0", "1"])  # 0: read in DataLoaderX's thread; 1: in a worker under it
 def test_a_corrupt_record_under_dataloaderx_names_its_index_and_key(faces_with_a_bad_record, tmp_path, workers):
     rec = faces_with_a_bad_record
     proc = launch("recipes/mx_face_prefetch.py", "cpu:2", "--rec", rec, "--arch", "tiny", "--image-size", "16",
@@ -201,13 +201,14 @@ def test_a_wrong_or_truncated_checkpoint_is_refused_and_nothing_is_overwritten(t
 
     cut = tmp_path / "cut.pt"
     cut.write_bytes(before[name][: len(before[name]) // 2])
-    truncated = launch(*args, "--arch", "tiny_bn", "--resume", cut)
+    # The other two in one process (python RECIPE.py): what is checked is the same on every rank, and it is faster.
+    truncated = run_direct(recipe, *args[2:], "--arch", "tiny_bn", "--resume", cut)
     assert truncated.returncode == 2, truncated.stderr[-3000:]
     messages = {line.split("error: ", 1)[1] for line in error_lines(truncated.stderr)}
     assert len(messages) == 1 and messages.pop().startswith(f"cannot load {cut} ("), truncated.stderr
     assert "Traceback" not in truncated.stderr
 
-    other = launch(*args, "--arch", "tiny_bn", *other_flags, "--resume", out / name)
+    other = run_direct(recipe, *args[2:], "--arch", "tiny_bn", *other_flags, "--resume", out / name)
     assert other.returncode == 2, other.stderr[-3000:]
     assert {line.split("error: ", 1)[1] for line in error_lines(other.stderr)} == {f"{out / name} {other_says}"}
     assert "Traceback" not in other.stderr

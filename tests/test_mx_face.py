@@ -25,7 +25,7 @@ def faces_rec(tmp_path_factory):
 
 @pytest.mark.slow
 def test_trains_on_a_packed_rec_well_above_chance(faces_rec, tmp_path):
-    proc = launch("recipes/mx_face_prefetch.py", "cpu:2", "--rec", faces_rec, *FACES, "--workers", "2",
+    proc = launch("recipes/mx_face_prefetch.py", "cpu:2", "--rec", faces_rec, *FACES, "--workers", "1",
                   "--epochs", "3", "--out-dir", tmp_path)
     result = result_of(proc)
     assert (result["recipe"], result["world_size"], result["val_samples"]) == ("mx_face_prefetch", 2, 20)

@@ -25,8 +25,8 @@ def params(path):
 
 
 @pytest.mark.parametrize(("recipe", "max_changed"), [
-    ("dp", 140), ("ddp_launch", 50), ("ddp_spawn", 170), ("torch_amp", 180), ("ddp_checkpoint", 170),
-    ("apex_ddp", 70), ("apex_amp", 255)])
+    ("dp", 140), ("ddp_launch", 50), ("ddp_spawn", 170), ("torch_amp", 190), ("ddp_checkpoint", 170),
+    ("apex_ddp", 70), ("apex_amp", 265)])
 def test_diff_against_ddp_torchrun_stays_small(recipe, max_changed):
     diff = subprocess.run(["diff", "recipes/ddp_torchrun.py", f"recipes/{recipe}.py"], cwd=REPO,
                           capture_output=True, text=True).stdout
@@ -128,7 +128,7 @@ def checkpoint_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ckpt")
     data = make_imagefolder(tmp / "data")
     args = ["--dataset", "imagefolder", "--data-root", data, "--image-size", "16", "--batch-size", "8",
-            "--arch", "tiny", "--workers", "2", "--epochs", "3"]
+            "--arch", "tiny", "--workers", "1", "--epochs", "3"]
     straight = launch("recipes/ddp_checkpoint.py", "cpu:2", *args, "--out-dir", tmp / "straight")
     first = launch("recipes/ddp_checkpoint.py", "cpu:2", *args, "--max-steps", "7", "--out-dir", tmp / "resumed")
     as_if_saved_on_gpu(tmp / "resumed" / "latest.pt")  # every rank loads it with map_location=its own device

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import sys
+import weakref
 
 _DIR = os.environ.get("COUNT_DDP_DIR")
 
@@ -25,6 +26,7 @@ def _patch(ddp_module):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     ddp, counts = ddp_module.DistributedDataParallel, {"grad_allreduces": 0, "eval_forwards": 0}
+    wrapped = weakref.WeakSet()
     init, forward, destroy = ddp.__init__, ddp.forward, dist.destroy_process_group
 
     def counting_allreduce(state, bucket):
@@ -34,6 +36,7 @@ def _patch(ddp_module):
     def patched_init(self, *args, **kwargs):
         init(self, *args, **kwargs)
         self.register_comm_hook(None, counting_allreduce)
+        wrapped.add(self)
 
     def patched_forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():
@@ -43,6 +46,10 @@ def _patch(ddp_module):
     def patched_destroy(*args, **kwargs):
         with open(os.path.join(_DIR, f"rank{dist.get_rank()}.json"), "w") as f:
             json.dump(counts, f)
+        # Let the reducer, which holds the Python hook, go now: destroyed at interpreter exit instead, after Python
+        # has shut down, it can abort the process ("terminate called without an active exception", seen twice).
+        for model in wrapped:
+            model.reducer = model.logger = None
         return destroy(*args, **kwargs)
 
     ddp.__init__, ddp.forward, dist.destroy_process_group = patched_init, patched_forward, patched_destroy
