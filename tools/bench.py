@@ -1,6 +1,6 @@
 """Benchmark the recipes against each other: same model, global batch, synthetic data and step count.
 
-    python tools/bench.py --devices cpu:2                      # every entry, tiny model, 32x32: ~3.5 min on 2 cores
+    python tools/bench.py --devices cpu:2                      # every entry, tiny model, 32x32: 5 x ~3.5 min
     python tools/bench.py --devices 0,1,3 --arch resnet101 --batch-size 384 --image-size 32 \\
         --recipes dp,ddp_torchrun,apex_ddp,apex_amp,torch_amp:fp16   # write-up 000's table on GPUs 0, 1, 3
     python tools/bench.py --recipes torch_amp --steps 100      # every torch_amp mode (fp16, bf16, fp32)
@@ -12,38 +12,58 @@ resnet101 and 128 images per GPU: the global batch must divide by the GPU count 
 Each selected entry (a name, a recipe file and extra recipe flags; see ENTRIES) is started through
 launch.sh with `--dataset synthetic --epochs 1 --max-steps STEPS` and exactly STEPS batches of data,
 and its `RESULT {json}` line is read. DataParallel (dp) runs as one process: on GPUs it gets the same
-GPU list, on the CPU `cpu`. Entries whose recipe file does not exist are skipped with a note. A run
-that fails is reported with its stderr tail; the others still run and the tool exits 1 at the end.
+GPU list, on the CPU `cpu`. Entries whose recipe file does not exist are skipped with a note.
 
-Written to --out (default bench/): results.md (the table, also printed), results.json (settings,
-hardware, every run's RESULT line and the derived numbers) and results.png (images/s, s per 20 it).
+Repeats: every entry runs --repeats times, in rounds: each round launches every entry once, in the --recipes order,
+then runs the bare loop (below), so the order is A B C bare A B C bare ... and a drift in the machine's load
+hits every entry alike. A run that fails is reported with its stderr tail and the others still run; an entry is
+summarized from its runs that succeeded, and one with none is left out of the tables. Any failed run: exit 1.
 
-Columns:
+Written to --out (default bench/): results.md (the tables, also printed), results.json (settings, hardware,
+every run with its RESULT line, every bare-loop run, the summaries and the comparisons, so anyone can recompute)
+and results.png (images/s and s per 20 it: bars at the median, whiskers to the lowest and highest run).
+
+Columns of the first table; each timed cell is "median (lowest-highest)" over the entry's successful runs:
+  runs              runs that succeeded / runs launched
   images/s          global images per second, from the recipe; its first step (warm-up) is left out
   s / 20 it         20 * global batch / images/s: seconds for 20 optimizer steps
-  peak MB per rank  the recipe's peak_mem_mb_per_rank; DataParallel lists one value per GPU, so GPU 0's
-                    extra memory (gathered outputs, gradients) shows
+  peak MB per rank  the recipe's peak_mem_mb_per_rank, the median over the runs of each rank; DataParallel lists
+                    one value per GPU, so GPU 0's extra memory (gathered outputs, gradients) shows
   launch -> step 1  first_step_end_unix (when the first optimizer step ended) minus the wall-clock time just
                     before launch.sh was started: interpreter, launcher, process group, data, model, step 1
   step ms           recipe step time = global batch / images/s. In one step each replica (a DDP process, or
                     one GPU of DataParallel) trains on global batch / replicas images
   bare ms           a bare loop in this process: the same model on one device, global batch / replicas
                     random images, SGD, no data loader, no wrapper; STEPS steps, the first left out. On the
-                    CPU it gets the threads a recipe process gets
-  step / bare       step ms / bare ms: 1.0 = no overhead; above 1 is what the recipe adds (data loading, the
-                    DDP/DP wrapper, communication, sharing the cores); AMP entries also include AMP's gain or cost
+                    CPU it gets the threads a recipe process gets. It runs once per round for every
+                    (batch, device, threads) that the entries of this and earlier rounds need
+  step / bare       median step ms / median bare ms: 1.0 = no overhead; above 1 is what the recipe adds (data
+                    loading, the DDP/DP wrapper, communication, sharing the cores); AMP entries also include
+                    AMP's gain or cost
+
+Comparisons (the second table), made only where both sides were selected and have a successful run:
+  each DDP entry (ddp_torchrun, ddp_launch, ddp_spawn, ddp_checkpoint, apex_ddp) against dp (images/s: the
+  speed-up of DDP over DataParallel), each AMP mode against its fp32 sibling (images/s: torch_amp:fp16/bf16
+  against torch_amp:fp32, apex_amp:O1-O3 against apex_amp:O0), and each entry's step ms against its bare loop's.
+  The ratio is of the medians. The verdict is "within noise" when the two [lowest, highest] ranges overlap
+  (touching counts), else "faster" or "slower"; with a single run on either side there is no range to compare,
+  and the verdict says so. Two entries that perform alike, each with N runs in random order, get disjoint ranges
+  by chance with probability 2 / C(2N, N): 1 in 3 for N = 2, 1 in 10 for N = 3, 1 in 126 for N = 5 (the default
+  --repeats).
 
 Warm-up: recipes leave their first step out of images/s; the bare loop does the same. A --warmup that drops
 more steps is not offered, since the RESULT line holds only the average; raise --steps to dilute the rest.
 """
 
 import argparse
+import collections
 import datetime
 import json
 import os
 import platform
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,12 +84,14 @@ REPO = Path(__file__).resolve().parents[1]
 @dataclass(frozen=True)
 class Entry:
     """One benchmark row: NAME[:MODE], the recipe file (from the repo root) and extra recipe flags.
-    one_process: DataParallel-style, one process drives every device (`cpu` on the CPU)."""
+    one_process: DataParallel-style, one process drives every device (`cpu` on the CPU).
+    against: the entry this one is compared with on images/s, when both ran (see Comparisons above)."""
 
     name: str
     recipe: str
     args: tuple = ()
     one_process: bool = False
+    against: str | None = None
 
     @property
     def base(self):
@@ -82,18 +104,27 @@ class Entry:
 
 ENTRIES = [
     Entry("dp", "recipes/dp.py", one_process=True),
-    Entry("ddp_torchrun", "recipes/ddp_torchrun.py"),
-    Entry("ddp_launch", "recipes/ddp_launch.py"),
-    Entry("ddp_spawn", "recipes/ddp_spawn.py"),
-    Entry("ddp_checkpoint", "recipes/ddp_checkpoint.py"),
-    *(Entry(f"torch_amp:{dtype}", "recipes/torch_amp.py", ("--amp-dtype", dtype))
-      for dtype in ("fp16", "bf16", "fp32")),
-    Entry("apex_ddp", "recipes/apex_ddp.py"),
-    *(Entry(f"apex_amp:{level}", "recipes/apex_amp.py", ("--opt-level", level)) for level in ("O0", "O1", "O2", "O3")),
+    Entry("ddp_torchrun", "recipes/ddp_torchrun.py", against="dp"),
+    Entry("ddp_launch", "recipes/ddp_launch.py", against="dp"),
+    Entry("ddp_spawn", "recipes/ddp_spawn.py", against="dp"),
+    Entry("ddp_checkpoint", "recipes/ddp_checkpoint.py", against="dp"),
+    *(Entry(f"torch_amp:{dtype}", "recipes/torch_amp.py", ("--amp-dtype", dtype),
+            against=None if dtype == "fp32" else "torch_amp:fp32") for dtype in ("fp16", "bf16", "fp32")),
+    Entry("apex_ddp", "recipes/apex_ddp.py", against="dp"),
+    *(Entry(f"apex_amp:{level}", "recipes/apex_amp.py", ("--opt-level", level),
+            against=None if level == "O0" else "apex_amp:O0") for level in ("O0", "O1", "O2", "O3")),
 ]
+BARE = "bare loop"  # the bare loop's place in each round of the schedule, after the entries
 ERROR_LINE = re.compile(r"(^|: )error: |^\w*(Error|Exception): ")
-COLUMNS = ["recipe", "mode", "world size", "device", "devices", "images/s", "s / 20 it", "peak MB per rank",
+# The timed columns: run key, header, format. Each cell is "median (lowest–highest)" over the entry's runs.
+TIMED = [("images_per_sec", "images/s", "{:.1f}"), ("s_per_20_it", "s / 20 it", "{:.3f}"),
+         ("launch_to_first_step_s", "launch -> step 1 (s)", "{:.2f}"), ("step_ms", "step ms", "{:.2f}"),
+         ("bare_step_ms", "bare ms", "{:.2f}")]
+FORMAT = {key: fmt for key, _, fmt in TIMED}
+COLUMNS = ["recipe", "mode", "world size", "device", "devices", "runs", "images/s", "s / 20 it", "peak MB per rank",
            "launch -> step 1 (s)", "step ms", "bare ms", "step / bare"]
+COMPARISON_COLUMNS = ["entry", "against", "measure", "ratio of medians", "entry: median (range)",
+                      "against: median (range)", "verdict"]
 
 
 # ------------------------------------------------------------------------------------------- args
@@ -112,7 +143,10 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=64, help="GLOBAL batch, the same for every recipe (default 64)")
     p.add_argument("--image-size", type=int, default=32, help="synthetic images are SIZE x SIZE (default 32)")
     p.add_argument("--steps", type=int, default=50, help="optimizer steps per run, the first not timed (default 50)")
-    p.add_argument("--workers", type=int, default=0, help="TOTAL DataLoader workers per recipe (default 0)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="runs per entry, launched in interleaved rounds (A B C A B C); the tables show the median "
+                   "and the lowest-highest range (default 5)")
+    p.add_argument("--workers", type=int, default=0, help="DataLoader workers per process (default 0)")
     p.add_argument("--timeout", type=float, default=900, help="seconds one recipe run may take (default 900)")
     p.add_argument("--out", type=Path, default=REPO / "bench",
                    help="where results.md, .json and .png go (default bench/)")
@@ -124,7 +158,8 @@ def parse_args(argv=None):
                 f"{process_count(args.devices)} processes of --devices {args.devices}")
     if args.steps < 2:
         p.error("--steps must be >= 2: the first step is not timed")
-    for flag, value in (("--batch-size", args.batch_size), ("--image-size", args.image_size)):
+    for flag, value in (("--batch-size", args.batch_size), ("--image-size", args.image_size),
+                        ("--repeats", args.repeats)):
         if value < 1:
             p.error(f"{flag} must be >= 1")
     return args
@@ -149,6 +184,12 @@ def select(names, entries):
             raise ValueError(f"unknown recipe entry {name!r}; known: {', '.join(e.name for e in entries)}")
         chosen += [e for e in found if e not in chosen]
     return chosen
+
+
+def schedule(items, repeats):
+    """The launch order as (round, item), rounds numbered from 1: every item once per round, in the given order,
+    so A B C A B C, never A A B B C C. A drift in the machine's load then reaches every item alike."""
+    return [(round_, item) for round_ in range(1, repeats + 1) for item in items]
 
 
 # -------------------------------------------------------------------------------------- devices
@@ -184,24 +225,24 @@ def recipe_command(entry, devices, args, out_dir):
             "--out-dir", str(out_dir), *entry.args]
 
 
-def run_entry(entry, args):
-    """Launch one entry; returns a run dict (with 'result') or a failure dict (with 'error')."""
+def run_entry(entry, args, round_):
+    """Launch one entry once; returns a run dict (with 'result') or a failure dict (with 'error')."""
     devices = "cpu" if entry.one_process and is_cpu(args.devices) else args.devices
     env = {**os.environ, "PYTHON": os.environ.get("PYTHON", sys.executable)}
     # The bare loop copies launch.sh's OMP_NUM_THREADS (so dp on `cpu` gets cores / 2 threads, like a DDP process).
     threads = cpu_threads(process_count(devices)) if is_cpu(devices) else None
     run = {"name": entry.name, "recipe": entry.base, "mode": entry.mode, "recipe_path": entry.recipe,
-           "devices": devices, "threads_per_process": threads}
+           "devices": devices, "threads_per_process": threads, "round": round_}
     with tempfile.TemporaryDirectory(prefix=f"bench_{entry.base}_") as out_dir:
         argv = recipe_command(entry, devices, args, out_dir)
         run["command"] = shlex.join(argv)
-        print(f"bench: {entry.name}: {run['command']}", flush=True)
+        print(f"bench: round {round_}/{args.repeats}: {entry.name}: {run['command']}", flush=True)
         t_launch = time.time()
         try:
             proc = run_group(argv, env, REPO, args.timeout)
             code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
         except subprocess.TimeoutExpired:
-            return {**run, "error": f"timed out after {args.timeout:g} s", "stderr_tail": ""}
+            return {**run, "t_launch": t_launch, "error": f"timed out after {args.timeout:g} s", "stderr_tail": ""}
     run["t_launch"] = t_launch
     run["wall_s"] = round(time.time() - t_launch, 3)
     lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
@@ -249,26 +290,94 @@ def bare_step_seconds(arch, batch, image_size, steps, device, threads):
         torch.set_num_threads(saved_threads)
 
 
-def add_derived(run, args, bare_cache):
-    """images/s, s per 20 it, launch -> step 1 and the step time vs the bare loop, into `run`."""
+def add_derived(run, args):
+    """images/s, s per 20 it, launch -> step 1, step ms and the bare loop's key (batch, device, threads), into `run`."""
     result = run["result"]
     ips = result["images_per_sec"]
     per_rank = result.get("peak_mem_mb_per_rank") or [result["peak_mem_mb"]]
     replicas = max(result["world_size"], len(per_rank))  # DataParallel: 1 process, one replica per GPU
-    batch = args.batch_size // replicas
     if is_cpu(run["devices"]):
         device = "cpu"
     else:  # the first listed GPU; CUDA_DEVICE_ORDER=PCI_BUS_ID (set in main) numbers GPUs as launch.sh does
         device = f"cuda:{run['devices'].split(',')[0]}"
-    key = (batch, device, run["threads_per_process"])
-    if key not in bare_cache:
-        print(f"bench: bare loop, batch {batch} on {device}" + (f", {key[2]} thread(s)" if key[2] else ""), flush=True)
-        bare_cache[key] = bare_step_seconds(args.arch, batch, args.image_size, args.steps, device, key[2])
     step_s = args.batch_size / ips if ips > 0 else float("inf")
     run.update(world_size=result["world_size"], device=result["device"], images_per_sec=ips,
                s_per_20_it=20 * step_s, peak_mem_mb_per_rank=per_rank, replicas=replicas,
-               batch_per_replica=batch, launch_to_first_step_s=result["first_step_end_unix"] - run["t_launch"],
-               step_ms=1000 * step_s, bare_step_ms=1000 * bare_cache[key], step_vs_bare=step_s / bare_cache[key])
+               batch_per_replica=args.batch_size // replicas, bare_device=device,
+               launch_to_first_step_s=result["first_step_end_unix"] - run["t_launch"], step_ms=1000 * step_s)
+
+
+def bare_key(run):
+    """What the bare loop for this run needs: (batch per replica, device, threads)."""
+    return run["batch_per_replica"], run["bare_device"], run["threads_per_process"]
+
+
+def run_bare(key, args, round_):
+    """One bare-loop run for `key`; returns its record for results.json."""
+    batch, device, threads = key
+    print(f"bench: round {round_}/{args.repeats}: bare loop, batch {batch} on {device}"
+          + (f", {threads} thread(s)" if threads else ""), flush=True)
+    t_start = time.time()
+    seconds = bare_step_seconds(args.arch, batch, args.image_size, args.steps, device, threads)
+    return {"batch": batch, "device": device, "threads": threads, "round": round_, "t_start": t_start,
+            "step_ms": 1000 * seconds}
+
+
+# ------------------------------------------------------------------------------------ arithmetic
+def summarize(values):
+    """(median, lowest, highest) of one measure's runs. The median of an even count is the mean of the middle two."""
+    if not values:
+        raise ValueError("summarize() needs at least one value")
+    return statistics.median(values), min(values), max(values)
+
+
+def compare(values, against, higher_is_better=True):
+    """`values` against `against` (each one measure's runs): the ratio of their medians, and whether their
+    [lowest, highest] ranges overlap (touching counts as overlapping): then the runs cannot tell the two apart and
+    the verdict is "within noise", else "faster" or "slower". With one run on either side there is no range:
+    within_noise is None."""
+    mine, theirs = summarize(values), summarize(against)
+    ratio = mine[0] / theirs[0] if theirs[0] else float("inf")
+    if min(len(values), len(against)) < 2:
+        within_noise, verdict = None, "one run: no range"
+    elif mine[1] <= theirs[2] and theirs[1] <= mine[2]:
+        within_noise, verdict = True, "within noise"
+    else:  # disjoint ranges: the medians differ in the same direction as every run
+        within_noise, verdict = False, "faster" if (mine[0] > theirs[0]) == higher_is_better else "slower"
+    return {"ratio": ratio, "within_noise": within_noise, "verdict": verdict,
+            "entry_summary": mine, "against_summary": theirs, "entry_runs": len(values), "against_runs": len(against)}
+
+
+def summarize_entry(runs, bare_ms, attempts):
+    """One row of the first table from an entry's successful runs (with add_derived's numbers), its bare loop's
+    runs (ms) and how many runs were launched. Timed measures: {median, low, high}; peak memory: each rank's median."""
+    first = runs[0]
+    row = {key: first[key] for key in ("name", "recipe", "mode", "devices", "world_size", "device")}
+    row.update(runs=len(runs), attempts=attempts)
+    for key, _, _ in TIMED:
+        values = bare_ms if key == "bare_step_ms" else [run[key] for run in runs]
+        row[key] = dict(zip(("median", "low", "high"), summarize(values), strict=True))
+    per_rank = zip(*(r["peak_mem_mb_per_rank"] for r in runs), strict=True)
+    row["peak_mem_mb_per_rank"] = [statistics.median(rank) for rank in per_rank]
+    row["step_vs_bare"] = row["step_ms"]["median"] / row["bare_step_ms"]["median"]
+    return row
+
+
+def comparisons(chosen, runs_by_name, bare_ms_by_name):
+    """The second table: each entry that has an `against` (DDP vs dp, an AMP mode vs its fp32 sibling) on images/s,
+    then each entry's step ms against its bare loop's; only where both sides have a successful run."""
+    made = []
+    for entry in chosen:
+        if entry.against and runs_by_name.get(entry.name) and runs_by_name.get(entry.against):
+            made.append({"entry": entry.name, "against": entry.against, "measure": "images/s",
+                         **compare([r["images_per_sec"] for r in runs_by_name[entry.name]],
+                                   [r["images_per_sec"] for r in runs_by_name[entry.against]])})
+    for entry in chosen:
+        if runs_by_name.get(entry.name) and bare_ms_by_name.get(entry.name):
+            made.append({"entry": entry.name, "against": BARE, "measure": "step ms",
+                         **compare([r["step_ms"] for r in runs_by_name[entry.name]], bare_ms_by_name[entry.name],
+                                   higher_is_better=False)})
+    return made
 
 
 # ----------------------------------------------------------------------------------------- report
@@ -293,11 +402,33 @@ def hardware():
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
 
 
-def table_rows(runs):
-    return [[r["recipe"], r["mode"], str(r["world_size"]), r["device"], r["devices"], f"{r['images_per_sec']:.1f}",
-             f"{r['s_per_20_it']:.3f}", " / ".join(f"{m:.1f}" for m in r["peak_mem_mb_per_rank"]),
-             f"{r['launch_to_first_step_s']:.2f}", f"{r['step_ms']:.2f}", f"{r['bare_step_ms']:.2f}",
-             f"{r['step_vs_bare']:.3f}"] for r in runs]
+def cell(summary, fmt):
+    """'median (lowest–highest)' from (median, low, high) or {median, low, high}."""
+    median, low, high = (summary["median"], summary["low"], summary["high"]) if isinstance(summary, dict) else summary
+    return f"{fmt.format(median)} ({fmt.format(low)}–{fmt.format(high)})"
+
+
+def table_rows(entries):
+    return [[e["recipe"], e["mode"], str(e["world_size"]), e["device"], e["devices"], f"{e['runs']}/{e['attempts']}",
+             *(cell(e[key], fmt) for key, _, fmt in TIMED[:2]),
+             " / ".join(f"{m:.1f}" for m in e["peak_mem_mb_per_rank"]),
+             *(cell(e[key], fmt) for key, _, fmt in TIMED[2:]), f"{e['step_vs_bare']:.3f}"] for e in entries]
+
+
+def comparison_rows(made):
+    rows = []
+    for c in made:
+        fmt = FORMAT["images_per_sec" if c["measure"] == "images/s" else "step_ms"]
+        rows.append([c["entry"], c["against"], c["measure"], f"{c['ratio']:.3f}", cell(c["entry_summary"], fmt),
+                     cell(c["against_summary"], fmt), c["verdict"]])
+    return rows
+
+
+def markdown_table(columns, rows, align):
+    """A markdown table; `align` has one letter per column, l (left) or r (right)."""
+    assert len(align) == len(columns), (align, columns)
+    rule = "|" + "|".join("---" if a == "l" else "---:" for a in align) + "|"
+    return ["| " + " | ".join(columns) + " |", rule, *("| " + " | ".join(row) + " |" for row in rows)]
 
 
 def markdown(report):
@@ -308,46 +439,76 @@ def markdown(report):
         f"- Hardware: {hw['cpu']}, {hw['cores']} cores; GPUs: {gpus}",
         f"- Software: torch {hw['torch']}, Python {hw['python']}, {hw['platform']}; {hw['date']}",
         f"- Settings: --arch {s['arch']}, global batch {s['batch_size']}, {s['image_size']}x{s['image_size']} "
-        f"synthetic images, {s['steps']} steps (the first not timed), {s['workers']} loader workers, "
-        f"devices {s['devices']}",
+        f"synthetic images, {s['steps']} steps (the first not timed), {s['workers']} loader workers per process, "
+        f"devices {s['devices']}; {s['repeats']} run(s) per entry, in interleaved rounds (each round: every entry "
+        "once, then the bare loop)",
         f"- Command: `{s['command']}`", "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "|".join("---" if i < 5 else "---:" for i in range(len(COLUMNS))) + "|",
-        *("| " + " | ".join(row) + " |" for row in table_rows(report["runs"])),
+        *(markdown_table(COLUMNS, table_rows(report["entries"]), "lllll" + "r" * (len(COLUMNS) - 5))
+          if report["entries"] else ["No entry has a successful run."]),
         "",
-        "s / 20 it = 20 x global batch / images/s. step ms = global batch / images/s; bare ms = a plain loop "
-        "(same model, global batch / replicas images, one device, no loader, no wrapper); step / bare = their ratio.",
+        "Each timed cell is the median of the entry's runs and, in brackets, the lowest and the highest run; "
+        "runs = succeeded / launched. s / 20 it = 20 x global batch / images/s. step ms = global batch / images/s; "
+        "bare ms = a plain loop (same model, global batch / replicas images, one device, no loader, no wrapper), "
+        "run once per round; step / bare = the ratio of their medians. peak MB per rank: each rank's median.",
     ]
+    if report["comparisons"]:
+        lines += ["", "## Comparisons", "",
+                  *markdown_table(COMPARISON_COLUMNS, comparison_rows(report["comparisons"]), "lllrrrl"), "",
+                  "ratio of medians = entry's median / against's median. images/s: DDP entries against dp, AMP modes "
+                  "against their fp32 sibling; step ms: each entry against its bare loop. \"within noise\": the two "
+                  "ranges (lowest–highest run) overlap, so these runs cannot tell the two apart; \"faster\" or "
+                  "\"slower\": every run of one is beyond every run of the other; \"one run: no range\": a side "
+                  "has a single successful run, so there is no spread to compare."]
     if report["skipped"]:
         lines += ["", "Skipped (recipe file missing): " + ", ".join(report["skipped"])]
     if report["failed"]:
-        lines += ["", "Failed: " + ", ".join(f"{f['name']} ({f['error']})" for f in report["failed"])]
+        lines += ["", "Failed runs: " + ", ".join(f"{f['name']} round {f['round']} ({f['error']})"
+                                                  for f in report["failed"])]
+    if report["failed_entries"]:
+        lines += ["", "No successful run, left out of the tables: " + ", ".join(report["failed_entries"])]
     return "\n".join(lines) + "\n"
 
 
 def plot(report, path):
-    """Two horizontal bar charts: images/s and s per 20 it, one bar per run."""
+    """Two horizontal bar charts, images/s and s per 20 it: one bar per entry at its median, whiskers to its lowest
+    and highest run. An entry compared with another on images/s is labelled with the ratio of medians; hatched when
+    the comparison is within noise."""
     import matplotlib  # here: the Agg backend must be chosen before pyplot is imported
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs, settings = report["runs"], report["settings"]
-    labels = [f"{r['name']} [{r['devices']}]" for r in runs]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 1.5 + 0.45 * max(len(runs), 1)), sharey=True)
+    entries, settings = report["entries"], report["settings"]
+    versus = {c["entry"]: c for c in report["comparisons"] if c["measure"] == "images/s"}
+    labels = [f"{e['name']} [{e['devices']}]" for e in entries]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 2 + 0.45 * max(len(entries), 1)), sharey=True)
     for ax, key, title in ((axes[0], "images_per_sec", "images/s (higher is better)"),
                            (axes[1], "s_per_20_it", "s per 20 it (lower is better)")):
-        values = [r[key] for r in runs]
-        bars = ax.barh(labels, values, color="tab:blue" if key == "images_per_sec" else "tab:orange")
-        ax.bar_label(bars, labels=[f"{v:,.0f}" if v >= 100 else f"{v:.3g}" for v in values], padding=2, fontsize=8)
+        medians = [e[key]["median"] for e in entries]
+        whiskers = [[e[key]["median"] - e[key]["low"] for e in entries],
+                    [e[key]["high"] - e[key]["median"] for e in entries]]
+        hatches = ["//" if versus.get(e["name"], {}).get("within_noise") else "" for e in entries]
+        bars = ax.barh(labels, medians, xerr=whiskers, capsize=3, hatch=hatches, edgecolor="white",
+                       color="tab:blue" if key == "images_per_sec" else "tab:orange")
+        texts = [f"{v:,.0f}" if v >= 100 else f"{v:.3g}" for v in medians]
+        if key == "images_per_sec":
+            for i, e in enumerate(entries):
+                c = versus.get(e["name"])
+                if c:
+                    texts[i] += f"   x{c['ratio']:.2f} vs {c['against']}: {c['verdict']}"
+        # after the whisker, so that the label never sits on it
+        for bar, text, high in zip(bars, texts, [e[key]["high"] for e in entries], strict=True):
+            ax.text(high, bar.get_y() + bar.get_height() / 2, " " + text, va="center", fontsize=8)
         ax.set_title(title)
-        ax.margins(x=0.2)
+        ax.margins(x=0.45 if key == "images_per_sec" else 0.2)
     axes[0].invert_yaxis()
     hw = report["hardware"]
     names = sorted({gpu.split(", ")[1] for gpu in hw["gpus"] if gpu.count(", ") >= 1})  # "index, name, memory"
     gpus = f"{len(hw['gpus'])} GPU(s): {', '.join(names)}" if hw["gpus"] else "no GPU"
     fig.suptitle(f"--arch {settings['arch']}, global batch {settings['batch_size']}, {settings['image_size']}px, "
-                 f"{settings['steps']} steps on {settings['devices']}; {hw['cpu']} ({hw['cores']} cores), {gpus}")
+                 f"{settings['steps']} steps on {settings['devices']}; {hw['cpu']} ({hw['cores']} cores), {gpus}\n"
+                 f"bar: median of {settings['repeats']} run(s); whisker: lowest to highest run; hatched: within "
+                 "noise of the entry it is compared with (the ranges overlap)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -366,30 +527,44 @@ def main(argv=None):
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     os.environ.pop("CUDA_VISIBLE_DEVICES", None)  # launch.sh sets it for each recipe from --devices
 
-    runs, failed, skipped = [], [], []
-    for entry in chosen:
-        if not (REPO / entry.recipe).is_file():
-            print(f"bench: note: skipping {entry.name}: {entry.recipe} does not exist", flush=True)
-            skipped.append(entry.name)
-            continue
-        run = run_entry(entry, args)
-        if "error" in run:
-            print(f"bench: FAILED {entry.name}: {run['error']}\n--- stderr tail ---\n{run['stderr_tail']}\n---",
-                  file=sys.stderr, flush=True)
-            failed.append(run)
-        else:
-            runs.append(run)
-    if not runs and not failed:
+    skipped = [e.name for e in chosen if not (REPO / e.recipe).is_file()]
+    for name in skipped:
+        print(f"bench: note: skipping {name}: {next(e.recipe for e in chosen if e.name == name)} does not exist",
+              flush=True)
+    present = [e for e in chosen if e.name not in skipped]
+    if not present:
         print("bench: error: nothing ran (every selected recipe file is missing)", file=sys.stderr)
         return 2
 
-    bare_cache = {}  # after all launches, so that the bare loop never competes with a recipe for the cores
-    for run in runs:
-        add_derived(run, args, bare_cache)
+    runs, failed, bare_runs = [], [], []
+    bare_keys = {}  # (batch, device, threads) -> None, in the order first needed
+    for round_, item in schedule([*present, BARE], args.repeats):
+        if item == BARE:  # after the round's launches: the bare loop never competes with a recipe for the cores
+            bare_runs += [run_bare(key, args, round_) for key in bare_keys]
+            continue
+        run = run_entry(item, args, round_)
+        if "error" in run:
+            print(f"bench: FAILED {item.name} (round {round_}/{args.repeats}): {run['error']}\n"
+                  f"--- stderr tail ---\n{run['stderr_tail']}\n---", file=sys.stderr, flush=True)
+            failed.append(run)
+            continue
+        add_derived(run, args)
+        bare_keys.setdefault(bare_key(run))
+        runs.append(run)
 
-    settings = {key: getattr(args, key) for key in ("arch", "batch_size", "image_size", "steps", "workers", "devices")}
+    runs_by_name = {e.name: [r for r in runs if r["name"] == e.name] for e in present}
+    bare_ms_by_name = {name: [b["step_ms"] for b in bare_runs if (b["batch"], b["device"], b["threads"])
+                              == bare_key(mine[0])] for name, mine in runs_by_name.items() if mine}
+    summaries = [summarize_entry(runs_by_name[e.name], bare_ms_by_name[e.name],
+                                 sum(1 for r in [*runs, *failed] if r["name"] == e.name))
+                 for e in present if runs_by_name[e.name]]
+    settings = {key: getattr(args, key)
+                for key in ("arch", "batch_size", "image_size", "steps", "workers", "devices", "repeats")}
     settings["command"] = shlex.join(["python", "tools/bench.py", *(sys.argv[1:] if argv is None else argv)])
-    report = {"settings": settings, "hardware": hardware(), "runs": runs, "failed": failed, "skipped": skipped}
+    report = {"settings": settings, "hardware": hardware(), "entries": summaries,
+              "comparisons": comparisons(present, runs_by_name, bare_ms_by_name), "runs": runs,
+              "bare_runs": bare_runs, "failed": failed,
+              "failed_entries": [e.name for e in present if not runs_by_name[e.name]], "skipped": skipped}
     args.out.mkdir(parents=True, exist_ok=True)
     text = markdown(report)
     (args.out / "results.md").write_text(text)
@@ -398,7 +573,9 @@ def main(argv=None):
     print("\n" + text, flush=True)
     print(f"bench: wrote {args.out / 'results.md'}, results.json, results.png", flush=True)
     if failed:
-        print(f"bench: {len(failed)} run(s) failed: {', '.join(f['name'] for f in failed)}", file=sys.stderr)
+        counts = collections.Counter(f["name"] for f in failed)  # in the order of the first failure
+        print(f"bench: {len(failed)} run(s) failed: "
+              + ", ".join(f"{name} ({n} of {args.repeats})" for name, n in counts.items()), file=sys.stderr)
         return 1
     return 0
 
