@@ -100,6 +100,14 @@ def load_checkpoint(path, map_location, require=()):
     return ckpt
 
 
+def dcp_failure(exc):
+    """One line for torch.distributed.checkpoint's CheckpointException, which holds every rank's exception with its
+    traceback (and is a BaseException: `except Exception` lets it through): the first failure that says something."""
+    failures = [failure for failure, _ in exc.failures.values()]
+    failure = next((f for f in failures if str(f).strip()), failures[0])
+    return f"{type(failure).__name__}: {first_line(failure).split('. ')[0][:200]}"  # torch adds advice after a period
+
+
 def load_weights(model, state, path):
     """Strict load that also takes keys saved from a DDP/DataParallel wrapper ("module.conv1.weight")."""
     state = {k.removeprefix("module."): v for k, v in state.items()}

@@ -34,7 +34,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common.data import DataError, build_datasets, default_workers, prepare_dataset
 from common.models import build_model, check_arch, unused_parameters_error
-from common.outputs import check_out_dir, state_bytes
+from common.outputs import check_out_dir, held_state_bytes, state_bytes
 from common.tensorboard_log import TensorBoard
 from common.utils import AverageMeter, Throughput, accuracy, die, one_line_errors, peak_memory_mb, print0, result_line
 
@@ -235,6 +235,8 @@ def main():
     peaks = [torch.zeros((), device=device) for _ in range(world_size)]
     dist.all_gather(peaks, torch.tensor(peak_memory_mb(device), device=device))  # every rank's own peak
     peaks = [round(p.item(), 1) for p in peaks]
+    held = [None] * world_size  # parameters + gradients + optimizer state in each rank's memory (fsdp.py: a shard)
+    dist.all_gather_object(held, held_state_bytes(model, optimizer))
     if is_main:
         os.makedirs(args.out_dir, exist_ok=True)
         path = os.path.join(args.out_dir, "model.pt")
@@ -243,7 +245,8 @@ def main():
     print0(result_line(recipe="ddp_torchrun", world_size=world_size, device=device.type, steps=step,
                        train_loss=round(loss_meter.avg, 6), val_acc1=round(val_acc1, 4), val_samples=val_samples,
                        images_per_sec=round(speed.images_per_sec, 2), peak_mem_mb=max(peaks),
-                       peak_mem_mb_per_rank=peaks, first_step_end_unix=speed.first_step_at))
+                       peak_mem_mb_per_rank=peaks, state_bytes_per_rank=held,
+                       first_step_end_unix=speed.first_step_at))
     dist.destroy_process_group()
 
 

@@ -85,13 +85,14 @@ def cell_matches(cell, values):
 ARGS = argparse.Namespace(batch_size=64)
 
 
-def recorded(name, ips, launch_s, peaks, devices="cpu:2", round_=1):
+def recorded(name, ips, launch_s, peaks, devices="cpu:2", round_=1, state=None):
     """A run as run_entry records it (the RESULT fields bench.py reads), with add_derived's numbers added."""
     base, _, mode = name.partition(":")
     run = {"name": name, "recipe": base, "mode": mode or "-", "devices": devices, "threads_per_process": 1,
            "round": round_, "t_launch": 1000.0,
            "result": {"world_size": len(peaks), "device": "cpu", "images_per_sec": ips, "peak_mem_mb": max(peaks),
-                      "peak_mem_mb_per_rank": peaks, "first_step_end_unix": 1000.0 + launch_s}}
+                      "peak_mem_mb_per_rank": peaks, "first_step_end_unix": 1000.0 + launch_s,
+                      **({"state_bytes_per_rank": state} if state else {})}}
     add_derived(run, ARGS)
     return run
 
@@ -133,9 +134,9 @@ def test_compare_within_noise():
 
 
 def test_median_and_range_of_recorded_runs():
-    runs = [recorded("ddp_torchrun", 1000.0, 5.0, [700.0, 710.0]),
-            recorded("ddp_torchrun", 4000.0, 7.0, [720.0, 705.0]),
-            recorded("ddp_torchrun", 2000.0, 6.0, [710.0, 700.0])]
+    runs = [recorded("ddp_torchrun", 1000.0, 5.0, [700.0, 710.0], state=[66168, 66168]),
+            recorded("ddp_torchrun", 4000.0, 7.0, [720.0, 705.0], state=[66168, 66168]),
+            recorded("ddp_torchrun", 2000.0, 6.0, [710.0, 700.0], state=[66168, 66168])]
     run = runs[0]
     assert (run["world_size"], run["replicas"], run["batch_per_replica"], run["bare_device"]) == (2, 2, 32, "cpu")
     assert run["step_ms"] == pytest.approx(64.0) and run["s_per_20_it"] == pytest.approx(1.28)
@@ -149,11 +150,13 @@ def test_median_and_range_of_recorded_runs():
     assert row["step_vs_bare"] == pytest.approx(3.2)  # ratio of the medians: 32 / 10
     assert (row["runs"], row["attempts"]) == (3, 4)
     cells = dict(zip(["recipe", "mode", "world size", "device", "devices", "runs", "images/s", "s / 20 it",
-                      "peak MB per rank", "launch -> step 1 (s)", "step ms", "bare ms", "step / bare"],
+                      "peak MB per rank", "state kB per rank", "launch -> step 1 (s)", "step ms", "bare ms",
+                      "step / bare"],
                      table_rows([row])[0], strict=True))
     assert cells == {"recipe": "ddp_torchrun", "mode": "-", "world size": "2", "device": "cpu", "devices": "cpu:2",
                      "runs": "3/4", "images/s": "2000.0 (1000.0–4000.0)", "s / 20 it": "0.640 (0.320–1.280)",
-                     "peak MB per rank": "710.0 / 705.0", "launch -> step 1 (s)": "6.00 (5.00–7.00)",
+                     "peak MB per rank": "710.0 / 705.0", "state kB per rank": "64.6 / 64.6",
+                     "launch -> step 1 (s)": "6.00 (5.00–7.00)",
                      "step ms": "32.00 (16.00–64.00)", "bare ms": "10.00 (8.00–16.00)", "step / bare": "3.200"}
     # an even count of runs: the mean of the middle two
     row = summarize_entry(runs[:2], bare_ms=[8.0, 16.0], attempts=2)
@@ -162,11 +165,11 @@ def test_median_and_range_of_recorded_runs():
 
 
 def test_against():
-    """DDP entries against dp, AMP modes against their fp32 sibling; the references against nothing."""
+    """DDP entries against dp, fsdp against DDP, AMP modes against their fp32 sibling; references against nothing."""
     against = {e.name: e.against for e in ENTRIES}
     assert against == {"dp": None, "ddp_torchrun": "dp", "ddp_launch": "dp", "ddp_spawn": "dp", "ddp_checkpoint": "dp",
                        "torch_amp:fp16": "torch_amp:fp32", "torch_amp:bf16": "torch_amp:fp32", "torch_amp:fp32": None,
-                       "apex_ddp": "dp", "apex_amp:O0": None, "apex_amp:O1": "apex_amp:O0",
+                       "apex_ddp": "dp", "fsdp": "ddp_torchrun", "apex_amp:O0": None, "apex_amp:O1": "apex_amp:O0",
                        "apex_amp:O2": "apex_amp:O0", "apex_amp:O3": "apex_amp:O0"}
 
 
@@ -326,6 +329,9 @@ def test_table_matches_result_lines(two_recipes):
                                   strict=True):
             assert printed > 0 and close(f"{printed:.1f}", statistics.median(peaks))
         assert row["device"] == results[0]["device"] == "cpu"
+        held = results[0].get("state_bytes_per_rank")  # ddp_torchrun reports it, dp does not
+        assert row["state kB per rank"] == (" / ".join(f"{b / 1024:.1f}" for b in held) if held else "-")
+        assert (held is not None) == (name == "ddp_torchrun")
         medians[name] = statistics.median(ips)
         ranges = {"ips": (min(ips), max(ips)), "step": (min(step_ms), max(step_ms)), "bare": (min(bare_ms),
                                                                                             max(bare_ms))}

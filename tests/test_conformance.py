@@ -60,6 +60,7 @@ CASES = {
     "ddp_checkpoint": Case("ddp_checkpoint"),
     "mx_face_prefetch": Case("mx_face_prefetch", ("--rec", "synthetic")),
     "apex_ddp": Case("apex_ddp"),  # torch's DDP: apex needs a GPU
+    "fsdp": Case("fsdp"),  # sharded: the same arithmetic as DDP (its gradients are reduce-scattered, not all-reduced)
     "apex_amp:O0": Case("apex_amp", ("--opt-level", "O0"), precision="O0"),
     "apex_amp:O1": Case("apex_amp", ("--opt-level", "O1"), precision="O1"),
     "apex_amp:O2": Case("apex_amp", ("--opt-level", "O2"), precision="O2"),  # fp16 weights, fp32 masters
@@ -165,11 +166,10 @@ def test_eval_is_exact_with_batchnorm(run):
 
 def test_ddp_reduces_once_per_step_and_evaluates_outside_the_wrapper(run):
     case = run["case"]
-    files = sorted(run["counts"].glob("rank*.json"))
-    if case.recipe not in DDP:
-        assert not files  # DataParallel: no process group
+    counts = [json.loads(f.read_text()) for f in sorted(run["counts"].glob("rank*.json"))]
+    if case.recipe not in DDP:  # DataParallel: no process group; fsdp: a process group but no DDP wrapper
+        assert counts == ([] if case.recipe == "dp" else [{"grad_allreduces": 0, "eval_forwards": 0}] * case.world)
         return
-    counts = [json.loads(f.read_text()) for f in files]
     steps = ARGS["epochs"] * ARGS["train"] // ARGS["batch"]
     # DDP buckets gradients by dtype, and each dtype of tiny_bn fits one bucket (O2: fp16 weights, fp32
     # BatchNorm): one all-reduce per bucket per optimizer step, whatever --accum-steps is.

@@ -29,6 +29,8 @@ Columns of the first table; each timed cell is "median (lowest-highest)" over th
   s / 20 it         20 * global batch / images/s: seconds for 20 optimizer steps
   peak MB per rank  the recipe's peak_mem_mb_per_rank, the median over the runs of each rank; DataParallel lists
                     one value per GPU, so GPU 0's extra memory (gathered outputs, gradients) shows
+  state kB per rank parameters + gradients + optimizer state held by each rank, from the recipes that report
+                    it (ddp_torchrun: a full copy each; fsdp: a shard each); "-" for the others
   launch -> step 1  first_step_end_unix (when the first optimizer step ended) minus the wall-clock time just
                     before launch.sh was started: interpreter, launcher, process group, data, model, step 1
   step ms           recipe step time = global batch / images/s. In one step each replica (a DDP process, or
@@ -43,8 +45,9 @@ Columns of the first table; each timed cell is "median (lowest-highest)" over th
 
 Comparisons (the second table), made only where both sides were selected and have a successful run:
   each DDP entry (ddp_torchrun, ddp_launch, ddp_spawn, ddp_checkpoint, apex_ddp) against dp (images/s: the
-  speed-up of DDP over DataParallel), each AMP mode against its fp32 sibling (images/s: torch_amp:fp16/bf16
-  against torch_amp:fp32, apex_amp:O1-O3 against apex_amp:O0), and each entry's step ms against its bare loop's.
+  speed-up of DDP over DataParallel), fsdp against ddp_torchrun (images/s: what sharding costs), each AMP mode
+  against its fp32 sibling (images/s: torch_amp:fp16/bf16 against torch_amp:fp32, apex_amp:O1-O3 against
+  apex_amp:O0), and each entry's step ms against its bare loop's.
   The ratio is of the medians. The verdict is "within noise" when the two [lowest, highest] ranges overlap
   (touching counts), else "faster" or "slower"; with a single run on either side there is no range to compare,
   and the verdict says so. Two entries that perform alike, each with N runs in random order, get disjoint ranges
@@ -111,6 +114,7 @@ ENTRIES = [
     *(Entry(f"torch_amp:{dtype}", "recipes/torch_amp.py", ("--amp-dtype", dtype),
             against=None if dtype == "fp32" else "torch_amp:fp32") for dtype in ("fp16", "bf16", "fp32")),
     Entry("apex_ddp", "recipes/apex_ddp.py", against="dp"),
+    Entry("fsdp", "recipes/fsdp.py", against="ddp_torchrun"),
     *(Entry(f"apex_amp:{level}", "recipes/apex_amp.py", ("--opt-level", level),
             against=None if level == "O0" else "apex_amp:O0") for level in ("O0", "O1", "O2", "O3")),
 ]
@@ -122,6 +126,7 @@ TIMED = [("images_per_sec", "images/s", "{:.1f}"), ("s_per_20_it", "s / 20 it", 
          ("bare_step_ms", "bare ms", "{:.2f}")]
 FORMAT = {key: fmt for key, _, fmt in TIMED}
 COLUMNS = ["recipe", "mode", "world size", "device", "devices", "runs", "images/s", "s / 20 it", "peak MB per rank",
+           "state kB per rank",
            "launch -> step 1 (s)", "step ms", "bare ms", "step / bare"]
 COMPARISON_COLUMNS = ["entry", "against", "measure", "ratio of medians", "entry: median (range)",
                       "against: median (range)", "verdict"]
@@ -303,6 +308,7 @@ def add_derived(run, args):
     step_s = args.batch_size / ips if ips > 0 else float("inf")
     run.update(world_size=result["world_size"], device=result["device"], images_per_sec=ips,
                s_per_20_it=20 * step_s, peak_mem_mb_per_rank=per_rank, replicas=replicas,
+               state_bytes_per_rank=result.get("state_bytes_per_rank"),
                batch_per_replica=args.batch_size // replicas, bare_device=device,
                launch_to_first_step_s=result["first_step_end_unix"] - run["t_launch"], step_ms=1000 * step_s)
 
@@ -359,6 +365,7 @@ def summarize_entry(runs, bare_ms, attempts):
         row[key] = dict(zip(("median", "low", "high"), summarize(values), strict=True))
     per_rank = zip(*(r["peak_mem_mb_per_rank"] for r in runs), strict=True)
     row["peak_mem_mb_per_rank"] = [statistics.median(rank) for rank in per_rank]
+    row["state_bytes_per_rank"] = first.get("state_bytes_per_rank")  # exact: the same in every run
     row["step_vs_bare"] = row["step_ms"]["median"] / row["bare_step_ms"]["median"]
     return row
 
@@ -412,6 +419,7 @@ def table_rows(entries):
     return [[e["recipe"], e["mode"], str(e["world_size"]), e["device"], e["devices"], f"{e['runs']}/{e['attempts']}",
              *(cell(e[key], fmt) for key, _, fmt in TIMED[:2]),
              " / ".join(f"{m:.1f}" for m in e["peak_mem_mb_per_rank"]),
+             " / ".join(f"{b / 1024:.1f}" for b in e["state_bytes_per_rank"]) if e.get("state_bytes_per_rank") else "-",
              *(cell(e[key], fmt) for key, _, fmt in TIMED[2:]), f"{e['step_vs_bare']:.3f}"] for e in entries]
 
 

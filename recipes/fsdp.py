@@ -1,0 +1,378 @@
+"""FSDP2 (fully_shard): each rank holds a shard of the parameters, gradients and optimizer state; sharded
+checkpoints (torch.distributed.checkpoint) that resume on another number of GPUs.
+
+    ./launch.sh recipes/fsdp.py 0,1,2,3 --dataset cifar100 --arch resnet50 --epochs 30
+    ./launch.sh recipes/fsdp.py 0,1,2,3 --dataset cifar100 --arch resnet50 --epochs 30 --amp-dtype bf16
+    ./launch.sh recipes/fsdp.py 0,1 --dataset cifar100 --arch resnet50 --epochs 30 --resume auto  # 4 GPUs' checkpoint
+    NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 \
+        ./launch.sh recipes/fsdp.py 0,1,2,3 --dataset cifar100     # node 0; NODE_RANK=1 on node 1
+    ./launch.sh recipes/fsdp.py cpu:2 --arch tiny --epochs 3 --resume auto               # CPU (gloo)
+
+What it shows (the rest is recipes/ddp_checkpoint.py):
+- DDP keeps the whole model, its gradients and the optimizer state on every GPU. fully_shard turns each
+  parameter into a DTensor sharded along dim 0 over the ranks: a rank holds 1/N of all three. Before a
+  block's forward (and backward) its parameters are all-gathered, after it they are freed again
+  (--no-reshard-after-forward keeps them until backward: less communication, more memory); gradients are
+  reduce-scattered, so each rank's optimizer steps its own shard. RESULT reports the bytes each rank holds
+  (state_bytes_per_rank) next to ddp_torchrun.py's.
+- fully_shard goes on every block first, then on the root: each call groups the parameters not yet
+  grouped into one all-gather, so the root takes only what is left (stem, head). Root first would make one
+  group of the whole model: all of it gathered at once, no memory saved.
+- --amp-dtype bf16: MixedPrecisionPolicy computes in bf16 (parameters are gathered in bf16, half the
+  traffic) and reduces gradients in fp32; the sharded parameters and optimizer state stay fp32.
+- Checkpoints: OUT_DIR/checkpoint/epoch_N/ holds one shard file per rank, written by every rank at once
+  with torch.distributed.checkpoint (DCP) from get_state_dict(model, optimizer). model.state_dict() of a
+  sharded model holds DTensors; torch.save from rank 0 would write rank 0's shard only. Rank 0 then writes
+  OUT_DIR/checkpoint/latest.pt (scheduler, epoch, step, RNG, args, which epoch_N), atomically and last,
+  so it points only at complete shards. --resume PATH|auto loads them on any number of ranks: DCP reshards
+  to the new world (2 GPUs' checkpoint on 4, or on 1). Same number of ranks: bitwise the same weights as a
+  run that never stopped (CPU).
+- OUT_DIR/model.pt: the full state_dict (no DTensor), gathered to rank 0's CPU at the end, loadable by a
+  plain model in a process with no process group.
+- Evaluation: every forward all-gathers, so every rank must run the same number of them; a rank whose
+  shard of the validation set has fewer batches runs empty ones. BatchNorm buffers are not sharded and
+  not synchronized: rank 0's are broadcast before each evaluation, as in ddp_checkpoint.py.
+"""
+# launcher: torchrun
+
+import argparse
+import datetime
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.data import DataLoader, Subset
+from torch.utils.data.distributed import DistributedSampler
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
+from common.checkpoint import CheckpointError, SaveError, dcp_failure, find_resume, load_checkpoint, save_atomic
+from common.data import DataError, build_datasets, default_workers, prepare_dataset
+from common.models import build_model, check_arch
+from common.outputs import check_out_dir, held_state_bytes, state_bytes
+from common.tensorboard_log import TensorBoard
+from common.utils import AverageMeter, Throughput, accuracy, die, one_line_errors, peak_memory_mb, print0, result_line
+
+
+# ------------------------------------------------------------------------------------------- args
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dataset", choices=["synthetic", "cifar100", "imagefolder"], default="synthetic")
+    p.add_argument("--data-root", default="./data", help="cifar100: download dir; imagefolder: has train/ val/")
+    p.add_argument("--image-size", type=int, help="default: 32 (synthetic, cifar100), 224 (imagefolder)")
+    p.add_argument("--synthetic-train", type=int, default=2048, help="synthetic: training samples")
+    p.add_argument("--synthetic-val", type=int, default=500, help="synthetic: validation samples")
+    p.add_argument("--arch", default="resnet18", help="torchvision model name, or tiny / tiny_bn")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=128, help="GLOBAL batch, split evenly across processes")
+    p.add_argument("--workers", type=int,
+                   help="DataLoader workers PER PROCESS (default: cores per process - 1, at most 4)")
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs, benchmarks)")
+    p.add_argument("--out-dir", default="runs/fsdp", help="checkpoint/ (sharded), model.pt")
+    p.add_argument("--tb-dir", help="write TensorBoard curves here (rank 0): tensorboard --logdir TB_DIR")
+    p.add_argument("--tb-every", type=int, default=20, help="--tb-dir: the training loss every N optimizer steps")
+    p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
+    p.add_argument("--amp-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: compute and all-gather in bf16, reduce gradients in fp32 (MixedPrecisionPolicy)")
+    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+                   help="free each block's gathered parameters after its forward (default); --no-...: keep them "
+                        "until backward, one all-gather less per block and step, more memory")
+    p.add_argument("--resume", help="a checkpoint/latest.pt to continue from, or 'auto': OUT_DIR/checkpoint/latest.pt "
+                                    "if it exists; any number of ranks")
+    return p.parse_args(argv)
+
+
+def check_args(args, world_size):
+    # Every rank runs this before any collective, so a bad flag fails in seconds, not at a timeout.
+    if args.batch_size < world_size or args.batch_size % world_size:
+        die(f"--batch-size {args.batch_size} is the GLOBAL batch and must be a multiple of the "
+            f"{world_size} processes; try --batch-size {max(1, args.batch_size // world_size) * world_size}")
+    for flag, value, low in [("--epochs", args.epochs, 1), ("--workers", args.workers, 0),
+                             ("--max-steps", args.max_steps, 1), ("--image-size", args.image_size, 1),
+                             ("--synthetic-train", args.synthetic_train, 1),
+                             ("--synthetic-val", args.synthetic_val, 1), ("--tb-every", args.tb_every, 1)]:
+        if value is not None and value < low:
+            die(f"{flag} {value} must be >= {low}")
+    if args.lr <= 0 or args.dist_timeout <= 0:
+        die("--lr and --dist-timeout must be > 0")
+    try:
+        check_arch(args.arch)
+    except ValueError as exc:
+        die(str(exc))
+    if args.resume and args.resume != "auto" and not os.path.isfile(args.resume):
+        die(f"--resume {args.resume}: no such file", all_ranks=True)  # files can differ per node
+
+
+# ------------------------------------------------------------------------------------------ model
+def blocks(model):
+    """The modules that get their own fully_shard: the members of the model's Sequentials that have parameters (a
+    torchvision ResNet's residual blocks in layer1..4; the tiny models' layers). The root keeps the rest."""
+    for child in model.children():
+        if isinstance(child, torch.nn.Sequential):
+            yield from (module for module in child if any(True for _ in module.parameters()))
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+def rng_state(device):
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def load_shards(model, optimizer, path):
+    """Every rank reads its part of the sharded checkpoint at `path`, however many ranks wrote it (DCP reshards)."""
+    model_state, optim_state = get_state_dict(model, optimizer)  # this world's layout, filled in by load
+    try:
+        dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
+    except dcp.CheckpointException as exc:  # a BaseException: `except Exception` would let it through
+        raise CheckpointError(f"cannot load the shards in {path} ({dcp_failure(exc)}): a shard file is missing or "
+                              "truncated, or they hold another model") from exc
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+
+
+# ------------------------------------------------------------------------------------------- eval
+@torch.no_grad()
+def evaluate(model, loader, criterion, device):
+    """Each rank scores its own shard (no padded duplicates); sums are all-reduced, so the result
+    equals one process scoring the whole set. Call it on every rank: a collective waits for all."""
+    model.eval()
+    loss, top1, top5 = AverageMeter(), AverageMeter(), AverageMeter()
+    # Each forward all-gathers parameters, a collective: a rank with fewer batches (37 samples on 2 ranks) runs
+    # empty forwards until the others are done, or they would wait for it forever.
+    batches = torch.tensor(len(loader), device=device)
+    dist.all_reduce(batches, op=dist.ReduceOp.MAX)
+    empty = torch.zeros(0, *loader.dataset.dataset[0][0].shape, device=device)
+    shard = iter(loader)
+    for _ in range(int(batches)):
+        images, targets = next(shard, (None, None))
+        if images is None:
+            model(empty)
+            continue
+        images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        output = model(images)
+        acc1, acc5 = accuracy(output, targets, topk=(1, 5))
+        loss.update(criterion(output, targets), images.size(0))
+        top1.update(acc1, images.size(0))
+        top5.update(acc5, images.size(0))
+    for meter in (loss, top1, top5):
+        meter.all_reduce(device)
+    return loss.avg, top1.avg, top5.avg, top1.count
+
+
+def main():
+    args = parse_args()
+
+    # ------------------------------------------------------------------------ distributed setup
+    # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; plain python: a world of 1.
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    is_main = rank == 0
+    ranks_per_gpu = int(os.environ.get("RANKS_PER_GPU", 1))  # launch.sh G:N: N ranks share GPU G (debugging)
+    check_args(args, world_size)
+    if torch.cuda.is_available():
+        gpu = local_rank // ranks_per_gpu
+        if gpu >= torch.cuda.device_count():
+            die(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
+                "start one process per listed GPU (./launch.sh RECIPE 0,1 does)", all_ranks=True)
+        # Before any CUDA work, or every process also puts a context on GPU 0 (write-up 000).
+        torch.cuda.set_device(gpu)
+        # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"); gloo shares it, through host memory.
+        device, backend = torch.device("cuda", gpu), "nccl" if ranks_per_gpu == 1 else "gloo"
+        torch.backends.cudnn.benchmark = True  # fixed-size inputs: cuDNN times its kernels once, keeps the fastest
+        # TF32 math for fp32 matmuls and convolutions (Ampere and newer): several times faster; training curves
+        # match fp32's. Set both False for bitwise comparisons.
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    # torch's default timeout is 30 min: a rank that died would leave the others hanging that long.
+    timeout = datetime.timedelta(seconds=args.dist_timeout)
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    batch_per_process = args.batch_size // world_size
+    # --workers counts per process; unset: one per core this process has beyond its own, at most 4.
+    workers_per_process = default_workers(args.workers, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    print0(f"setup: world_size={world_size} backend={backend} device={device.type} "
+           f"global_batch={args.batch_size} ({batch_per_process} per process x {world_size}), "
+           f"workers={workers_per_process} per process")
+
+    # ------------------------------------------------------------------------------------ data
+    try:
+        if local_rank == 0:  # one download per node; the others wait at the barrier
+            prepare_dataset(args.dataset, args.data_root)
+        dist.barrier()
+        train_set, val_set, num_classes = build_datasets(
+            args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val)
+    except DataError as exc:  # may differ per node (a missing folder): each rank says what it saw
+        die(str(exc), all_ranks=True)
+    # Same seed on every rank: each process sees a different shard of one shared permutation.
+    train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    # Not persistent: workers are re-seeded from the (checkpointed) RNG each epoch, so resume is exact.
+    train_loader = DataLoader(train_set, batch_size=batch_per_process, sampler=train_sampler,
+                              num_workers=workers_per_process, pin_memory=device.type == "cuda", drop_last=True)
+    # DistributedSampler pads val with repeated samples; a strided shard counts each sample once.
+    val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=batch_per_process,
+                            num_workers=workers_per_process, pin_memory=device.type == "cuda",
+                            persistent_workers=workers_per_process > 0)
+    if len(train_loader) == 0:
+        die(f"{len(train_set)} training samples make no full batch of {args.batch_size}; lower --batch-size")
+    print0(f"data: {args.dataset} train={len(train_set)} val={len(val_set)} classes={num_classes} "
+           f"steps_per_epoch={len(train_loader)}")
+
+    # Start the validation workers now. The training workers are forked again every epoch, and on
+    # Python <= 3.11 a fork just after another loader shut down can deadlock the child (CPython gh-112275).
+    iter(val_loader)
+
+    # ----------------------------------------------------------------------------------- model
+    torch.manual_seed(args.seed)  # same initial weights everywhere: each rank keeps its slice of them
+    model = build_model(args.arch, num_classes).to(device)
+    # Parameters are all-gathered in param_dtype for compute; gradients are reduce-scattered in fp32.
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.amp_dtype == "bf16" else None,
+                                     reduce_dtype=torch.float32)
+    # Blocks first, root last (each call groups the parameters not grouped yet): one all-gather per block.
+    for block in blocks(model):
+        fully_shard(block, mp_policy=mp_policy, reshard_after_forward=args.reshard_after_forward)
+    fully_shard(model, mp_policy=mp_policy, reshard_after_forward=args.reshard_after_forward)
+    torch.manual_seed(args.seed + rank)  # from here on, augmentation and dropout differ per rank
+    criterion = torch.nn.CrossEntropyLoss()
+    # After fully_shard: the optimizer must hold the sharded (DTensor) parameters, and its state is sharded too.
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
+    checkpoints = os.path.join(args.out_dir, "checkpoint")
+    latest = os.path.join(checkpoints, "latest.pt")
+    start_epoch, step, best_acc1 = 0, 0, float("-inf")
+    resume = find_resume(args.resume, latest)  # 'auto': latest.pt if there is one (what MAX_RESTARTS reruns)
+    if resume:
+        ckpt = load_checkpoint(resume, map_location="cpu", require=(
+            "shards", "scheduler", "epoch", "step", "best_acc1", "rng", "args"))
+        for flag in ("arch", "epochs"):  # another model does not fit the shards; the cosine schedule was laid out
+            if ckpt["args"][flag] != getattr(args, flag):  # for that many epochs
+                die(f"{resume} was trained with --{flag} {ckpt['args'][flag]}; resume with the same --{flag}")
+        load_shards(model, optimizer, os.path.join(os.path.dirname(resume), ckpt["shards"]))
+        scheduler.load_state_dict(ckpt["scheduler"])
+        start_epoch, step, best_acc1 = ckpt["epoch"], ckpt["step"], ckpt["best_acc1"]
+        if len(ckpt["rng"]) == world_size:  # each rank continues its own random stream
+            torch.set_rng_state(ckpt["rng"][rank]["cpu"].cpu())
+            if device.type == "cuda" and ckpt["rng"][rank]["cuda"] is not None:  # None: saved on CPU
+                torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"].cpu(), device)
+        else:
+            print0(f"resume: saved with {len(ckpt['rng'])} ranks, now {world_size}: random streams start afresh "
+                   "(the shards are resharded)")
+        print0(f"resume: {resume} at epoch {start_epoch} step {step} best_acc1={best_acc1:.2f}")
+    # Before the first step: an --out-dir that cannot hold the checkpoints, or that another node cannot see (every
+    # rank writes its shard there and reads latest.pt), fails now, not after hours of training. state_bytes counts
+    # the whole (unsharded) model and optimizer: all the shards together.
+    check_out_dir(args.out_dir, is_main, {"checkpoint": state_bytes(model, optimizer), "model.pt": state_bytes(model)},
+                  shared=True)
+
+    # ----------------------------------------------------------------------------------- train
+    total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
+    speed = Throughput()
+    # Resumed: the curves go on from `step`; what an interrupted run logged after its checkpoint is dropped.
+    tb = TensorBoard(args.tb_dir, args.tb_every, is_main, device, vars(args), start_step=step)
+    if start_epoch >= args.epochs:
+        die(f"{resume} already finished all {args.epochs} epochs; nothing to resume")
+    for epoch in range(start_epoch, args.epochs):
+        train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
+        model.train()
+        loss_meter, acc_meter = AverageMeter(), AverageMeter()
+        start = time.perf_counter()
+        speed.start()
+        bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", leave=False, disable=not (is_main and sys.stdout.isatty()))
+        for images, targets in bar:
+            images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            output = model(images)  # each block all-gathers its parameters, and frees them after its forward
+            loss = criterion(output, targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # each block's gradients are reduce-scattered (averaged): every rank keeps its shard
+            optimizer.step()
+            loss_meter.update(loss, images.size(0))  # a tensor: summed on the device, no sync per step
+            acc_meter.update(accuracy(output, targets)[0], images.size(0))
+            step += 1
+            speed.step(args.batch_size)
+            tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"])
+            if step >= total_steps:
+                break
+        scheduler.step()
+        epoch_time = time.perf_counter() - start
+        loss_meter.all_reduce(device)
+        acc_meter.all_reduce(device)
+
+        # -------------------------------------------------------------------------------- eval
+        # Buffers (BatchNorm statistics) are not sharded: each rank's follow its own batches. Evaluate everywhere
+        # with rank 0's, which model.pt and the checkpoint get (as DDP would have, which broadcasts them).
+        for buffer in model.buffers():
+            dist.broadcast(buffer, 0)
+        val_loss, val_acc1, val_acc5, val_samples = evaluate(model, val_loader, criterion, device)
+        eta = speed.eta(total_steps - step)
+        print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
+               f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
+               f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={eta}")
+        tb.epoch(step, train_loss=loss_meter.avg, train_acc1=acc_meter.avg, val_loss=val_loss, val_acc1=val_acc1,
+                 val_acc5=val_acc5, images_per_sec=loss_meter.count / epoch_time)
+
+        # ----------------------------------------------- checkpoint: every rank saves its shard, rank 0 last
+        if step % len(train_loader):  # an epoch cut short by --max-steps is not a resume point
+            break
+        rngs = [None] * world_size
+        dist.all_gather_object(rngs, rng_state(device))  # a collective: every rank calls it
+        best_acc1 = max(best_acc1, val_acc1)  # val_acc1 is all-reduced, so every rank agrees
+        shards = f"epoch_{epoch + 1}"
+        if is_main:  # what a run killed while writing this epoch left behind
+            shutil.rmtree(os.path.join(checkpoints, shards), ignore_errors=True)
+        dist.barrier()
+        model_state, optim_state = get_state_dict(model, optimizer)  # DTensors: each rank's own shard
+        try:
+            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=os.path.join(checkpoints, shards))
+        except dcp.CheckpointException as exc:  # a full disk, on any rank: every rank gets it
+            raise SaveError(f"cannot write the shards in {os.path.join(checkpoints, shards)} ({dcp_failure(exc)}): "
+                            f"{latest} still points at the previous ones; free some space, then --resume") from exc
+        if is_main:  # dcp.save returned on every rank: all shards are written. Now point latest.pt at them.
+            save_atomic({"shards": shards, "scheduler": scheduler.state_dict(), "epoch": epoch + 1, "step": step,
+                         "best_acc1": best_acc1, "rng": rngs, "args": vars(args)}, latest)
+            for old in os.listdir(checkpoints):  # the previous epoch's shards, no longer pointed at
+                if old.startswith("epoch_") and old != shards:
+                    shutil.rmtree(os.path.join(checkpoints, old), ignore_errors=True)
+        if step >= total_steps:
+            break
+
+    # ------------------------------------------------------------------------------------ save
+    tb.close()
+    peaks = [torch.zeros((), device=device) for _ in range(world_size)]
+    dist.all_gather(peaks, torch.tensor(peak_memory_mb(device), device=device))  # every rank's own peak
+    peaks = [round(p.item(), 1) for p in peaks]
+    held = [None] * world_size  # parameters + gradients + optimizer state in this rank's memory: its shards
+    dist.all_gather_object(held, held_state_bytes(model, optimizer))
+    # The full weights, gathered shard by shard onto rank 0's CPU (a collective: every rank calls it; the others
+    # get an empty dict). Plain tensors, no prefix: they load into build_model() in any process.
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if is_main:
+        os.makedirs(args.out_dir, exist_ok=True)
+        path = os.path.join(args.out_dir, "model.pt")
+        torch.save(full, path)
+        print0(f"saved: {path}")
+    print0(result_line(recipe="fsdp", world_size=world_size, device=device.type, steps=step,
+                       train_loss=round(loss_meter.avg, 6), val_acc1=round(val_acc1, 4), val_samples=val_samples,
+                       images_per_sec=round(speed.images_per_sec, 2), peak_mem_mb=max(peaks),
+                       peak_mem_mb_per_rank=peaks, state_bytes_per_rank=held,
+                       first_step_end_unix=speed.first_step_at))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    with one_line_errors():  # a file that does not load, a lost rank, Ctrl-C: one line each, not a traceback per rank
+        main()

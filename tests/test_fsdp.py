@@ -1,0 +1,149 @@
+"""recipes/fsdp.py: FSDP2 training equals one process on the full batch, sharded checkpoints resume exactly on the
+same world size and within float rounding on another, model.pt loads in a plain process, bad checkpoints are one
+line, and each rank holds about half of what a DDP rank holds. Real gloo runs on the CPU."""
+
+import re
+import shutil
+
+import pytest
+import torch
+from conftest import launch, result_of, run_direct
+from reference import Plain, evaluate
+
+from common.data import build_datasets
+from common.models import build_model
+
+# 144 samples split evenly over 1, 2 and 3 ranks (global batch 48), so each step sees the same 48 samples whatever
+# the world size. tiny has no BatchNorm: its result does not depend on how the batch is split.
+ARGS = ["--arch", "tiny", "--workers", "0", "--batch-size", "48", "--epochs", "3", "--lr", "0.2", "--image-size",
+        "16", "--synthetic-train", "144", "--synthetic-val", "37"]
+PER_EPOCH = 144 // 48
+# A different world size adds the gradients in another order (2 ranks' reduce-scatter vs 3's): last-bit
+# differences, grown over 6 more steps.
+RESHARD_ATOL = 1e-5
+
+pytestmark = pytest.mark.slow
+
+
+def epoch_lines(stdout):
+    """Per-epoch lines without the timing fields and the planned step total (a --max-steps run plans fewer)."""
+    return [re.sub(r" img/s=\S+ eta=\S+", "", re.sub(r"step=(\d+)/\d+", r"step=\1", line))
+            for line in stdout.splitlines() if line.startswith("epoch=")]
+
+
+def losses(stdout):
+    return [float(x) for x in re.findall(r"^epoch=\d+/\d+ .*?train_loss=([\d.]+)", stdout, re.M)]
+
+
+def weights(out):
+    return torch.load(out / "model.pt", weights_only=True)
+
+
+def max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def files_of(folder):
+    return {p.relative_to(folder): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp")
+    got = {"tmp": tmp}
+    got["straight"] = launch("recipes/fsdp.py", "cpu:2", *ARGS, "--out-dir", tmp / "straight")
+    got["one"] = run_direct("fsdp", *ARGS, "--out-dir", tmp / "one")  # one process, the whole batch
+    got["first"] = launch("recipes/fsdp.py", "cpu:2", *ARGS, "--max-steps", PER_EPOCH, "--out-dir", tmp / "first")
+    for name in ("r2", "r3", "r1", "wrong_arch", "truncated"):
+        shutil.copytree(tmp / "first", tmp / name)
+    got["r2"] = launch("recipes/fsdp.py", "cpu:2", *ARGS, "--resume", "auto", "--out-dir", tmp / "r2")
+    got["r3"] = launch("recipes/fsdp.py", "cpu:3", *ARGS, "--resume", "auto", "--no-reshard-after-forward",
+                       "--out-dir", tmp / "r3")
+    got["r1"] = run_direct("fsdp", *ARGS, "--resume", "auto", "--out-dir", tmp / "r1")
+    return got
+
+
+def test_two_ranks_train_as_one_process_on_the_full_batch(runs):
+    straight, one = result_of(runs["straight"]), result_of(runs["one"])
+    assert (straight["world_size"], one["world_size"], straight["steps"], one["steps"]) == (2, 1, 9, 9)
+    assert losses(runs["straight"].stdout) == pytest.approx(losses(runs["one"].stdout), abs=1e-4)
+    diff = max_diff(weights(runs["tmp"] / "straight"), weights(runs["tmp"] / "one"))
+    print(f"2 ranks vs 1 process: weights {diff:.1e} apart (atol {RESHARD_ATOL:.0e})")
+    assert diff <= RESHARD_ATOL
+    assert straight["val_samples"] == 37 and straight["val_acc1"] > 30  # learns: chance is 10%
+
+
+def test_resume_on_the_same_world_size_is_bitwise(runs):
+    first, resumed = runs["first"], runs["r2"]
+    assert result_of(first)["steps"] == PER_EPOCH and result_of(resumed)["steps"] == 3 * PER_EPOCH
+    assert f"resume: {runs['tmp'] / 'r2/checkpoint/latest.pt'} at epoch 1 step {PER_EPOCH}" in resumed.stdout
+    assert epoch_lines(first.stdout) + epoch_lines(resumed.stdout) == epoch_lines(runs["straight"].stdout)
+    a, b = weights(runs["tmp"] / "straight"), weights(runs["tmp"] / "r2")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize(("name", "world"), [("r3", 3), ("r1", 1)])
+def test_a_checkpoint_from_two_ranks_resumes_on_another_world_size(runs, name, world):
+    proc, out = runs[name], runs["tmp"] / name
+    assert result_of(proc)["world_size"] == world and result_of(proc)["steps"] == 3 * PER_EPOCH
+    assert f"resume: saved with 2 ranks, now {world}: random streams start afresh" in proc.stdout
+    assert losses(proc.stdout) == pytest.approx(losses(runs["straight"].stdout)[1:], abs=1e-4)
+    diff = max_diff(weights(out), weights(runs["tmp"] / "straight"))
+    print(f"2 ranks -> {world}: weights {diff:.1e} from the straight 2-rank run (atol {RESHARD_ATOL:.0e})")
+    assert diff <= RESHARD_ATOL
+    # Its own checkpoint has one shard file per rank of the new world; the old epoch's shards are gone.
+    assert sorted(p.name for p in (out / "checkpoint").iterdir()) == ["epoch_3", "latest.pt"]
+    assert len(list((out / "checkpoint/epoch_3").glob("*.distcp"))) == world
+    assert torch.load(out / "checkpoint/latest.pt", weights_only=True)["shards"] == "epoch_3"
+
+
+def test_model_pt_loads_into_a_plain_model_and_scores_what_was_printed(runs):
+    saved = weights(runs["tmp"] / "straight")
+    assert {type(t) for t in saved.values()} == {torch.Tensor} and {t.dtype for t in saved.values()} == {torch.float32}
+    model = build_model("tiny", 10)
+    model.load_state_dict(saved)  # strict: the same keys, no prefix, no DTensor
+    _, val_set, _ = build_datasets("synthetic", image_size=16, synthetic_train=144, synthetic_val=37)
+    _, acc1, samples = evaluate(model, Plain(), val_set)
+    assert samples == 37 and acc1 == pytest.approx(result_of(runs["straight"])["val_acc1"], abs=1e-3)
+
+
+def test_a_checkpoint_of_another_arch_or_with_a_truncated_shard_is_refused(runs):
+    tmp = runs["tmp"]
+    before = files_of(tmp / "wrong_arch")
+    wrong = run_direct("fsdp", *ARGS, "--arch", "tiny_bn", "--resume", "auto", "--out-dir", tmp / "wrong_arch")
+    assert wrong.returncode == 2
+    assert wrong.stderr == (f"error: {tmp / 'wrong_arch/checkpoint/latest.pt'} was trained with --arch tiny; resume "
+                            "with the same --arch\n")
+    assert files_of(tmp / "wrong_arch") == before  # nothing written
+    shard = tmp / "truncated/checkpoint/epoch_1/__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    before = files_of(tmp / "truncated")
+    cut = run_direct("fsdp", *ARGS, "--resume", "auto", "--out-dir", tmp / "truncated")
+    assert cut.returncode == 2
+    assert cut.stderr.startswith(f"[rank 0] error: cannot load the shards in {tmp / 'truncated/checkpoint/epoch_1'} (")
+    assert cut.stderr.endswith("): a shard file is missing or truncated, or they hold another model\n")
+    assert len(cut.stderr.splitlines()) == 1 and "Traceback" not in cut.stdout + cut.stderr
+    assert files_of(tmp / "truncated") == before
+
+
+def test_bf16_computes_in_bf16_and_keeps_fp32_weights(runs, tmp_path):
+    proc = run_direct("fsdp", *ARGS, "--amp-dtype", "bf16", "--out-dir", tmp_path)
+    assert result_of(proc)["val_acc1"] > 30
+    assert {t.dtype for t in weights(tmp_path).values()} == {torch.float32}  # sharded fp32 masters
+    bf16, fp32 = losses(proc.stdout), losses(runs["one"].stdout)
+    assert bf16 == pytest.approx(fp32, abs=0.05) and bf16 != fp32  # bf16's rounding shows, and it still trains
+
+
+def test_each_rank_holds_half_of_what_a_ddp_rank_holds(tmp_path):
+    # resnet18: parameters + gradients + SGD momentum, exactly, from each RESULT line.
+    small = ["--arch", "resnet18", "--workers", "0", "--batch-size", "4", "--image-size", "8", "--max-steps", "1",
+             "--synthetic-train", "8", "--synthetic-val", "2"]
+    ddp = result_of(launch("recipes/ddp_torchrun.py", "cpu:2", *small, "--out-dir", tmp_path / "ddp"))
+    fsdp = result_of(launch("recipes/fsdp.py", "cpu:2", *small, "--out-dir", tmp_path / "fsdp"))
+    full = 3 * sum(p.numel() * 4 for p in build_model("resnet18", 10).parameters())
+    assert ddp["state_bytes_per_rank"] == [full, full]
+    assert sum(fsdp["state_bytes_per_rank"]) == full  # the shards add up to one copy
+    ratio = max(fsdp["state_bytes_per_rank"]) / max(ddp["state_bytes_per_rank"])
+    print(f"fsdp/ddp state bytes per rank, resnet18, 2 ranks: {ratio:.3f}")
+    assert ratio <= 0.55
