@@ -53,7 +53,17 @@ from common.data import DataError, build_datasets, default_workers, prepare_data
 from common.models import build_model, check_arch, unused_parameters_error
 from common.outputs import check_out_dir, state_bytes
 from common.tensorboard_log import TensorBoard
-from common.utils import AverageMeter, Throughput, accuracy, die, one_line_errors, peak_memory_mb, print0, result_line
+from common.utils import (
+    AverageMeter,
+    Throughput,
+    accuracy,
+    die,
+    gather_values,
+    one_line_errors,
+    peak_memory_mb,
+    print0,
+    result_line,
+)
 
 
 # ------------------------------------------------------------------------------------------- args
@@ -411,9 +421,7 @@ def main():
 
     # ------------------------------------------------------------------------------------ save
     tb.close()
-    peaks = [torch.zeros((), device=device) for _ in range(world_size)]
-    dist.all_gather(peaks, torch.tensor(peak_memory_mb(device), device=device))  # every rank's own peak
-    peaks = [round(p.item(), 1) for p in peaks]
+    peaks = [round(p, 1) for p in gather_values(peak_memory_mb(device), device)]  # every rank's own peak
     if is_main:
         os.makedirs(args.out_dir, exist_ok=True)
         path = os.path.join(args.out_dir, "model.pt")

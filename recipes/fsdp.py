@@ -63,7 +63,17 @@ from common.data import DataError, build_datasets, default_workers, prepare_data
 from common.models import build_model, check_arch
 from common.outputs import check_out_dir, held_state_bytes, state_bytes
 from common.tensorboard_log import TensorBoard
-from common.utils import AverageMeter, Throughput, accuracy, die, one_line_errors, peak_memory_mb, print0, result_line
+from common.utils import (
+    AverageMeter,
+    Throughput,
+    accuracy,
+    die,
+    gather_values,
+    one_line_errors,
+    peak_memory_mb,
+    print0,
+    result_line,
+)
 
 
 # ------------------------------------------------------------------------------------------- args
@@ -352,14 +362,12 @@ def main():
 
     # ------------------------------------------------------------------------------------ save
     tb.close()
-    peaks = [torch.zeros((), device=device) for _ in range(world_size)]
-    dist.all_gather(peaks, torch.tensor(peak_memory_mb(device), device=device))  # every rank's own peak
-    peaks = [round(p.item(), 1) for p in peaks]
-    held = [None] * world_size  # parameters + gradients + optimizer state in this rank's memory: its shards
-    dist.all_gather_object(held, held_state_bytes(model, optimizer))
     # The full weights, gathered shard by shard onto rank 0's CPU (a collective: every rank calls it; the others
     # get an empty dict). Plain tensors, no prefix: they load into build_model() in any process.
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    peaks = [round(p, 1) for p in gather_values(peak_memory_mb(device), device)]  # every rank's own peak
+    # Parameters + gradients + optimizer state in each rank's memory: its shards (ddp_torchrun.py: a full copy).
+    held = [int(b) for b in gather_values(held_state_bytes(model, optimizer), device)]
     if is_main:
         os.makedirs(args.out_dir, exist_ok=True)
         path = os.path.join(args.out_dir, "model.pt")

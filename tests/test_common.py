@@ -1,6 +1,7 @@
 """common/: meters, accuracy, dataset builders on real on-disk formats, DataLoaderX."""
 
 import errno
+import gc
 import io
 import multiprocessing
 import os
@@ -24,7 +25,7 @@ from common.checkpoint import SaveError, save_atomic
 from common.data import DataError, SyntheticImages, build_datasets, prepare_dataset
 from common.loader import DataLoaderX
 from common.models import build_model, check_arch, unused_parameters_error
-from common.utils import AverageMeter, Throughput, accuracy, first_line, human, one_line_errors
+from common.utils import AverageMeter, Throughput, accuracy, first_line, gather_values, human, one_line_errors
 
 # ------------------------------------------------------------------------------ meters, accuracy
 
@@ -89,23 +90,35 @@ def test_other_runtime_errors_keep_their_traceback():
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
+def _float64_scalars():
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.dtype == torch.float64 and o.dim() == 0)
+
+
 def _meter_worker(rank, port, results):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     m = AverageMeter()
     m.update(10.0 * (rank + 1), n=rank + 1)  # rank 0: 10 x1, rank 1: 20 x2
     m.all_reduce(torch.device("cpu"))
-    results[rank] = (m.sum, m.count, m.avg)
+    left = []
+    for _ in range(5):  # without the wait inside, some tensors were still alive after 2 of 5 single calls
+        before = _float64_scalars()
+        values = gather_values(700.5 + rank, torch.device("cpu"))
+        # Returned only once gloo's worker thread let go of the tensors it gathered: none is left alive, so none can
+        # be freed later by that thread, after Python has begun to shut down (which aborts the process).
+        left.append(_float64_scalars() - before)
+    results[rank] = (m.sum, m.count, m.avg, values, max(left))
     dist.destroy_process_group()
 
 
-def test_average_meter_all_reduce_across_two_gloo_processes():
+def test_average_meter_all_reduce_and_gather_values_across_two_gloo_processes():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     results = mp.Manager().dict()
     mp.spawn(_meter_worker, args=(port, results), nprocs=2)
-    assert results[0] == results[1] == (50.0, 3, pytest.approx(50.0 / 3))
+    assert results[0] == results[1] == (50.0, 3, pytest.approx(50.0 / 3), [700.5, 701.5], 0)
+    assert gather_values(3, torch.device("cpu")) == [3.0]  # no process group: a world of one
 
 
 def test_throughput_leaves_the_first_step_out(monkeypatch):
