@@ -6,7 +6,8 @@
 
 For each recipe and each edit whose text the recipe contains, it copies the working tree to a scratch folder,
 applies the edit there (never to this tree), and runs the tests that guard that recipe: its cases of
-tests/test_conformance.py, plus its resume test for the map_location edit. An edit is "noticed" when they fail,
+tests/test_conformance.py; for the map_location edit its resume test, and for fsdp's eval_lockstep
+tests/test_fsdp.py. An edit is "noticed" when they fail,
 "MISSED" when they pass. Exit 0 when every edit was noticed, 1 otherwise.
 """
 
@@ -50,6 +51,10 @@ EDITS = [
          "scaler.scale(loss / args.accum_steps)", "scaler.scale(loss)"),
     Edit("no_sync", "an all-reduce on every micro-batch (no model.no_sync())",
          "contextlib.nullcontext() if boundary else model.no_sync()", "contextlib.nullcontext()"),
+    Edit("eval_lockstep", "FSDP: a rank whose validation shard ran out stops joining the others' all-gathers",
+         "model(empty)", "pass"),
+    Edit("full_state_dict", "FSDP: model.pt saved from the sharded state_dict (rank 0's DTensor shards)",
+         "StateDictOptions(full_state_dict=True, cpu_offload=True)", "StateDictOptions(cpu_offload=True)"),
 ]
 
 # The tests that guard a recipe: its conformance cases (a -k expression), and for the edits they cannot see on the
@@ -62,9 +67,15 @@ RESUME_TESTS = {
 }
 
 
+# In the conformance run every rank has as many validation batches as the others; tests/test_fsdp.py's runs do not.
+FSDP_TESTS = {"eval_lockstep"}
+
+
 def tests_for(recipe, edit):
     if edit.name == "map_location":
         return [RESUME_TESTS[recipe]]
+    if edit.name in FSDP_TESTS:
+        return ["tests/test_fsdp.py"]
     # The recipe's own cases: "[dp]" but not "[apex_ddp]", "[apex_amp:O0]" to "[apex_amp:O3]".
     return [CONFORMANCE, "-k", f"[{recipe}] or [{recipe}:"]
 
