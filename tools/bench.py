@@ -462,8 +462,9 @@ def markdown(report):
     if report["comparisons"]:
         lines += ["", "## Comparisons", "",
                   *markdown_table(COMPARISON_COLUMNS, comparison_rows(report["comparisons"]), "lllrrrl"), "",
-                  "ratio of medians = entry's median / against's median. images/s: DDP entries against dp, AMP modes "
-                  "against their fp32 sibling; step ms: each entry against its bare loop. \"within noise\": the two "
+                  "ratio of medians = entry's median / against's median. images/s: DDP entries against dp, fsdp "
+                  "against ddp_torchrun, AMP modes against their fp32 sibling; step ms: each entry against its bare "
+                  "loop. \"within noise\": the two "
                   "ranges (lowest–highest run) overlap, so these runs cannot tell the two apart; \"faster\" or "
                   "\"slower\": every run of one is beyond every run of the other; \"one run: no range\": a side "
                   "has a single successful run, so there is no spread to compare."]
