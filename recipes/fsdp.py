@@ -9,22 +9,24 @@ checkpoints (torch.distributed.checkpoint) that resume on another number of GPUs
     ./launch.sh recipes/fsdp.py cpu:2 --arch tiny --epochs 3 --resume auto               # CPU (gloo)
 
 What it shows (the rest is recipes/ddp_checkpoint.py):
-- DDP keeps the whole model, its gradients and the optimizer state on every GPU. fully_shard turns each
-  parameter into a DTensor sharded along dim 0 over the ranks: a rank holds 1/N of all three. Before a
-  block's forward (and backward) its parameters are all-gathered, after it they are freed again
+- DDP keeps the whole model, its gradients and the optimizer state on every GPU. fully_shard makes each
+  parameter a DTensor sharded along dim 0: a rank holds 1/N of all three (RESULT: state_bytes_per_rank).
+  A block's parameters are all-gathered before its forward (and backward) and freed after it
   (--no-reshard-after-forward keeps them until backward: less communication, more memory); gradients are
-  reduce-scattered, so each rank's optimizer steps its own shard. RESULT reports the bytes each rank holds
-  (state_bytes_per_rank) next to ddp_torchrun.py's.
+  reduce-scattered, so each rank's optimizer steps its own shard.
 - fully_shard goes on every block first, then on the root: each call groups the parameters not yet
-  grouped into one all-gather, so the root takes only what is left (stem, head). Root first would make one
-  group of the whole model: all of it gathered at once, no memory saved.
-- --amp-dtype bf16: MixedPrecisionPolicy computes in bf16 (parameters are gathered in bf16, half the
-  traffic) and reduces gradients in fp32; the sharded parameters and optimizer state stay fp32.
-- Checkpoints: OUT_DIR/checkpoint/epoch_N/ holds one shard file per rank, written by every rank at once
+  grouped into one all-gather, so the root takes only what is left (stem, head). fully_shard on the root
+  alone makes one group of the whole model: all of it gathered at once, no memory saved (and a block
+  sharded after its parent is refused).
+- --amp-dtype bf16: MixedPrecisionPolicy computes and all-gathers in bf16, reduces gradients in fp32; shards
+  and optimizer state stay fp32. BatchNorm gets fp32 groups of its own: bf16 weights beside its fp32 running
+  statistics fail ("expected scalar type BFloat16 but found Float"). Needs torch >= 2.6.
+- Checkpoints: OUT_DIR/checkpoint/epoch_N-RUN/ holds one shard file per rank, written by every rank at once
   with torch.distributed.checkpoint (DCP) from get_state_dict(model, optimizer). model.state_dict() of a
   sharded model holds DTensors; torch.save from rank 0 would write rank 0's shard only. Rank 0 then writes
-  OUT_DIR/checkpoint/latest.pt (scheduler, epoch, step, RNG, args, which epoch_N), atomically and last,
-  so it points only at complete shards. --resume PATH|auto loads them on any number of ranks: DCP reshards
+  OUT_DIR/checkpoint/latest.pt (scheduler, epoch, step, RNG, args, which folder), atomically and last,
+  so it points only at complete shards. RUN is new for every run, so no save overwrites the shards latest.pt
+  points at, an earlier run's included. --resume PATH|auto loads them on any number of ranks: DCP reshards
   to the new world (2 GPUs' checkpoint on 4, or on 1). Same number of ranks: bitwise the same weights as a
   run that never stopped (CPU).
 - OUT_DIR/model.pt: the full state_dict (no DTensor), gathered to rank 0's CPU at the end, loadable by a
@@ -38,6 +40,7 @@ What it shows (the rest is recipes/ddp_checkpoint.py):
 import argparse
 import datetime
 import os
+import secrets
 import shutil
 import sys
 import time
@@ -52,7 +55,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
@@ -100,7 +103,8 @@ def parse_args(argv=None):
                    help="bf16: compute and all-gather in bf16, reduce gradients in fp32 (MixedPrecisionPolicy)")
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="free each block's gathered parameters after its forward (default); --no-...: keep them "
-                        "until backward, one all-gather less per block and step, more memory")
+                        "until backward, one all-gather less per block and step, more memory (and during "
+                        "evaluation, which has no backward, the whole model stays gathered)")
     p.add_argument("--resume", help="a checkpoint/latest.pt to continue from, or 'auto': OUT_DIR/checkpoint/latest.pt "
                                     "if it exists; any number of ranks")
     return p.parse_args(argv)
@@ -128,12 +132,15 @@ def check_args(args, world_size):
 
 
 # ------------------------------------------------------------------------------------------ model
-def blocks(model):
-    """The modules that get their own fully_shard: the members of the model's Sequentials that have parameters (a
-    torchvision ResNet's residual blocks in layer1..4; the tiny models' layers). The root keeps the rest."""
-    for child in model.children():
-        if isinstance(child, torch.nn.Sequential):
-            yield from (module for module in child if any(True for _ in module.parameters()))
+def blocks(module):
+    """The modules that get their own fully_shard: the members with parameters of the outermost Sequentials and
+    ModuleLists (a ResNet's residual blocks in layer1..4, a ViT's encoder layers, the tiny models' layers).
+    The root keeps the rest (stem, head)."""
+    for child in module.children():
+        if isinstance(child, (torch.nn.Sequential, torch.nn.ModuleList)):
+            yield from (block for block in child if any(True for _ in block.parameters()))
+        else:
+            yield from blocks(child)
 
 
 # ------------------------------------------------------------------------------------ checkpoints
@@ -253,9 +260,14 @@ def main():
     # Parameters are all-gathered in param_dtype for compute; gradients are reduce-scattered in fp32.
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.amp_dtype == "bf16" else None,
                                      reduce_dtype=torch.float32)
+    if args.amp_dtype == "bf16":  # BatchNorm in fp32 groups of its own, beside its fp32 running statistics
+        for norm in [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]:
+            fully_shard(norm, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32),
+                        reshard_after_forward=args.reshard_after_forward)
     # Blocks first, root last (each call groups the parameters not grouped yet): one all-gather per block.
     for block in blocks(model):
-        fully_shard(block, mp_policy=mp_policy, reshard_after_forward=args.reshard_after_forward)
+        if not isinstance(block, FSDPModule):  # a BatchNorm layer grouped above
+            fully_shard(block, mp_policy=mp_policy, reshard_after_forward=args.reshard_after_forward)
     fully_shard(model, mp_policy=mp_policy, reshard_after_forward=args.reshard_after_forward)
     torch.manual_seed(args.seed + rank)  # from here on, augmentation and dropout differ per rank
     criterion = torch.nn.CrossEntropyLoss()
@@ -264,6 +276,11 @@ def main():
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
     checkpoints = os.path.join(args.out_dir, "checkpoint")
     latest = os.path.join(checkpoints, "latest.pt")
+    # This run names its shard folders epoch_N-RUN: no save overwrites the folder latest.pt points at (a resumed
+    # run's, or an earlier run's in the same --out-dir), so a save that fails leaves that checkpoint whole.
+    run_tag = [secrets.token_hex(3)]
+    dist.broadcast_object_list(run_tag, src=0)  # every rank writes into the same folder
+    run_tag = run_tag[0]
     start_epoch, step, best_acc1 = 0, 0, float("-inf")
     resume = find_resume(args.resume, latest)  # 'auto': latest.pt if there is one (what MAX_RESTARTS reruns)
     if resume:
@@ -341,20 +358,18 @@ def main():
         rngs = [None] * world_size
         dist.all_gather_object(rngs, rng_state(device))  # a collective: every rank calls it
         best_acc1 = max(best_acc1, val_acc1)  # val_acc1 is all-reduced, so every rank agrees
-        shards = f"epoch_{epoch + 1}"
-        if is_main:  # what a run killed while writing this epoch left behind
-            shutil.rmtree(os.path.join(checkpoints, shards), ignore_errors=True)
-        dist.barrier()
+        shards = f"epoch_{epoch + 1}-{run_tag}"
         model_state, optim_state = get_state_dict(model, optimizer)  # DTensors: each rank's own shard
         try:
             dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=os.path.join(checkpoints, shards))
         except dcp.CheckpointException as exc:  # a full disk, on any rank: every rank gets it
             raise SaveError(f"cannot write the shards in {os.path.join(checkpoints, shards)} ({dcp_failure(exc)}): "
-                            f"{latest} still points at the previous ones; free some space, then --resume") from exc
+                            f"{latest}, if any, still points at the previous ones; free some space, then "
+                            "--resume") from exc
         if is_main:  # dcp.save returned on every rank: all shards are written. Now point latest.pt at them.
             save_atomic({"shards": shards, "scheduler": scheduler.state_dict(), "epoch": epoch + 1, "step": step,
                          "best_acc1": best_acc1, "rng": rngs, "args": vars(args)}, latest)
-            for old in os.listdir(checkpoints):  # the previous epoch's shards, no longer pointed at
+            for old in os.listdir(checkpoints):  # older shards (an epoch before, an earlier run's): not pointed at
                 if old.startswith("epoch_") and old != shards:
                     shutil.rmtree(os.path.join(checkpoints, old), ignore_errors=True)
         if step >= total_steps:

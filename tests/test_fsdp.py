@@ -46,6 +46,11 @@ def max_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def first_shards(runs):
+    """The shard folder the 2-rank run stopped after epoch 1 wrote (every copy of it resumes from this one)."""
+    return torch.load(runs["tmp"] / "first/checkpoint/latest.pt", weights_only=True)["shards"]
+
+
 def files_of(folder):
     return {p.relative_to(folder): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
 
@@ -69,7 +74,8 @@ def runs(tmp_path_factory):
 def test_two_ranks_train_as_one_process_on_the_full_batch(runs):
     straight, one = result_of(runs["straight"]), result_of(runs["one"])
     assert (straight["world_size"], one["world_size"], straight["steps"], one["steps"]) == (2, 1, 9, 9)
-    assert losses(runs["straight"].stdout) == pytest.approx(losses(runs["one"].stdout), abs=1e-4)
+    # printed with 4 decimals: 1.5e-4 lets one last digit round the other way
+    assert losses(runs["straight"].stdout) == pytest.approx(losses(runs["one"].stdout), abs=1.5e-4)
     diff = max_diff(weights(runs["tmp"] / "straight"), weights(runs["tmp"] / "one"))
     print(f"2 ranks vs 1 process: weights {diff:.1e} apart (atol {RESHARD_ATOL:.0e})")
     assert diff <= RESHARD_ATOL
@@ -90,14 +96,16 @@ def test_a_checkpoint_from_two_ranks_resumes_on_another_world_size(runs, name, w
     proc, out = runs[name], runs["tmp"] / name
     assert result_of(proc)["world_size"] == world and result_of(proc)["steps"] == 3 * PER_EPOCH
     assert f"resume: saved with 2 ranks, now {world}: random streams start afresh" in proc.stdout
-    assert losses(proc.stdout) == pytest.approx(losses(runs["straight"].stdout)[1:], abs=1e-4)
+    assert losses(proc.stdout) == pytest.approx(losses(runs["straight"].stdout)[1:], abs=1.5e-4)
     diff = max_diff(weights(out), weights(runs["tmp"] / "straight"))
     print(f"2 ranks -> {world}: weights {diff:.1e} from the straight 2-rank run (atol {RESHARD_ATOL:.0e})")
     assert diff <= RESHARD_ATOL
-    # Its own checkpoint has one shard file per rank of the new world; the old epoch's shards are gone.
-    assert sorted(p.name for p in (out / "checkpoint").iterdir()) == ["epoch_3", "latest.pt"]
-    assert len(list((out / "checkpoint/epoch_3").glob("*.distcp"))) == world
-    assert torch.load(out / "checkpoint/latest.pt", weights_only=True)["shards"] == "epoch_3"
+    # Its own checkpoint has one shard file per rank of the new world, in a folder named for this run; the folder
+    # it resumed from (the 2-rank run's epoch 1) is gone.
+    shards = torch.load(out / "checkpoint/latest.pt", weights_only=True)["shards"]
+    assert re.fullmatch(r"epoch_3-[0-9a-f]{6}", shards) and shards != first_shards(runs)
+    assert sorted(p.name for p in (out / "checkpoint").iterdir()) == sorted([shards, "latest.pt"])
+    assert len(list((out / "checkpoint" / shards).glob("*.distcp"))) == world
 
 
 def test_model_pt_loads_into_a_plain_model_and_scores_what_was_printed(runs):
@@ -118,23 +126,30 @@ def test_a_checkpoint_of_another_arch_or_with_a_truncated_shard_is_refused(runs)
     assert wrong.stderr == (f"error: {tmp / 'wrong_arch/checkpoint/latest.pt'} was trained with --arch tiny; resume "
                             "with the same --arch\n")
     assert files_of(tmp / "wrong_arch") == before  # nothing written
-    shard = tmp / "truncated/checkpoint/epoch_1/__1_0.distcp"
+    shard = tmp / "truncated/checkpoint" / first_shards(runs) / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     before = files_of(tmp / "truncated")
     cut = run_direct("fsdp", *ARGS, "--resume", "auto", "--out-dir", tmp / "truncated")
     assert cut.returncode == 2
-    assert cut.stderr.startswith(f"[rank 0] error: cannot load the shards in {tmp / 'truncated/checkpoint/epoch_1'} (")
+    assert cut.stderr.startswith(f"[rank 0] error: cannot load the shards in {shard.parent} (")
     assert cut.stderr.endswith("): a shard file is missing or truncated, or they hold another model\n")
     assert len(cut.stderr.splitlines()) == 1 and "Traceback" not in cut.stdout + cut.stderr
     assert files_of(tmp / "truncated") == before
 
 
-def test_bf16_computes_in_bf16_and_keeps_fp32_weights(runs, tmp_path):
-    proc = run_direct("fsdp", *ARGS, "--amp-dtype", "bf16", "--out-dir", tmp_path)
-    assert result_of(proc)["val_acc1"] > 30
-    assert {t.dtype for t in weights(tmp_path).values()} == {torch.float32}  # sharded fp32 masters
-    bf16, fp32 = losses(proc.stdout), losses(runs["one"].stdout)
-    assert bf16 == pytest.approx(fp32, abs=0.05) and bf16 != fp32  # bf16's rounding shows, and it still trains
+def test_bf16_trains_with_batchnorm_and_keeps_fp32_weights(tmp_path):
+    # BatchNorm's running statistics are fp32: with its weights gathered in bf16 every forward failed ("expected
+    # scalar type BFloat16 but found Float"), so BatchNorm gets fp32 groups of its own. Two ranks: the groups'
+    # all-gathers and reduce-scatters in both dtypes.
+    bn = [a if a != "tiny" else "tiny_bn" for a in ARGS]
+    fp32 = launch("recipes/fsdp.py", "cpu:2", *bn, "--out-dir", tmp_path / "fp32")
+    bf16 = launch("recipes/fsdp.py", "cpu:2", *bn, "--amp-dtype", "bf16", "--out-dir", tmp_path / "bf16")
+    assert result_of(bf16)["val_acc1"] > 30 and result_of(bf16)["val_samples"] == 49
+    saved = weights(tmp_path / "bf16")
+    assert {t.dtype for k, t in saved.items() if "num_batches" not in k} == {torch.float32}  # fp32 shards, stats
+    # bf16's rounding shows in the losses, and it trains as fp32 does
+    assert losses(bf16.stdout) == pytest.approx(losses(fp32.stdout), abs=0.05) and losses(bf16.stdout) != losses(
+        fp32.stdout)
 
 
 def test_each_rank_holds_half_of_what_a_ddp_rank_holds(tmp_path):

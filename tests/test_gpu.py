@@ -62,7 +62,7 @@ ONE_GPU = {  # recipe: extra flags
     "dp": [], "ddp_torchrun": [], "ddp_launch": [], "ddp_spawn": [], "ddp_checkpoint": [],
     "torch_amp": [],  # fp16 + GradScaler('cuda'), the GPU default
     "apex_ddp": [], "apex_amp": ["--opt-level", "O1"],  # apex where it is installed, else torch (the first line)
-    "fsdp": ["--amp-dtype", "bf16"],  # MixedPrecisionPolicy: bf16 compute and all-gathers, fp32 reduce
+    "fsdp": ["--amp-dtype", "bf16", "--arch", "tiny_bn"],  # bf16 compute and all-gathers, BatchNorm in fp32
     "mx_face_prefetch": ["--rec", "synthetic", "--image-size", "32"],
 }
 

@@ -28,7 +28,7 @@ def params(path):
     ("ddp_torchrun", "dp", 160), ("ddp_torchrun", "ddp_launch", 50), ("ddp_torchrun", "ddp_spawn", 170),
     ("ddp_torchrun", "torch_amp", 195), ("ddp_torchrun", "ddp_checkpoint", 170), ("ddp_torchrun", "apex_ddp", 70),
     ("ddp_torchrun", "apex_amp", 270),
-    ("ddp_checkpoint", "fsdp", 240)])  # its checkpoints are ddp_checkpoint's, sharded: read it against that one
+    ("ddp_checkpoint", "fsdp", 250)])  # its checkpoints are ddp_checkpoint's, sharded: read it against that one
 def test_diff_against_its_sibling_stays_small(base, recipe, max_changed):
     diff = subprocess.run(["diff", f"recipes/{base}.py", f"recipes/{recipe}.py"], cwd=REPO,
                           capture_output=True, text=True).stdout
@@ -40,7 +40,8 @@ def test_diff_against_its_sibling_stays_small(base, recipe, max_changed):
 def test_every_recipe_follows_the_contract(recipe):
     text = (REPO / "recipes" / f"{recipe}.py").read_text()
     assert text.startswith('"""') and f"./launch.sh recipes/{recipe}.py" in text.split('"""')[1]
-    assert re.search(r"^# launcher: (torchrun|torch\.distributed\.launch|python)$", text, re.M)
+    head = "\n".join(text.splitlines()[:40])  # where launch.sh looks for it
+    assert re.search(r"^# launcher: (torchrun|torch\.distributed\.launch|python)$", head, re.M)
     for name in ("rank", "local_rank", "world_size", "device", "is_main"):
         assert re.search(rf"\b{name}\b", text.split("distributed setup")[1].split("# ----")[0]), name
     assert f'result_line(recipe="{recipe}"' in text and 'if __name__ == "__main__":' in text
