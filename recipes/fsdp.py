@@ -268,7 +268,9 @@ def main():
     for block in blocks(model):
         if not isinstance(block, FSDPModule):  # a BatchNorm layer grouped above
             fully_shard(block, mp_policy=mp_policy, reshard_after_forward=args.reshard_after_forward)
-    fully_shard(model, mp_policy=mp_policy, reshard_after_forward=args.reshard_after_forward)
+    # The root returns the logits in fp32, so the loss and the accuracy are computed in full precision.
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(mp_policy.param_dtype, torch.float32, torch.float32),
+                reshard_after_forward=args.reshard_after_forward)
     torch.manual_seed(args.seed + rank)  # from here on, augmentation and dropout differ per rank
     criterion = torch.nn.CrossEntropyLoss()
     # After fully_shard: the optimizer must hold the sharded (DTensor) parameters, and its state is sharded too.
