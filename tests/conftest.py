@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -64,6 +65,31 @@ def result_of(proc):
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert len(lines) == 1, f"expected one RESULT line (rank 0 only), got {len(lines)}:\n{proc.stdout}"
     return json.loads(lines[0][len("RESULT "):])
+
+
+def epoch_lines(stdout):
+    """A recipe's per-epoch lines without the timing fields and the planned step total, which differ between runs
+    (a --max-steps run plans fewer steps)."""
+    return [re.sub(r" img/s=\S+ eta=\S+", "", re.sub(r"step=(\d+)/\d+", r"step=\1", line))
+            for line in stdout.splitlines() if line.startswith("epoch=")]
+
+
+def epoch_losses(stdout):
+    """The train_loss of each printed epoch line."""
+    return [float(x) for x in re.findall(r"^epoch=\d+/\d+ .*?train_loss=([\d.]+)", stdout, re.M)]
+
+
+def params(path):
+    """A saved state_dict (or checkpoint), onto the CPU."""
+    import torch  # here: launch.sh tests need no torch
+
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def max_diff(a, b):
+    """The largest absolute difference between two state_dicts with the same keys."""
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())[:5]
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
 def as_if_saved_on_gpu(path, gpu=1):

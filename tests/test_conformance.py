@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from conftest import REPO, launch, load_recipe, result_of
+from conftest import REPO, epoch_losses, launch, load_recipe, result_of
 from PIL import Image
 from reference import Autocast, Plain, evaluate, train
 
@@ -101,10 +101,6 @@ def datasets():
     train_set, val_set, _ = build_datasets("synthetic", image_size=ARGS["image_size"], synthetic_train=ARGS["train"],
                                            synthetic_val=ARGS["val"])
     return train_set, val_set
-
-
-def epoch_losses(stdout):
-    return [float(x) for x in re.findall(r"^epoch=\d+/\d+ .*?train_loss=([\d.]+)", stdout, re.M)]
 
 
 @pytest.fixture(scope="module", params=[pytest.param(name, marks=() if name in QUICK else pytest.mark.slow)

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import launch, result_of, run_direct
+from conftest import epoch_lines, epoch_losses, launch, max_diff, params, result_of, run_direct
 from reference import Plain, evaluate
 
 from common.data import build_datasets
@@ -25,25 +25,6 @@ PER_EPOCH = 144 // 48
 RESHARD_ATOL = 1e-5
 
 pytestmark = pytest.mark.slow
-
-
-def epoch_lines(stdout):
-    """Per-epoch lines without the timing fields and the planned step total (a --max-steps run plans fewer)."""
-    return [re.sub(r" img/s=\S+ eta=\S+", "", re.sub(r"step=(\d+)/\d+", r"step=\1", line))
-            for line in stdout.splitlines() if line.startswith("epoch=")]
-
-
-def losses(stdout):
-    return [float(x) for x in re.findall(r"^epoch=\d+/\d+ .*?train_loss=([\d.]+)", stdout, re.M)]
-
-
-def weights(out):
-    return torch.load(out / "model.pt", weights_only=True)
-
-
-def max_diff(a, b):
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def first_shards(runs):
@@ -75,8 +56,8 @@ def test_two_ranks_train_as_one_process_on_the_full_batch(runs):
     straight, one = result_of(runs["straight"]), result_of(runs["one"])
     assert (straight["world_size"], one["world_size"], straight["steps"], one["steps"]) == (2, 1, 9, 9)
     # printed with 4 decimals: 1.5e-4 lets one last digit round the other way
-    assert losses(runs["straight"].stdout) == pytest.approx(losses(runs["one"].stdout), abs=1.5e-4)
-    diff = max_diff(weights(runs["tmp"] / "straight"), weights(runs["tmp"] / "one"))
+    assert epoch_losses(runs["straight"].stdout) == pytest.approx(epoch_losses(runs["one"].stdout), abs=1.5e-4)
+    diff = max_diff(params(runs["tmp"] / "straight/model.pt"), params(runs["tmp"] / "one/model.pt"))
     print(f"2 ranks vs 1 process: weights {diff:.1e} apart (atol {RESHARD_ATOL:.0e})")
     assert diff <= RESHARD_ATOL
     assert straight["val_samples"] == 49 and straight["val_acc1"] > 30  # learns: chance is 10%
@@ -87,7 +68,7 @@ def test_resume_on_the_same_world_size_is_bitwise(runs):
     assert result_of(first)["steps"] == PER_EPOCH and result_of(resumed)["steps"] == 3 * PER_EPOCH
     assert f"resume: {runs['tmp'] / 'r2/checkpoint/latest.pt'} at epoch 1 step {PER_EPOCH}" in resumed.stdout
     assert epoch_lines(first.stdout) + epoch_lines(resumed.stdout) == epoch_lines(runs["straight"].stdout)
-    a, b = weights(runs["tmp"] / "straight"), weights(runs["tmp"] / "r2")
+    a, b = params(runs["tmp"] / "straight/model.pt"), params(runs["tmp"] / "r2/model.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -96,8 +77,8 @@ def test_a_checkpoint_from_two_ranks_resumes_on_another_world_size(runs, name, w
     proc, out = runs[name], runs["tmp"] / name
     assert result_of(proc)["world_size"] == world and result_of(proc)["steps"] == 3 * PER_EPOCH
     assert f"resume: saved with 2 ranks, now {world}: random streams start afresh" in proc.stdout
-    assert losses(proc.stdout) == pytest.approx(losses(runs["straight"].stdout)[1:], abs=1.5e-4)
-    diff = max_diff(weights(out), weights(runs["tmp"] / "straight"))
+    assert epoch_losses(proc.stdout) == pytest.approx(epoch_losses(runs["straight"].stdout)[1:], abs=1.5e-4)
+    diff = max_diff(params(out / "model.pt"), params(runs["tmp"] / "straight/model.pt"))
     print(f"2 ranks -> {world}: weights {diff:.1e} from the straight 2-rank run (atol {RESHARD_ATOL:.0e})")
     assert diff <= RESHARD_ATOL
     # Its own checkpoint has one shard file per rank of the new world, in a folder named for this run; the folder
@@ -109,7 +90,7 @@ def test_a_checkpoint_from_two_ranks_resumes_on_another_world_size(runs, name, w
 
 
 def test_model_pt_loads_into_a_plain_model_and_scores_what_was_printed(runs):
-    saved = weights(runs["tmp"] / "straight")
+    saved = params(runs["tmp"] / "straight/model.pt")
     assert {type(t) for t in saved.values()} == {torch.Tensor} and {t.dtype for t in saved.values()} == {torch.float32}
     model = build_model("tiny", 10)
     model.load_state_dict(saved)  # strict: the same keys, no prefix, no DTensor
@@ -145,11 +126,11 @@ def test_bf16_trains_with_batchnorm_and_keeps_fp32_weights(tmp_path):
     fp32 = launch("recipes/fsdp.py", "cpu:2", *bn, "--out-dir", tmp_path / "fp32")
     bf16 = launch("recipes/fsdp.py", "cpu:2", *bn, "--amp-dtype", "bf16", "--out-dir", tmp_path / "bf16")
     assert result_of(bf16)["val_acc1"] > 30 and result_of(bf16)["val_samples"] == 49
-    saved = weights(tmp_path / "bf16")
+    saved = params(tmp_path / "bf16/model.pt")
     assert {t.dtype for k, t in saved.items() if "num_batches" not in k} == {torch.float32}  # fp32 shards, stats
     # bf16's rounding shows in the losses, and it trains as fp32 does
-    assert losses(bf16.stdout) == pytest.approx(losses(fp32.stdout), abs=0.05) and losses(bf16.stdout) != losses(
-        fp32.stdout)
+    low, full = epoch_losses(bf16.stdout), epoch_losses(fp32.stdout)
+    assert low == pytest.approx(full, abs=0.05) and low != full
 
 
 def test_each_rank_holds_half_of_what_a_ddp_rank_holds(tmp_path):

@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import REPO, launch, make_imagefolder, result_of
+from conftest import REPO, launch, make_imagefolder, max_diff, params, result_of
 from jobs import Job, error_lines, job_mid_epoch, survivors, tracebacks_beyond_multiprocessing
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
@@ -36,14 +36,6 @@ INSTALL_APEX = "pip install --no-build-isolation --no-deps ./vendor/apex-25.04.t
 TINY = ["--arch", "tiny", "--workers", "2", "--batch-size", "64"]
 # Two ranks need two GPUs under NCCL, which refuses two ranks on one; on a one-GPU box they share it over gloo.
 TWO_RANKS = "0,1" if GPUS >= 2 else "0:2"
-
-
-def params(path):
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def max_diff(a, b):
-    return max((a[name].float() - b[name].float()).abs().max().item() for name in a)
 
 
 @torch.no_grad()

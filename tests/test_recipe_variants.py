@@ -6,19 +6,19 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, as_if_saved_on_gpu, launch, load_recipe, make_imagefolder, result_of, run_direct
+from conftest import (
+    REPO,
+    as_if_saved_on_gpu,
+    epoch_lines,
+    launch,
+    load_recipe,
+    make_imagefolder,
+    params,
+    result_of,
+    run_direct,
+)
 
 TINY = ["--arch", "tiny", "--workers", "0"]
-
-
-def epoch_lines(stdout):
-    """Per-epoch lines without the timing fields and the planned step total, which differ between runs."""
-    return [re.sub(r" img/s=\S+ eta=\S+", "", re.sub(r"step=(\d+)/\d+", r"step=\1", line))
-            for line in stdout.splitlines() if line.startswith("epoch=")]
-
-
-def params(path):
-    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 # ----------------------------------------------------------------------------------- siblings
