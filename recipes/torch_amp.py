@@ -234,6 +234,8 @@ def main():
         scheduler.load_state_dict(ckpt["scheduler"])
         scaler.load_state_dict(ckpt["scaler"])  # without it fp16 restarts at scale 65536 and skips steps
         start_epoch, step = ckpt["epoch"], ckpt["step"]
+        # No RNG state saved (ddp_checkpoint.py restores it): seed + rank again would replay epoch 0's random draws.
+        torch.manual_seed(args.seed + rank + 10_000 * start_epoch)
         print0(f"resumed: {resume} epoch={start_epoch} step={step} scaler={scaler.state_dict()}")
     print0(f"amp: {amp_name} autocast={amp_dtype != torch.float32} grad_scaler={scaler.is_enabled()}"
            + (" (bf16 is the CPU default: fp16 is 10-50x slower on CPU)" if args.amp_dtype is None

@@ -92,6 +92,34 @@ def max_diff(a, b):
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
+def rng_env(folder, env=None):
+    """`env` for launch()/run_direct() plus tests/instrument's RNG log into `folder`: each training epoch's RNG
+    state, per rank."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    return {**(env or {}), "PYTHONPATH": str(REPO / "tests" / "instrument"), "LOG_RNG_DIR": str(folder)}
+
+
+def rng_streams(*folders):
+    """{(world, rank, epoch): {digest of the RNG state the epoch started from, ...}} from rng_env's logs."""
+    streams = {}
+    for folder in folders:
+        for log in Path(folder).glob("*.jsonl"):
+            for line in log.read_text().splitlines():
+                entry = json.loads(line)
+                streams.setdefault((entry["world"], entry["rank"], entry["epoch"]), set()).add(entry["rng"])
+    return streams
+
+
+def replayed(streams):
+    """The digests that started more than one (rank, epoch): an epoch replaying another's random stream (the same
+    augmentation and dropout draws, the same worker seeds)."""
+    owners = {}
+    for (_, rank, epoch), digests in streams.items():
+        for digest in digests:
+            owners.setdefault(digest, set()).add((rank, epoch))
+    return {digest: sorted(who) for digest, who in owners.items() if len(who) > 1}
+
+
 def as_if_saved_on_gpu(path, gpu=1):
     """Rewrite a CPU checkpoint in place so that its tensors say they were saved from cuda:GPU, as a GPU job's
     are: torch.load without map_location then fails here (no such GPU), and with it loads onto the CPU."""

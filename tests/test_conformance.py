@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from conftest import REPO, epoch_losses, launch, load_recipe, result_of
+from conftest import epoch_losses, launch, load_recipe, replayed, result_of, rng_env, rng_streams
 from PIL import Image
 from reference import Autocast, Plain, evaluate, train
 
@@ -112,7 +112,7 @@ def run(request, tmp_path_factory):
     started = time.time()
     proc = launch(f"recipes/{case.recipe}.py", case.devices, *SMALL, *case.flags, "--out-dir", out,
                   "--tb-dir", out / "tb", "--tb-every", TB_EVERY,
-                  env={"PYTHONPATH": str(REPO / "tests" / "instrument"), "COUNT_DDP_DIR": str(counts)})
+                  env=rng_env(out / "rng", {"COUNT_DDP_DIR": str(counts)}))
     train_set, _ = datasets()
     losses, model = train(fresh_model(case), mixed_for(case), train_set, world=case.world, epochs=ARGS["epochs"],
                           batch=ARGS["batch"], lr=ARGS["lr"], accum=case.accum,
@@ -227,10 +227,17 @@ def test_a_resumed_run_continues_the_curves_without_repeats_or_gaps(run, tmp_pat
     args = [f"recipes/{case.recipe}.py", case.devices, *SMALL, *case.flags, "--out-dir", tmp_path,
             "--tb-dir", tmp_path / "tb", "--tb-every", TB_EVERY]
     per_epoch = ARGS["train"] // ARGS["batch"]
-    first = launch(*args, "--max-steps", per_epoch + 2)
+    first = launch(*args, "--max-steps", per_epoch + 2, env=rng_env(tmp_path / "rng"))
     assert result_of(first)["steps"] == per_epoch + 2
     assert torch.load(tmp_path / RESUMABLE[run["name"]], weights_only=True)["step"] == per_epoch
-    resumed = launch(*args, "--resume", "auto")
+    resumed = launch(*args, "--resume", "auto", env=rng_env(tmp_path / "rng"))
+    # Each epoch's random stream: ddp_checkpoint restores every rank's RNG state, so a resumed epoch starts where
+    # the uninterrupted run's did; the others save none, and must not start epoch 2 from epoch 1's state again.
+    straight_rng, pieced_rng = rng_streams(run["out"] / "rng"), rng_streams(tmp_path / "rng")
+    assert sorted(pieced_rng) == sorted(straight_rng) == [(2, rank, epoch) for rank in (0, 1) for epoch in (0, 1)]
+    if run["name"] == "ddp_checkpoint":
+        assert pieced_rng == straight_rng
+    assert replayed(pieced_rng) == {}
     assert result_of(resumed)["steps"] == 2 * per_epoch
     assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 2  # one writer per run
     straight, pieced = read_curves(run["out"] / "tb"), read_curves(tmp_path / "tb")

@@ -7,7 +7,18 @@ import shutil
 
 import pytest
 import torch
-from conftest import epoch_lines, epoch_losses, launch, max_diff, params, result_of, run_direct
+from conftest import (
+    epoch_lines,
+    epoch_losses,
+    launch,
+    max_diff,
+    params,
+    replayed,
+    result_of,
+    rng_env,
+    rng_streams,
+    run_direct,
+)
 from reference import Plain, evaluate
 
 from common.data import build_datasets
@@ -40,15 +51,16 @@ def files_of(folder):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp")
     got = {"tmp": tmp}
-    got["straight"] = launch("recipes/fsdp.py", "cpu:2", *ARGS, "--out-dir", tmp / "straight")
+    got["straight"] = launch("recipes/fsdp.py", "cpu:2", *ARGS, "--out-dir", tmp / "straight",
+                             env=rng_env(tmp / "rng_straight"))
     got["one"] = run_direct("fsdp", *ARGS, "--out-dir", tmp / "one")  # one process, the whole batch
     got["first"] = launch("recipes/fsdp.py", "cpu:2", *ARGS, "--max-steps", PER_EPOCH, "--out-dir", tmp / "first")
     for name in ("r2", "r3", "r1", "wrong_arch", "truncated"):
         shutil.copytree(tmp / "first", tmp / name)
     got["r2"] = launch("recipes/fsdp.py", "cpu:2", *ARGS, "--resume", "auto", "--out-dir", tmp / "r2")
     got["r3"] = launch("recipes/fsdp.py", "cpu:3", *ARGS, "--resume", "auto", "--no-reshard-after-forward",
-                       "--out-dir", tmp / "r3")
-    got["r1"] = run_direct("fsdp", *ARGS, "--resume", "auto", "--out-dir", tmp / "r1")
+                       "--out-dir", tmp / "r3", env=rng_env(tmp / "rng_r3"))
+    got["r1"] = run_direct("fsdp", *ARGS, "--resume", "auto", "--out-dir", tmp / "r1", env=rng_env(tmp / "rng_r1"))
     return got
 
 
@@ -76,7 +88,11 @@ def test_resume_on_the_same_world_size_is_bitwise(runs):
 def test_a_checkpoint_from_two_ranks_resumes_on_another_world_size(runs, name, world):
     proc, out = runs[name], runs["tmp"] / name
     assert result_of(proc)["world_size"] == world and result_of(proc)["steps"] == 3 * PER_EPOCH
-    assert f"resume: saved with 2 ranks, now {world}: random streams start afresh" in proc.stdout
+    assert f"resume: saved with 2 ranks, now {world}: random streams reseeded for epoch 1" in proc.stdout
+    # No epoch starts from a random state another epoch (of the straight 2-rank run, or this one) started from.
+    streams = rng_streams(runs["tmp"] / f"rng_{name}")
+    assert sorted(streams) == [(world, rank, epoch) for rank in range(world) for epoch in (1, 2)]
+    assert replayed({**rng_streams(runs["tmp"] / "rng_straight"), **streams}) == {}
     assert epoch_losses(proc.stdout) == pytest.approx(epoch_losses(runs["straight"].stdout)[1:], abs=1.5e-4)
     diff = max_diff(params(out / "model.pt"), params(runs["tmp"] / "straight/model.pt"))
     print(f"2 ranks -> {world}: weights {diff:.1e} from the straight 2-rank run (atol {RESHARD_ATOL:.0e})")

@@ -1,6 +1,7 @@
 """The sibling recipes: ddp_launch, ddp_spawn, torch_amp, ddp_checkpoint (real gloo runs on CPU)."""
 
 import re
+import shutil
 import subprocess
 import time
 
@@ -14,7 +15,10 @@ from conftest import (
     load_recipe,
     make_imagefolder,
     params,
+    replayed,
     result_of,
+    rng_env,
+    rng_streams,
     run_direct,
 )
 
@@ -27,7 +31,7 @@ TINY = ["--arch", "tiny", "--workers", "0"]
 @pytest.mark.parametrize(("base", "recipe", "max_changed"), [
     ("ddp_torchrun", "dp", 160), ("ddp_torchrun", "ddp_launch", 50), ("ddp_torchrun", "ddp_spawn", 170),
     ("ddp_torchrun", "torch_amp", 195), ("ddp_torchrun", "ddp_checkpoint", 170), ("ddp_torchrun", "apex_ddp", 70),
-    ("ddp_torchrun", "apex_amp", 270),
+    ("ddp_torchrun", "apex_amp", 275),
     ("ddp_checkpoint", "fsdp", 250)])  # its checkpoints are ddp_checkpoint's, sharded: read it against that one
 def test_diff_against_its_sibling_stays_small(base, recipe, max_changed):
     diff = subprocess.run(["diff", f"recipes/{base}.py", f"recipes/{recipe}.py"], cwd=REPO,
@@ -127,16 +131,24 @@ def test_fp16_trains_and_the_scaler_state_survives_resume(tmp_path):
 
 @pytest.fixture(scope="module")
 def checkpoint_runs(tmp_path_factory):
-    """3 epochs straight, and 1 epoch + stop + resume for 2, on PNGs with random augmentation and workers."""
+    """3 epochs straight, and 1 epoch + stop + resume for 2 (on 2 ranks, and on 1), on PNGs with random
+    augmentation and workers; every run logs each epoch's RNG state (tests/instrument) into tmp/rng_<run>."""
     tmp = tmp_path_factory.mktemp("ckpt")
     data = make_imagefolder(tmp / "data")
     args = ["--dataset", "imagefolder", "--data-root", data, "--image-size", "16", "--batch-size", "8",
             "--arch", "tiny", "--workers", "1", "--epochs", "3"]
-    straight = launch("recipes/ddp_checkpoint.py", "cpu:2", *args, "--out-dir", tmp / "straight")
-    first = launch("recipes/ddp_checkpoint.py", "cpu:2", *args, "--max-steps", "7", "--out-dir", tmp / "resumed")
+    straight = launch("recipes/ddp_checkpoint.py", "cpu:2", *args, "--out-dir", tmp / "straight",
+                      env=rng_env(tmp / "rng_straight"))
+    first = launch("recipes/ddp_checkpoint.py", "cpu:2", *args, "--max-steps", "7", "--out-dir", tmp / "resumed",
+                   env=rng_env(tmp / "rng_resumed"))
     as_if_saved_on_gpu(tmp / "resumed" / "latest.pt")  # every rank loads it with map_location=its own device
-    resumed = launch("recipes/ddp_checkpoint.py", "cpu:2", *args, "--resume", "auto", "--out-dir", tmp / "resumed")
-    return {"tmp": tmp, "data": data, "args": args, "straight": straight, "first": first, "resumed": resumed}
+    shutil.copytree(tmp / "resumed", tmp / "one")
+    resumed = launch("recipes/ddp_checkpoint.py", "cpu:2", *args, "--resume", "auto", "--out-dir", tmp / "resumed",
+                     env=rng_env(tmp / "rng_resumed"))
+    one = run_direct("ddp_checkpoint", *args, "--resume", "auto", "--out-dir", tmp / "one",
+                     env=rng_env(tmp / "rng_one"))
+    return {"tmp": tmp, "data": data, "args": args, "straight": straight, "first": first, "resumed": resumed,
+            "one": one}
 
 
 @pytest.mark.slow
@@ -147,6 +159,20 @@ def test_resume_reproduces_the_uninterrupted_run_bitwise(checkpoint_runs):
     assert epoch_lines(first.stdout) + epoch_lines(resumed.stdout) == epoch_lines(straight.stdout)
     a, b = params(checkpoint_runs["tmp"] / "straight/model.pt"), params(checkpoint_runs["tmp"] / "resumed/model.pt")
     assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+@pytest.mark.slow
+def test_resumed_random_streams_continue_on_the_same_world_size_and_replay_no_epoch_on_another(checkpoint_runs):
+    tmp = checkpoint_runs["tmp"]
+    straight, pieced, one = (rng_streams(tmp / f"rng_{run}") for run in ("straight", "resumed", "one"))
+    assert sorted(straight) == [(2, rank, epoch) for rank in (0, 1) for epoch in (0, 1, 2)]
+    assert pieced == straight  # each rank goes on from its own saved state: the augmentation of a run never stopped
+    one_proc = checkpoint_runs["one"]
+    assert result_of(one_proc)["world_size"] == 1 and result_of(one_proc)["steps"] == 21
+    assert "resume: saved with 2 ranks, now 1: random streams reseeded for epoch 1" in one_proc.stdout
+    assert sorted(one) == [(1, 0, 1), (1, 0, 2)]
+    # Reseeding with seed + rank again would start epoch 1 from rank 0's epoch-0 state: the same crops and flips.
+    assert replayed({**straight, **one}) == {}
 
 
 @pytest.mark.slow

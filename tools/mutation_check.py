@@ -6,9 +6,9 @@
 
 For each recipe and each edit whose text the recipe contains, it copies the working tree to a scratch folder,
 applies the edit there (never to this tree), and runs the tests that guard that recipe: its cases of
-tests/test_conformance.py; for the map_location edit its resume test, and for fsdp's eval_lockstep
-tests/test_fsdp.py. An edit is "noticed" when they fail,
-"MISSED" when they pass. Exit 0 when every edit was noticed, 1 otherwise.
+tests/test_conformance.py; for the map_location edit its resume test, for resume_reseed in ddp_checkpoint and
+fsdp their resume on another world size, and for fsdp's eval_lockstep tests/test_fsdp.py. An edit is "noticed"
+when they fail, "MISSED" when they pass. Exit 0 when every edit was noticed, 1 otherwise.
 """
 
 import argparse
@@ -51,6 +51,8 @@ EDITS = [
          "scaler.scale(loss / args.accum_steps)", "scaler.scale(loss)"),
     Edit("no_sync", "an all-reduce on every micro-batch (no model.no_sync())",
          "contextlib.nullcontext() if boundary else model.no_sync()", "contextlib.nullcontext()"),
+    Edit("resume_reseed", "a resume without the saved RNG state reseeds with seed + rank: epoch 0's draws again",
+         "args.seed + rank + 10_000 * start_epoch", "args.seed + rank"),
     Edit("eval_lockstep", "FSDP: a rank whose validation shard ran out stops joining the others' all-gathers",
          "model(empty)", "pass"),
     Edit("full_state_dict", "FSDP: model.pt saved from the sharded state_dict (rank 0's DTensor shards)",
@@ -66,6 +68,12 @@ RESUME_TESTS = {
     "apex_amp": "tests/test_apex.py::test_torch_mode_checkpoint_restores_the_scaler_and_refuses_another_impl",
 }
 
+# ddp_checkpoint and fsdp restore the RNG state on the same world size (the conformance resume): another one shows.
+RESEED_TESTS = {
+    "ddp_checkpoint": "tests/test_recipe_variants.py::"
+                      "test_resumed_random_streams_continue_on_the_same_world_size_and_replay_no_epoch_on_another",
+    "fsdp": "tests/test_fsdp.py::test_a_checkpoint_from_two_ranks_resumes_on_another_world_size",
+}
 
 # In the conformance run every rank has as many validation batches as the others; tests/test_fsdp.py's runs do not.
 FSDP_TESTS = {"eval_lockstep"}
@@ -74,6 +82,8 @@ FSDP_TESTS = {"eval_lockstep"}
 def tests_for(recipe, edit):
     if edit.name == "map_location":
         return [RESUME_TESTS[recipe]]
+    if edit.name == "resume_reseed" and recipe in RESEED_TESTS:
+        return [RESEED_TESTS[recipe]]
     if edit.name in FSDP_TESTS:
         return ["tests/test_fsdp.py"]
     # The recipe's own cases: "[dp]" but not "[apex_ddp]", "[apex_amp:O0]" to "[apex_amp:O3]".

@@ -1,4 +1,5 @@
-"""Instrumentation for tests/test_conformance.py: counts what DDP does, without touching the recipes.
+"""Instrumentation for tests/test_conformance.py and test_fsdp.py: what DDP and the RNG do, without touching the
+recipes.
 
 Python imports this module at start-up when tests/instrument is on PYTHONPATH (every rank, spawned workers too).
 With COUNT_DDP_DIR set, once torch's DistributedDataParallel is imported, each process counts
@@ -7,9 +8,14 @@ With COUNT_DDP_DIR set, once torch's DistributedDataParallel is imported, each p
   eval_forwards:   forwards through the DDP wrapper with autograd off (evaluation through the wrapper, whose
                    forward may broadcast buffers: a collective that hangs a rank whose shard has no batch),
 and writes them to COUNT_DDP_DIR/rank<R>.json when the recipe calls dist.destroy_process_group().
-Processes that never import DDP (launch.sh's port picker) do not pay for importing torch.
+With LOG_RNG_DIR set, each time a DataLoader whose sampler has an epoch (DistributedSampler: the training loader)
+starts an epoch, the process appends {"world", "rank", "epoch", "rng"} to LOG_RNG_DIR/<pid>.jsonl, "rng" a digest
+of torch's CPU RNG state at that moment: the random stream the epoch's augmentation, dropout and worker seeds draw
+from (rng_streams() in conftest.py reads them back).
+Processes that never import those modules (launch.sh's port picker) do not pay for importing torch.
 """
 
+import hashlib
 import importlib.abc
 import importlib.util
 import json
@@ -18,6 +24,7 @@ import sys
 import weakref
 
 _DIR = os.environ.get("COUNT_DDP_DIR")
+_RNG_DIR = os.environ.get("LOG_RNG_DIR")
 
 
 def _patch(ddp_module):
@@ -55,23 +62,48 @@ def _patch(ddp_module):
     ddp.__init__, ddp.forward, dist.destroy_process_group = patched_init, patched_forward, patched_destroy
 
 
+def _patch_loader(loader_module):
+    loader, start = loader_module.DataLoader, loader_module.DataLoader.__iter__
+
+    def patched_iter(self):
+        import torch  # here, not above: torch is still being imported when its DataLoader module is
+        import torch.distributed as dist
+
+        epoch = getattr(self.sampler, "epoch", None)
+        if epoch is not None:
+            world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+            rng = hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16]
+            with open(os.path.join(_RNG_DIR, f"{os.getpid()}.jsonl"), "a") as f:
+                f.write(json.dumps({"world": world, "rank": rank, "epoch": epoch, "rng": rng}) + "\n")
+        return start(self)
+
+    loader.__iter__ = patched_iter
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds torch.nn.parallel.distributed as usual, and patches it once it has run."""
+    """Finds the modules in `patches` as usual, and patches each once it has run."""
+
+    def __init__(self, patches):
+        self.patches = patches
 
     def find_spec(self, name, path, target=None):
-        if name != "torch.nn.parallel.distributed":
+        if name not in self.patches:
             return None
-        sys.meta_path.remove(self)
+        patch = self.patches.pop(name)
+        if not self.patches:
+            sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
         run = spec.loader.exec_module
 
         def exec_module(module):
             run(module)
-            _patch(module)
+            patch(module)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
-if _DIR:
-    sys.meta_path.insert(0, _PatchOnImport())
+_PATCHES = {**({"torch.nn.parallel.distributed": _patch} if _DIR else {}),
+            **({"torch.utils.data.dataloader": _patch_loader} if _RNG_DIR else {})}
+if _PATCHES:
+    sys.meta_path.insert(0, _PatchOnImport(_PATCHES))
