@@ -351,7 +351,8 @@ def main():
     else:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     find_unused_parameters=args.find_unused_parameters)
-    # From here on, augmentation and dropout differ per rank, and a resumed run's from epoch 0's (no RNG state saved)
+    # From here on, augmentation and dropout differ per rank; a resume (no RNG state saved) seeds per epoch, or it
+    # would replay epoch 0's random draws.
     torch.manual_seed(args.seed + rank + 10_000 * start_epoch)
 
     # Before the first step: an --out-dir that cannot hold the checkpoints fails now, not after hours of training.

@@ -294,14 +294,16 @@ def main():
         load_shards(model, optimizer, os.path.join(os.path.dirname(resume), ckpt["shards"]))
         scheduler.load_state_dict(ckpt["scheduler"])
         start_epoch, step, best_acc1 = ckpt["epoch"], ckpt["step"], ckpt["best_acc1"]
+        # What the saved streams do not cover (another world size; the CUDA stream of a checkpoint saved on CPU) gets
+        # a seed per epoch: seed + rank again would replay epoch 0's random draws (distinct below 10,000 ranks).
+        torch.manual_seed(args.seed + rank + 10_000 * start_epoch)
         if len(ckpt["rng"]) == world_size:  # each rank continues its own random stream
             torch.set_rng_state(ckpt["rng"][rank]["cpu"].cpu())
             if device.type == "cuda" and ckpt["rng"][rank]["cuda"] is not None:  # None: saved on CPU
                 torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"].cpu(), device)
-        else:  # seed + rank again would replay epoch 0's augmentation and dropout; a seed per epoch (< 10,000 ranks)
-            torch.manual_seed(args.seed + rank + 10_000 * start_epoch)
-            print0(f"resume: saved with {len(ckpt['rng'])} ranks, now {world_size}: random streams reseeded for epoch "
-                   f"{start_epoch} (the shards are resharded)")
+        else:
+            print0(f"resume: saved with {len(ckpt['rng'])} ranks, now {world_size}: random streams reseeded "
+                   f"after epoch {start_epoch} (the shards are resharded)")
         print0(f"resume: {resume} at epoch {start_epoch} step {step} best_acc1={best_acc1:.2f}")
     # Before the first step: an --out-dir that cannot hold the checkpoints, or that another node cannot see (every
     # rank writes its shard there and reads latest.pt), fails now, not after hours of training. state_bytes counts

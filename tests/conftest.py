@@ -96,7 +96,8 @@ def rng_env(folder, env=None):
     """`env` for launch()/run_direct() plus tests/instrument's RNG log into `folder`: each training epoch's RNG
     state, per rank."""
     Path(folder).mkdir(parents=True, exist_ok=True)
-    return {**(env or {}), "PYTHONPATH": str(REPO / "tests" / "instrument"), "LOG_RNG_DIR": str(folder)}
+    path = os.pathsep.join(filter(None, [str(REPO / "tests" / "instrument"), (env or {}).get("PYTHONPATH")]))
+    return {**(env or {}), "PYTHONPATH": path, "LOG_RNG_DIR": str(folder)}
 
 
 def rng_streams(*folders):
@@ -112,7 +113,8 @@ def rng_streams(*folders):
 
 def replayed(streams):
     """The digests that started more than one (rank, epoch): an epoch replaying another's random stream (the same
-    augmentation and dropout draws, the same worker seeds)."""
+    augmentation and dropout draws, the same worker seeds). It sees exact replays only (not one shifted by a draw),
+    and needs every epoch to draw from the stream (non-persistent workers, or augmentation in the main process)."""
     owners = {}
     for (_, rank, epoch), digests in streams.items():
         for digest in digests:

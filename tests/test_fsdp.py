@@ -88,11 +88,12 @@ def test_resume_on_the_same_world_size_is_bitwise(runs):
 def test_a_checkpoint_from_two_ranks_resumes_on_another_world_size(runs, name, world):
     proc, out = runs[name], runs["tmp"] / name
     assert result_of(proc)["world_size"] == world and result_of(proc)["steps"] == 3 * PER_EPOCH
-    assert f"resume: saved with 2 ranks, now {world}: random streams reseeded for epoch 1" in proc.stdout
+    assert f"resume: saved with 2 ranks, now {world}: random streams reseeded after epoch 1" in proc.stdout
     # No epoch starts from a random state another epoch (of the straight 2-rank run, or this one) started from.
-    streams = rng_streams(runs["tmp"] / f"rng_{name}")
+    straight, streams = rng_streams(runs["tmp"] / "rng_straight"), rng_streams(runs["tmp"] / f"rng_{name}")
+    assert sorted(straight) == [(2, rank, epoch) for rank in (0, 1) for epoch in (0, 1, 2)]
     assert sorted(streams) == [(world, rank, epoch) for rank in range(world) for epoch in (1, 2)]
-    assert replayed({**rng_streams(runs["tmp"] / "rng_straight"), **streams}) == {}
+    assert replayed({**straight, **streams}) == {}
     assert epoch_losses(proc.stdout) == pytest.approx(epoch_losses(runs["straight"].stdout)[1:], abs=1.5e-4)
     diff = max_diff(params(out / "model.pt"), params(runs["tmp"] / "straight/model.pt"))
     print(f"2 ranks -> {world}: weights {diff:.1e} from the straight 2-rank run (atol {RESHARD_ATOL:.0e})")

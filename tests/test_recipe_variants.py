@@ -169,7 +169,7 @@ def test_resumed_random_streams_continue_on_the_same_world_size_and_replay_no_ep
     assert pieced == straight  # each rank goes on from its own saved state: the augmentation of a run never stopped
     one_proc = checkpoint_runs["one"]
     assert result_of(one_proc)["world_size"] == 1 and result_of(one_proc)["steps"] == 21
-    assert "resume: saved with 2 ranks, now 1: random streams reseeded for epoch 1" in one_proc.stdout
+    assert "resume: saved with 2 ranks, now 1: random streams reseeded after epoch 1" in one_proc.stdout
     assert sorted(one) == [(1, 0, 1), (1, 0, 2)]
     # Reseeding with seed + rank again would start epoch 1 from rank 0's epoch-0 state: the same crops and flips.
     assert replayed({**straight, **one}) == {}

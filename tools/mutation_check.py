@@ -68,7 +68,8 @@ RESUME_TESTS = {
     "apex_amp": "tests/test_apex.py::test_torch_mode_checkpoint_restores_the_scaler_and_refuses_another_impl",
 }
 
-# ddp_checkpoint and fsdp restore the RNG state on the same world size (the conformance resume): another one shows.
+# ddp_checkpoint and fsdp restore the RNG state on the same world size (the conformance resume): only a resume on
+# another world size reaches the reseed.
 RESEED_TESTS = {
     "ddp_checkpoint": "tests/test_recipe_variants.py::"
                       "test_resumed_random_streams_continue_on_the_same_world_size_and_replay_no_epoch_on_another",

@@ -1,5 +1,5 @@
-"""Instrumentation for tests/test_conformance.py and test_fsdp.py: what DDP and the RNG do, without touching the
-recipes.
+"""Instrumentation for the tests (test_conformance.py, test_recipe_variants.py, test_fsdp.py): what DDP and the RNG
+do, without touching the recipes.
 
 Python imports this module at start-up when tests/instrument is on PYTHONPATH (every rank, spawned workers too).
 With COUNT_DDP_DIR set, once torch's DistributedDataParallel is imported, each process counts
@@ -10,8 +10,8 @@ With COUNT_DDP_DIR set, once torch's DistributedDataParallel is imported, each p
 and writes them to COUNT_DDP_DIR/rank<R>.json when the recipe calls dist.destroy_process_group().
 With LOG_RNG_DIR set, each time a DataLoader whose sampler has an epoch (DistributedSampler: the training loader)
 starts an epoch, the process appends {"world", "rank", "epoch", "rng"} to LOG_RNG_DIR/<pid>.jsonl, "rng" a digest
-of torch's CPU RNG state at that moment: the random stream the epoch's augmentation, dropout and worker seeds draw
-from (rng_streams() in conftest.py reads them back).
+of the main process's CPU RNG state at that moment: where the epoch's worker seeds (non-persistent workers) and
+main-process augmentation and CPU dropout start drawing from (rng_streams() in conftest.py reads them back).
 Processes that never import those modules (launch.sh's port picker) do not pay for importing torch.
 """
 
