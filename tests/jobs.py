@@ -37,12 +37,31 @@ def environ_of(pid):
         return {}
 
 
-class Job:
-    """./launch.sh in a new session, its output read line by line, so that a test can act mid-training."""
+# The signals a terminal's shell leaves at their defaults in a foreground job. A process inherits an ignored
+# signal across exec, and a shell script starts its background commands with SIGINT and SIGQUIT ignored
+# (`nohup python -m pytest &` ignores SIGHUP too): a job started from such a suite would ignore Ctrl-C and the
+# drill would test what the suite inherited, not what a user's terminal does.
+JOB_CONTROL_SIGNALS = (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGHUP, signal.SIGTSTP,
+                       signal.SIGTTIN, signal.SIGTTOU)
 
-    def __init__(self, *args, env=None):
+
+def started_with(ignored=()):
+    """A preexec_fn: between fork and exec, every job-control signal back to its default action, then `ignored`
+    set to ignore (what a non-interactive shell does to `cmd &`: ignored=(signal.SIGINT, signal.SIGQUIT))."""
+    def preexec():
+        for sig in JOB_CONTROL_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
+    return preexec
+
+
+class Job:
+    """./launch.sh in a new session, its output read line by line, so that a test can act mid-training. It starts
+    as a terminal starts a foreground job: job-control signals at their defaults, whatever the suite inherited."""
+
+    def __init__(self, *args, env=None, ignored=()):
         self.proc = subprocess.Popen([str(LAUNCH), *map(str, args)], env=launch_env(env), cwd=REPO, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                     preexec_fn=started_with(ignored))
         self.stdout, self.stderr, self.lines = [], [], queue.Queue()
         self.readers = [threading.Thread(target=self._read, args=(self.proc.stdout, self.stdout, self.lines)),
                         threading.Thread(target=self._read, args=(self.proc.stderr, self.stderr, None))]
@@ -122,10 +141,10 @@ def signal_all(pids, sig):
             os.kill(pid, sig)
 
 
-def job_mid_epoch(recipe, out_dir, devices="cpu:2"):
+def job_mid_epoch(recipe, out_dir, devices="cpu:2", ignored=()):
     """A 2-rank job with DataLoader workers, a little into epoch 2 (64 steps, several seconds here)."""
     job = Job(f"recipes/{recipe}.py", devices, "--arch", "tiny", "--workers", "1", "--epochs", "20",
-              "--synthetic-train", "4096", "--batch-size", "64", "--out-dir", out_dir)
+              "--synthetic-train", "4096", "--batch-size", "64", "--out-dir", out_dir, ignored=ignored)
     job.wait_for("epoch=1/")
     time.sleep(0.5)
     return job

@@ -251,7 +251,17 @@ def test_bad_input_gets_one_line_and_exit_2_within_10_s(busy_port, recipe, flags
     assert took < 10, took
 
 
-# --------------------------------------------------------------------- drill 7: Ctrl-C
+# --------------------------------------------------------------------- drill 7: Ctrl-C, SIGTERM
+# Jobs.Job starts each job as a terminal does (job-control signals at their defaults), so these pass whether the
+# suite itself runs in a terminal, under CI, or in the background of a script (where SIGINT is ignored).
+def shell_code(code):
+    """Popen's returncode as a shell reports it: -N (killed by signal N) is 128 + N."""
+    return 128 - code if code < 0 else code
+
+
+LAUNCHERS = ["ddp_torchrun", "ddp_launch", "ddp_spawn"]  # torchrun, torch.distributed.launch, python + mp.spawn
+
+
 @pytest.mark.parametrize("recipe", ["ddp_torchrun", "ddp_spawn"])
 def test_ctrl_c_stops_every_process(tmp_path, recipe):
     job = job_mid_epoch(recipe, tmp_path)
@@ -263,6 +273,42 @@ def test_ctrl_c_stops_every_process(tmp_path, recipe):
     print(f"drill 7 {recipe}: exit {code} {time.monotonic() - start:.1f} s after SIGINT, {len(tree)} processes")
     assert code == 128 + signal.SIGINT, job.output()
     assert not tracebacks_beyond_multiprocessing("".join(job.stderr)), job.output()
+    assert not survivors(tree), (sorted(tree), job.output())
+
+
+@pytest.mark.parametrize("recipe", LAUNCHERS)
+def test_sigterm_to_the_launcher_stops_every_process(tmp_path, recipe):
+    """`kill PID` of the launcher alone (what a scheduler or a user does to a background job): torchrun stops
+    every rank and says so; the mp.spawn parent dies of it and torch's spawn gives each worker SIGINT when its
+    parent dies (PR_SET_PDEATHSIG), so the workers leave quietly. Either way the shell sees 143."""
+    job = job_mid_epoch(recipe, tmp_path)
+    tree = job.tree()
+    start = time.monotonic()
+    os.kill(job.proc.pid, signal.SIGTERM)
+    code = shell_code(job.finish(timeout=60))
+    print(f"drill 7 {recipe}: exit {code} {time.monotonic() - start:.1f} s after SIGTERM, {len(tree)} processes")
+    assert code == 128 + signal.SIGTERM, job.output()
+    if recipe != "ddp_spawn":
+        assert "launch.sh: SIGTERM received: all ranks were stopped" in "".join(job.stderr), job.output()
+    assert not tracebacks_beyond_multiprocessing("".join(job.stderr)), job.output()
+    assert not survivors(tree), (sorted(tree), job.output())
+
+
+@pytest.mark.parametrize("recipe, stops", [("ddp_torchrun", True), ("ddp_spawn", False)])
+def test_a_job_started_with_sigint_ignored(tmp_path, recipe, stops):
+    """A script's `cmd &` starts cmd with SIGINT ignored. torchrun installs its own SIGINT handler, so its job
+    still stops; a `python` recipe inherits the ignore (Python installs no KeyboardInterrupt handler then) and
+    trains on, as Unix intends for a background job; SIGTERM stops it. README's failure section says both."""
+    job = job_mid_epoch(recipe, tmp_path, ignored=(signal.SIGINT, signal.SIGQUIT))
+    tree = job.tree()
+    os.killpg(job.proc.pid, signal.SIGINT)
+    if stops:
+        assert job.finish(timeout=60) == 128 + signal.SIGINT, job.output()
+    else:
+        job.wait_for("epoch=2/", timeout=60)  # it ignored SIGINT and finished another epoch
+        assert job.proc.poll() is None, job.output()
+        os.kill(job.proc.pid, signal.SIGTERM)
+        assert shell_code(job.finish(timeout=60)) == 128 + signal.SIGTERM, job.output()
     assert not survivors(tree), (sorted(tree), job.output())
 
 
