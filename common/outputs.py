@@ -46,7 +46,7 @@ def _needed(out_dir, files):
     return sum(max(0, size - existing.get(name, 0)) for name, size in files.items()) + max(files.values())
 
 
-def _probe(out_dir, files, marker):
+def _probe(out_dir, files, marker, flag):
     """Rank 0's checks. Returns (error or None, the folders it created)."""
     created, path = [], os.path.abspath(out_dir)
     while not os.path.exists(path):  # the folders makedirs will create, to remove them again on failure
@@ -60,14 +60,14 @@ def _probe(out_dir, files, marker):
             os.fsync(f.fileno())
     except OSError as exc:
         if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-            return f"--out-dir {out_dir} is a file, not a folder; pass a folder to write to", created
+            return f"{flag} {out_dir} is a file, not a folder; pass a folder to write to", created
         where = f" at {exc.filename}" if exc.filename and exc.filename != out_dir else ""
-        return f"cannot write to --out-dir {out_dir} ({exc.strerror}{where}); pass a folder you can write to", created
+        return f"cannot write to {flag} {out_dir} ({exc.strerror}{where}); pass a folder you can write to", created
     free, need = shutil.disk_usage(out_dir).free, _needed(out_dir, files)
     if free < need:
         listed = ", ".join(f"{name} {human(size)}" for name, size in files.items())
-        return (f"--out-dir {out_dir} has {human(free)} free, and this run will write {human(need)} there ({listed}, "
-                "and a temp copy of the largest for its atomic save); free some space or pass another --out-dir"),\
+        return (f"{flag} {out_dir} has {human(free)} free, and this run will write {human(need)} there ({listed}, "
+                f"and a temp copy of the largest for its atomic save); free some space or pass another {flag}"),\
             created
     return None, created
 
@@ -80,12 +80,12 @@ def _clean(out_dir, marker, created):
             os.rmdir(folder)
 
 
-def check_out_dir(out_dir, is_main, files, shared=False):
-    """files: {name: bytes} the run writes into out_dir (state_bytes() of what goes in each). Call it on every
-    rank, after the process group is up: it is a collective."""
+def check_out_dir(out_dir, is_main, files, shared=False, flag="--out-dir"):
+    """files: {name: bytes} the run writes into out_dir (state_bytes() of what goes in each); flag: the option that
+    named the folder, for the messages. Call it on every rank, after the process group is up: it is a collective."""
     grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     marker = f".write-test-{secrets.token_hex(4)}"
-    error, created = _probe(out_dir, files, marker) if is_main else (None, [])
+    error, created = _probe(out_dir, files, marker, flag) if is_main else (None, [])
     if grouped:
         box = [error, marker]
         dist.broadcast_object_list(box, src=0)  # rank 0's outcome, and the name of the file it wrote
@@ -97,7 +97,7 @@ def check_out_dir(out_dir, is_main, files, shared=False):
         dist.all_gather_object(unseen, None if seen else f"rank {dist.get_rank()} on {socket.gethostname()}")
         blind = [who for who in unseen if who]
         if blind:
-            error = (f"--out-dir {out_dir} must be on storage that every node shares: {', '.join(blind[:3])} "
+            error = (f"{flag} {out_dir} must be on storage that every node shares: {', '.join(blind[:3])} "
                      "cannot see the file rank 0 wrote there, and would not see its checkpoints; use a shared "
                      "folder (NFS, Lustre, a cluster file system)")
     if is_main:

@@ -32,7 +32,7 @@ class TensorBoard:
         if not self.on:
             return
         # An unwritable --tb-dir fails now, like --out-dir; every rank takes part (the check is a collective).
-        check_out_dir(tb_dir, is_main, {"events.out.tfevents": 2**20})
+        check_out_dir(tb_dir, is_main, {"events.out.tfevents": 2**20}, flag="--tb-dir")
         if is_main:
             from torch.utils.tensorboard import SummaryWriter  # only with --tb-dir: it costs a second to import
 

@@ -2,7 +2,9 @@
 
 import contextlib
 import datetime
+import itertools
 import json
+import math
 import os
 import resource
 import sys
@@ -73,6 +75,7 @@ class OneLineError(Exception):
     """An error whose message says all the user needs (which file, which sample): printed as one line."""
 
     code = 1  # the exit code
+    all_ranks = True  # each rank says what it saw; False: the same verdict everywhere, said once per node
 
 
 # The first line of the errors a rank meets when a peer hangs or dies, in gloo's words and NCCL's (a
@@ -101,7 +104,7 @@ def one_line_errors(ctrl_c=True):
     try:
         yield
     except OneLineError as exc:
-        die(str(exc), code=exc.code, all_ranks=True)
+        die(str(exc), code=exc.code, all_ranks=exc.all_ranks)
     except KeyboardInterrupt:
         if not ctrl_c:
             raise
@@ -204,9 +207,89 @@ def human(size):
     return f"{size / 2**10:.0f} kB"
 
 
+def _strict(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    return value
+
+
 def result_line(**fields):
-    """The one machine-readable line tests, benchmarks and scripts grep for: RESULT {json}."""
-    return "RESULT " + json.dumps(fields, sort_keys=False)
+    """The one machine-readable line tests, benchmarks and scripts grep for: RESULT {json}. Strict JSON: a value
+    that is not finite (a NaN loss) is written as null, which jq and JSON.parse accept; NaN they refuse."""
+    return "RESULT " + json.dumps(_strict(fields), sort_keys=False, allow_nan=False)
+
+
+def nonfinite_flags(args):
+    """The float flags given as nan or inf (argparse's float() takes both, and `--lr nan <= 0` is False)."""
+    return [f"--{name.replace('_', '-')} {value}" for name, value in vars(args).items()
+            if isinstance(value, float) and not math.isfinite(value)]
+
+
+# ------------------------------------------------------------------------------------------- divergence
+DIVERGED = 3  # the exit code of a run stopped because it diverged (README: "What happens when things go wrong")
+
+
+class Diverged(OneLineError):
+    code = DIVERGED
+    all_ranks = False  # every rank reached the same verdict (all_reduce_and_check): said once
+
+
+class DivergenceCheck:
+    """Stops a run whose loss stopped being finite, before it writes a file from its weights.
+
+    update(step, loss) after each optimizer step keeps, on the loss's device, the first step whose loss was not
+    finite: no host sync, so a GPU loop keeps queueing ahead. all_reduce_and_check() is read where a recipe reads
+    values anyway (each epoch's end, the TensorBoard steps): it is a collective, an all-reduce (MIN) of the first bad
+    step, so every rank reaches the same verdict even when one rank alone met a bad batch, and no rank is left
+    waiting in a collective the others skipped. It raises Diverged (exit 3, one line) on every rank.
+
+    fp16 with a loss scaler: a step whose gradients overflow is skipped and the scale halved, which is normal, so
+    such recipes do not call update(); they pass loss_scale= to the check, and a scale below 1 (17 skips in a row
+    from 65536: the gradients overflow fp16 even unscaled) is divergence."""
+
+    NEVER = 2**62
+
+    def __init__(self, device):
+        self.first_bad = torch.full((), self.NEVER, dtype=torch.int64, device=device)
+        self.checked = 0  # the last step found good
+        self.last_good = None  # the newest checkpoint this run wrote (or resumed from): the recipe sets it
+
+    def update(self, step, loss):
+        self.first_bad = torch.minimum(self.first_bad, torch.where(torch.isfinite(loss.detach()), self.NEVER, step))
+
+    def all_reduce_and_check(self, epoch, step, loss_scale=None, model=None):
+        """A collective: every rank calls it at the same steps. epoch counts from 0, as the loops do. model: also
+        check its parameters and buffers (this rank's shards), as before a save: an fp16 run's skipped steps keep
+        the weights finite, but its BatchNorm statistics take in the overflowing activations all the same."""
+        scale_bad = step if loss_scale is not None and not loss_scale >= 1 else self.NEVER
+        weights_bad = self.NEVER
+        if model is not None:
+            tensors = [t.to_local() if hasattr(t, "to_local") else t
+                       for t in itertools.chain(model.parameters(), model.buffers()) if t.is_floating_point()]
+            # .to(): a model split over two GPUs (ddp_spawn --model-parallel) gives flags on both
+            finite = torch.stack([torch.isfinite(t).all().to(self.first_bad.device) for t in tensors]).all()
+            weights_bad = torch.where(finite, self.NEVER, step).to(self.first_bad.device)
+        verdict = torch.stack([self.first_bad, torch.as_tensor(scale_bad, device=self.first_bad.device),
+                               torch.as_tensor(weights_bad, device=self.first_bad.device)])
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
+        loss_bad, scale_bad, weights_bad = verdict.tolist()
+        if loss_bad == scale_bad == weights_bad == self.NEVER:
+            self.checked = step
+            return
+        what = (f"the training loss stopped being finite at step {loss_bad}" if loss_bad != self.NEVER else
+                "the fp16 loss scale fell below 1 (every step skipped for overflowing gradients)"
+                if scale_bad != self.NEVER else
+                "the loss stayed finite, but the weights or BatchNorm statistics did not")
+        kept = (f"the last good checkpoint is {self.last_good}" if self.last_good else
+                "this run wrote no checkpoint")
+        raise Diverged(f"training diverged in epoch {epoch + 1}, steps {self.checked + 1}-{step}: {what}. Nothing "
+                       f"was saved from these weights; {kept}. Likely causes: a learning rate too high for this "
+                       "batch (--lr), fp16 without a loss scaler, or inf/NaN in the data")
 
 
 

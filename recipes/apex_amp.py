@@ -55,10 +55,12 @@ from common.outputs import check_out_dir, state_bytes
 from common.tensorboard_log import TensorBoard
 from common.utils import (
     AverageMeter,
+    DivergenceCheck,
     Throughput,
     accuracy,
     die,
     gather_values,
+    nonfinite_flags,
     one_line_errors,
     peak_memory_mb,
     print0,
@@ -100,6 +102,8 @@ def parse_args(argv=None):
 
 def check_args(args, world_size):
     # Every rank runs this before any collective, so a bad flag fails in seconds, not at a timeout.
+    if nonfinite_flags(args):  # argparse takes nan and inf, and `nan <= 0` is False
+        die(f"{nonfinite_flags(args)[0]} is not a finite number")
     if args.batch_size < world_size or args.batch_size % world_size:
         die(f"--batch-size {args.batch_size} is the GLOBAL batch and must be a multiple of the "
             f"{world_size} processes; try --batch-size {max(1, args.batch_size // world_size) * world_size}")
@@ -127,6 +131,7 @@ class ApexAmp:
 
     def __init__(self, amp, opt_level, keep_batchnorm_fp32):
         self.amp, self.opt_level = amp, opt_level
+        self.scales_loss = opt_level in ("O1", "O2")  # dynamic loss scaling: the levels' default
         self.keep_batchnorm_fp32 = True if keep_batchnorm_fp32 else None  # None: the level's default
 
     def initialize(self, model, optimizer):
@@ -170,6 +175,7 @@ class TorchAmp:
         self.opt_level, self.device_type = opt_level, device.type
         self.keep_bn_fp32 = opt_level == "O2" or keep_batchnorm_fp32
         self.scaler = torch.amp.GradScaler(device.type, enabled=opt_level in ("O1", "O2"))
+        self.scales_loss = self.scaler.is_enabled()
         self.masters = []  # O2: (fp16 model parameter, its fp32 master copy)
 
     def initialize(self, model, optimizer):
@@ -364,6 +370,8 @@ def main():
     speed = Throughput()
     # Resumed: the curves go on from `step`; what an interrupted run logged after its checkpoint is dropped.
     tb = TensorBoard(args.tb_dir, args.tb_every, is_main, device, vars(args), start_step=step)
+    diverged = DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
+    diverged.last_good = resume  # what the stop message names; each save below updates it
     if start_epoch >= args.epochs:
         die(f"{resume} already finished all {args.epochs} epochs; nothing to resume")
     for epoch in range(start_epoch, args.epochs):
@@ -390,14 +398,20 @@ def main():
             loss_meter.update(loss, images.size(0))  # a tensor: summed on the device, no sync per step
             acc_meter.update(accuracy(output, targets)[0], images.size(0))
             step += 1
+            if not mixed.scales_loss:  # O1/O2: an overflowing step is skipped, which is normal; the scale tells
+                diverged.update(step, loss)  # on the device: no sync per step
             speed.step(args.batch_size)
             tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"], loss_scale=mixed.loss_scale)
+            if tb.on and step % args.tb_every == 0:  # values are read here anyway
+                diverged.all_reduce_and_check(epoch, step, mixed.loss_scale() if mixed.scales_loss else None)
             if step >= total_steps:
                 break
         scheduler.step()
         epoch_time = time.perf_counter() - start
         loss_meter.all_reduce(device)
         acc_meter.all_reduce(device)
+        # Before eval and any save: no file from NaN weights. O1/O2: a scale below 1 is divergence (a collective).
+        diverged.all_reduce_and_check(epoch, step, mixed.loss_scale() if mixed.scales_loss else None, model)
 
         # -------------------------------------------------------------------------------- eval
         # DDP copies rank 0's buffers (BatchNorm statistics) to the others at the start of each forward, so
@@ -418,6 +432,8 @@ def main():
             save_atomic({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                          "scheduler": scheduler.state_dict(), "amp": mixed.state_dict(), "epoch": epoch + 1,
                          "step": step, "flags": run_flags}, os.path.join(args.out_dir, "checkpoint.pt"))
+        if step % len(train_loader) == 0:
+            diverged.last_good = os.path.join(args.out_dir, "checkpoint.pt")
         if step >= total_steps:
             break
 

@@ -53,10 +53,12 @@ from common.outputs import check_out_dir, state_bytes
 from common.tensorboard_log import TensorBoard
 from common.utils import (
     AverageMeter,
+    DivergenceCheck,
     Throughput,
     accuracy,
     die,
     gather_values,
+    nonfinite_flags,
     one_line_errors,
     peak_memory_mb,
     print0,
@@ -93,6 +95,8 @@ def parse_args(argv=None):
 
 def check_args(args, world_size):
     # Every rank runs this before any collective, so a bad flag fails in seconds, not at a timeout.
+    if nonfinite_flags(args):  # argparse takes nan and inf, and `nan <= 0` is False
+        die(f"{nonfinite_flags(args)[0]} is not a finite number")
     if args.batch_size < world_size or args.batch_size % world_size:
         die(f"--batch-size {args.batch_size} is the GLOBAL batch and must be a multiple of the "
             f"{world_size} processes; try --batch-size {max(1, args.batch_size // world_size) * world_size}")
@@ -250,6 +254,8 @@ def main():
     speed = Throughput()
     # Resumed: the curves go on from `step`; what an interrupted run logged after its checkpoint is dropped.
     tb = TensorBoard(args.tb_dir, args.tb_every, is_main, device, vars(args), start_step=step)
+    diverged = DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
+    diverged.last_good = resume  # what the stop message names; each save below updates it
     if start_epoch >= args.epochs:
         die(f"{resume} already finished all {args.epochs} epochs; nothing to resume")
     for epoch in range(start_epoch, args.epochs):
@@ -275,14 +281,18 @@ def main():
             loss_meter.update(loss, images.size(0))  # a tensor: summed on the device, no sync per step
             acc_meter.update(accuracy(output, targets)[0], images.size(0))
             step += 1
+            diverged.update(step, loss)  # on the device: no sync per step
             speed.step(args.batch_size)
             tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"])
+            if tb.on and step % args.tb_every == 0:  # values are read here anyway
+                diverged.all_reduce_and_check(epoch, step)  # a collective: one verdict everywhere
             if step >= total_steps:
                 break
         scheduler.step()
         epoch_time = time.perf_counter() - start
         loss_meter.all_reduce(device)
         acc_meter.all_reduce(device)
+        diverged.all_reduce_and_check(epoch, step, model=model)  # before eval and any save: no file from NaN weights
 
         # -------------------------------------------------------------------------------- eval
         # DDP copies rank 0's buffers (BatchNorm statistics) to the others at the start of each forward, so
@@ -315,6 +325,7 @@ def main():
                 save_atomic({"model": model.module.state_dict(), "epoch": epoch + 1, "val_acc1": val_acc1}, best)
                 print0(f"best: epoch={epoch + 1} val_acc1={val_acc1:.2f} saved {best}")
         dist.barrier()  # nobody reads latest.pt before rank 0 has finished writing it
+        diverged.last_good = latest
         load_weights(model.module, load_checkpoint(latest, map_location=device)["model"], latest)
         if step >= total_steps:
             break

@@ -38,10 +38,12 @@ from common.outputs import check_out_dir, held_state_bytes, state_bytes
 from common.tensorboard_log import TensorBoard
 from common.utils import (
     AverageMeter,
+    DivergenceCheck,
     Throughput,
     accuracy,
     die,
     gather_values,
+    nonfinite_flags,
     one_line_errors,
     peak_memory_mb,
     print0,
@@ -76,6 +78,8 @@ def parse_args(argv=None):
 
 def check_args(args, world_size):
     # Every rank runs this before any collective, so a bad flag fails in seconds, not at a timeout.
+    if nonfinite_flags(args):  # argparse takes nan and inf, and `nan <= 0` is False
+        die(f"{nonfinite_flags(args)[0]} is not a finite number")
     if args.batch_size < world_size or args.batch_size % world_size:
         die(f"--batch-size {args.batch_size} is the GLOBAL batch and must be a multiple of the "
             f"{world_size} processes; try --batch-size {max(1, args.batch_size // world_size) * world_size}")
@@ -191,6 +195,7 @@ def main():
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
     step, speed = 0, Throughput()
     tb = TensorBoard(args.tb_dir, args.tb_every, is_main, device, vars(args), start_step=step)  # off without --tb-dir
+    diverged = DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
     for epoch in range(args.epochs):
         train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
         model.train()
@@ -214,14 +219,18 @@ def main():
             loss_meter.update(loss, images.size(0))  # a tensor: summed on the device, no sync per step
             acc_meter.update(accuracy(output, targets)[0], images.size(0))
             step += 1
+            diverged.update(step, loss)  # on the device: no sync per step
             speed.step(args.batch_size)
             tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"])
+            if tb.on and step % args.tb_every == 0:  # values are read here anyway
+                diverged.all_reduce_and_check(epoch, step)  # a collective: one verdict everywhere
             if step >= total_steps:
                 break
         scheduler.step()
         epoch_time = time.perf_counter() - start
         loss_meter.all_reduce(device)
         acc_meter.all_reduce(device)
+        diverged.all_reduce_and_check(epoch, step, model=model)  # before eval and any save: no file from NaN weights
 
         # -------------------------------------------------------------------------------- eval
         # DDP copies rank 0's buffers (BatchNorm statistics) to the others at the start of each forward, so

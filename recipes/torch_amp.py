@@ -49,10 +49,12 @@ from common.outputs import check_out_dir, state_bytes
 from common.tensorboard_log import TensorBoard
 from common.utils import (
     AverageMeter,
+    DivergenceCheck,
     Throughput,
     accuracy,
     die,
     gather_values,
+    nonfinite_flags,
     one_line_errors,
     peak_memory_mb,
     print0,
@@ -96,6 +98,8 @@ def parse_args(argv=None):
 
 def check_args(args, world_size):
     # Every rank runs this before any collective, so a bad flag fails in seconds, not at a timeout.
+    if nonfinite_flags(args):  # argparse takes nan and inf, and `nan <= 0` is False
+        die(f"{nonfinite_flags(args)[0]} is not a finite number")
     if args.accum_steps < 1:
         die(f"--accum-steps {args.accum_steps} must be >= 1")
     parts = world_size * args.accum_steps
@@ -249,6 +253,8 @@ def main():
     speed = Throughput()
     # Resumed: the curves go on from `step`; what an interrupted run logged after its checkpoint is dropped.
     tb = TensorBoard(args.tb_dir, args.tb_every, is_main, device, vars(args), start_step=step)
+    diverged = DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
+    diverged.last_good = resume  # what the stop message names; each save below updates it
     if start_epoch >= args.epochs:
         die(f"{resume} already finished all {args.epochs} epochs; nothing to resume")
     for epoch in range(start_epoch, args.epochs):
@@ -279,6 +285,8 @@ def main():
                 scaler.scale(loss / args.accum_steps).backward()
             loss_meter.update(loss, images.size(0))  # a tensor: summed on the device, no sync per step
             acc_meter.update(accuracy(output, targets)[0], images.size(0))
+            if not scaler.is_enabled():  # fp16: an overflowing step is skipped, which is normal; the scale tells
+                diverged.update(step + 1, loss)  # the step this micro-batch belongs to; on the device, no sync
             if not boundary:
                 continue
             if args.clip_grad:
@@ -291,12 +299,16 @@ def main():
             speed.step(args.batch_size)
             tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"],
                     loss_scale=scaler.get_scale if scaler.is_enabled() else None)
+            if tb.on and step % args.tb_every == 0:  # values are read here anyway
+                diverged.all_reduce_and_check(epoch, step, scaler.get_scale() if scaler.is_enabled() else None)
             if step >= total_steps:
                 break
         scheduler.step()
         epoch_time = time.perf_counter() - start
         loss_meter.all_reduce(device)
         acc_meter.all_reduce(device)
+        # Before eval and any save: no file from NaN weights. fp16: a scale below 1 is divergence (a collective).
+        diverged.all_reduce_and_check(epoch, step, scaler.get_scale() if scaler.is_enabled() else None, model)
 
         # -------------------------------------------------------------------------------- eval
         # DDP copies rank 0's buffers (BatchNorm statistics) to the others at the start of each forward, so
@@ -319,6 +331,8 @@ def main():
                          "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                          "epoch": epoch + 1, "step": step, "flags": run_flags},
                         os.path.join(args.out_dir, "checkpoint.pt"))
+        if step % steps_per_epoch == 0:
+            diverged.last_good = os.path.join(args.out_dir, "checkpoint.pt")
         if step >= total_steps:
             break
 

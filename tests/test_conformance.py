@@ -305,6 +305,8 @@ BAD = [  # (flags, what the one line starts with); world size 2 (dp: 1)
     (["--image-size", "0"], "--image-size 0 must be >= 1"),
     (["--lr", "0"], "--lr"),
     (["--arch", "resnet19"], "unknown --arch 'resnet19'; did you mean resnet18"),
+    (["--lr", "nan"], "--lr nan is not a finite number"),  # `nan <= 0` is False: a plain range check lets it in
+    (["--lr", "inf"], "--lr inf is not a finite number"),
 ]
 
 
@@ -312,7 +314,10 @@ BAD = [  # (flags, what the one line starts with); world size 2 (dp: 1)
 def test_every_recipe_refuses_the_shared_bad_flags_with_one_line(recipe, capsys):
     module = load_recipe(recipe)
     world = 1 if recipe == "dp" else 2
-    for flags, says in BAD + ([] if recipe == "dp" else [(["--dist-timeout", "0"], "--lr")]):
+    floats = [(["--dist-timeout", "0"], "--lr"), (["--dist-timeout", "inf"], "--dist-timeout inf is not a finite")]
+    if recipe == "torch_amp":  # the one float flag beyond --lr and --dist-timeout
+        floats.append((["--clip-grad", "nan"], "--clip-grad nan is not a finite number"))
+    for flags, says in BAD + ([] if recipe == "dp" else floats):
         if recipe == "dp" and flags[0] == "--batch-size":
             flags, says = ["--batch-size", "0"], "--batch-size 0 is the GLOBAL batch and must be a multiple of"
         with pytest.raises(SystemExit) as leaving:

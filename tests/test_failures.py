@@ -337,6 +337,16 @@ def test_every_recipe_checks_its_out_dir_before_the_first_step(tmp_path, recipe)
     assert in_the_way.read_text() == "a file where the out-dir should go\n" and took < 30
 
 
+def test_a_tb_dir_that_is_a_file_is_refused_naming_tb_dir(tmp_path):
+    in_the_way = tmp_path / "tb_x"
+    in_the_way.write_text("a file where the TensorBoard folder should go\n")
+    proc = run_direct("ddp_torchrun", *TINY, "--out-dir", tmp_path / "out", "--tb-dir", in_the_way, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert error_lines(proc.stderr) == [f"error: --tb-dir {in_the_way} is a file, not a folder; pass a folder to "
+                                        "write to"], proc.stderr
+    assert not trained(proc.stdout)
+
+
 def test_an_out_dir_whose_parent_cannot_be_created_stops_every_rank(tmp_path):
     blocker = tmp_path / "not_a_folder"
     blocker.write_text("")

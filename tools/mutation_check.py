@@ -7,7 +7,8 @@
 For each recipe and each edit whose text the recipe contains, it copies the working tree to a scratch folder,
 applies the edit there (never to this tree), and runs the tests that guard that recipe: its cases of
 tests/test_conformance.py; for the map_location edit its resume test, for resume_reseed in ddp_checkpoint and
-fsdp their resume on another world size, and for fsdp's eval_lockstep tests/test_fsdp.py. An edit is "noticed"
+fsdp their resume on another world size, for fsdp's eval_lockstep tests/test_fsdp.py, and for divergence_check
+the recipe's cases of tests/test_divergence.py. An edit is "noticed"
 when they fail, "MISSED" when they pass. Exit 0 when every edit was noticed, 1 otherwise.
 """
 
@@ -55,6 +56,8 @@ EDITS = [
          "args.seed + rank + 10_000 * start_epoch", "args.seed + rank"),
     Edit("eval_lockstep", "FSDP: a rank whose validation shard ran out stops joining the others' all-gathers",
          "model(empty)", "pass"),
+    Edit("divergence_check", "no divergence check: a NaN run trains on, exits 0 and saves its NaN weights",
+         "diverged.all_reduce_and_check(", "(lambda *args, **kwargs: None)("),
     Edit("full_state_dict", "FSDP: model.pt saved from the sharded state_dict (rank 0's DTensor shards)",
          "StateDictOptions(full_state_dict=True, cpu_offload=True)", "StateDictOptions(cpu_offload=True)"),
 ]
@@ -81,6 +84,8 @@ FSDP_TESTS = {"eval_lockstep"}
 
 
 def tests_for(recipe, edit):
+    if edit.name == "divergence_check":
+        return ["tests/test_divergence.py", "-k", f"[{recipe}] or [{recipe}:"]
     if edit.name == "map_location":
         return [RESUME_TESTS[recipe]]
     if edit.name == "resume_reseed" and recipe in RESEED_TESTS:

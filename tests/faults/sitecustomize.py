@@ -87,3 +87,29 @@ if os.environ.get("FAULT_DISK_FULL") and os.environ.get("RANK", "0") == "0":
         return f
 
     builtins.open = _open_filling
+
+# FAULT_NAN_BATCH="RANK:N": in the process whose RANK is RANK (a process without RANK counts as rank 0), the N-th
+# training batch (from a loader whose sampler has an epoch: DistributedSampler) has NaN images, as a corrupt
+# sample that decodes to NaN, or a bad normalisation constant, would give. A test double of BAD DATA.
+if os.environ.get("FAULT_NAN_BATCH") and os.environ.get("RANK", "0") == os.environ["FAULT_NAN_BATCH"].split(":")[0]:
+    import torch.utils.data
+
+    _nth = int(os.environ["FAULT_NAN_BATCH"].split(":")[1])
+    _seen, _iter = [0], torch.utils.data.DataLoader.__iter__
+
+    def _with_a_nan_batch(loader):
+        batches = _iter(loader)
+        if not hasattr(loader.sampler, "epoch"):  # validation: left alone
+            return batches
+
+        def generate():
+            for images, *rest in batches:
+                _seen[0] += 1
+                if _seen[0] == _nth:
+                    sys.stdout.write(f"FAULT: training batch {_nth} of rank {os.environ.get('RANK', '0')} is NaN\n")
+                    sys.stdout.flush()
+                    images = images.float().fill_(float("nan"))
+                yield (images, *rest)
+        return generate()
+
+    torch.utils.data.DataLoader.__iter__ = _with_a_nan_batch
