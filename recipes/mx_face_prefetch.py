@@ -75,7 +75,8 @@ def parse_args(argv=None):
     p.add_argument("--margin", type=float, default=0.2, help="m: subtracted from (CosFace) or added to (ArcFace)")
     p.add_argument("--prefetch", type=int, default=2, help="batches DataLoaderX loads ahead")
     p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=128, help="GLOBAL batch, split evenly across processes")
+    p.add_argument("--batch-size", type=int, help="GLOBAL batch, split evenly across processes "
+                   "(default: 128, rounded down to a multiple of the process count: 126 on 3)")
     p.add_argument("--workers", type=int,
                    help="DataLoader workers PER PROCESS (default: cores per process - 1, at most 4)")
     p.add_argument("--lr", type=float, default=0.02, help="margin heads diverge at CIFAR's 0.1 on small sets")
@@ -94,6 +95,8 @@ def check_args(args, world_size):
     # Every rank runs this before any collective, so a bad flag fails in seconds, not at a timeout.
     if nonfinite_flags(args):  # argparse takes nan and inf, and `nan <= 0` is False
         die(f"{nonfinite_flags(args)[0]} is not a finite number")
+    if args.batch_size is None:  # the default, rounded down so that it divides: 126 on 3 GPUs, not an error
+        args.batch_size = max(1, 128 // world_size) * world_size
     if args.batch_size < world_size or args.batch_size % world_size:
         die(f"--batch-size {args.batch_size} is the GLOBAL batch and must be a multiple of the "
             f"{world_size} processes; try --batch-size {max(1, args.batch_size // world_size) * world_size}")

@@ -72,8 +72,8 @@ def parse_args(argv=None):
     p.add_argument("--synthetic-val", type=int, default=500, help="synthetic: validation samples")
     p.add_argument("--arch", default="resnet18", help="torchvision model name, or tiny / tiny_unused")
     p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=128,
-                   help="GLOBAL batch per optimizer step, split across processes and --accum-steps")
+    p.add_argument("--batch-size", type=int, help="GLOBAL batch per optimizer step, split evenly across "
+                   "processes and --accum-steps (default: 128, rounded down to a multiple of processes x accum-steps)")
     p.add_argument("--workers", type=int,
                    help="DataLoader workers PER PROCESS (default: cores per process - 1, at most 4)")
     p.add_argument("--lr", type=float, default=0.1)
@@ -103,6 +103,8 @@ def check_args(args, world_size):
     if args.accum_steps < 1:
         die(f"--accum-steps {args.accum_steps} must be >= 1")
     parts = world_size * args.accum_steps
+    if args.batch_size is None:  # the default, rounded down so that it divides: 126 on 3 GPUs, not an error
+        args.batch_size = max(1, 128 // parts) * parts
     if args.batch_size < parts or args.batch_size % parts:
         die(f"--batch-size {args.batch_size} is the GLOBAL batch and must be a multiple of {world_size} processes "
             f"x {args.accum_steps} accumulation steps; try --batch-size {max(1, args.batch_size // parts) * parts}")

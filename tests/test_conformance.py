@@ -13,6 +13,7 @@ tools/mutation_check.py deletes these lessons from the recipes one at a time and
 """
 
 import json
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -45,10 +46,16 @@ class Case:
     weights_atol: float = 1e-6  # fp32: DDP's all-reduce adds in another order than the reference's backward
     loss_atol: float = 1e-4  # printed with 4 decimals
     extra: dict = field(default_factory=dict)
+    batch: int = ARGS["batch"]  # the global batch: a multiple of the world size
 
     @property
     def world(self):
         return 1 if self.devices == "cpu" else int(self.devices.split(":")[1])
+
+    @property
+    def steps_per_epoch(self):
+        """DistributedSampler pads the 128 samples to a multiple of the world (129 on 3: 43 each); drop_last."""
+        return math.ceil(ARGS["train"] / self.world) // (self.batch // self.world)
 
 
 CASES = {
@@ -60,6 +67,11 @@ CASES = {
     "ddp_checkpoint": Case("ddp_checkpoint"),
     "mx_face_prefetch": Case("mx_face_prefetch", ("--rec", "synthetic")),
     "apex_ddp": Case("apex_ddp"),  # torch's DDP: apex needs a GPU
+    # An odd world: the batch split by 3 (30 = 3 x 10), 43 training samples per rank (one padded), validation
+    # shards of 13, 12 and 12, under each launcher.
+    "ddp_torchrun:3": Case("ddp_torchrun", devices="cpu:3", batch=30),
+    "ddp_launch:3": Case("ddp_launch", devices="cpu:3", batch=30),
+    "ddp_spawn:3": Case("ddp_spawn", devices="cpu:3", batch=30),
     "fsdp": Case("fsdp"),  # sharded: the same arithmetic as DDP (its gradients are reduce-scattered, not all-reduced)
     "apex_amp:O0": Case("apex_amp", ("--opt-level", "O0"), precision="O0"),
     "apex_amp:O1": Case("apex_amp", ("--opt-level", "O1"), precision="O1"),
@@ -110,12 +122,13 @@ def run(request, tmp_path_factory):
     name, case = request.param, CASES[request.param]
     out, counts = tmp_path_factory.mktemp(name.replace(":", "_")), tmp_path_factory.mktemp("counts")
     started = time.time()
-    proc = launch(f"recipes/{case.recipe}.py", case.devices, *SMALL, *case.flags, "--out-dir", out,
+    proc = launch(f"recipes/{case.recipe}.py", case.devices, *SMALL, "--batch-size", case.batch, *case.flags,
+                  "--out-dir", out,
                   "--tb-dir", out / "tb", "--tb-every", TB_EVERY,
                   env=rng_env(out / "rng", {"COUNT_DDP_DIR": str(counts)}))
     train_set, _ = datasets()
     losses, model = train(fresh_model(case), mixed_for(case), train_set, world=case.world, epochs=ARGS["epochs"],
-                          batch=ARGS["batch"], lr=ARGS["lr"], accum=case.accum,
+                          batch=case.batch, lr=ARGS["lr"], accum=case.accum,
                           one_process_shuffle=case.devices == "cpu", with_labels=case.recipe == "mx_face_prefetch")
     return {"name": name, "case": case, "proc": proc, "started": started, "out": out, "counts": counts,
             "losses": losses, "weights": model.state_dict()}
@@ -124,7 +137,7 @@ def run(request, tmp_path_factory):
 def test_training_equals_the_reference_loop(run):
     case, proc = run["case"], run["proc"]
     result = result_of(proc)
-    steps = ARGS["epochs"] * ARGS["train"] // ARGS["batch"]
+    steps = ARGS["epochs"] * case.steps_per_epoch
     assert (result["recipe"], result["world_size"], result["steps"]) == (case.recipe, case.world, steps), result
     assert result["val_acc1"] > 30, result  # it learns: 10 classes, chance is 10%
     # RESULT: every rank's peak and the largest, the throughput, when the first step ended (Unix time)
@@ -166,7 +179,7 @@ def test_ddp_reduces_once_per_step_and_evaluates_outside_the_wrapper(run):
     if case.recipe not in DDP:  # DataParallel: no process group; fsdp: a process group but no DDP wrapper
         assert counts == ([] if case.recipe == "dp" else [{"grad_allreduces": 0, "eval_forwards": 0}] * case.world)
         return
-    steps = ARGS["epochs"] * ARGS["train"] // ARGS["batch"]
+    steps = ARGS["epochs"] * case.steps_per_epoch
     # DDP buckets gradients by dtype, and each dtype of tiny_bn fits one bucket (O2: fp16 weights, fp32
     # BatchNorm): one all-reduce per bucket per optimizer step, whatever --accum-steps is.
     buckets = len({t.dtype for k, t in torch.load(run["out"] / "model.pt", weights_only=True).items()
@@ -181,7 +194,7 @@ def test_tensorboard_curves_match_the_printed_lines(run):
     amp = case.precision in ("fp16", "O1", "O2") or case.recipe == "apex_amp"
     assert set(curves) == TAGS | ({"train/loss_scale"} if amp else set()), sorted(curves)
     assert len(list((run["out"] / "tb").glob("events.out.tfevents.*"))) == 1
-    steps = ARGS["epochs"] * ARGS["train"] // ARGS["batch"]
+    steps = ARGS["epochs"] * case.steps_per_epoch
     per_epoch = steps // ARGS["epochs"]
     assert [s for s, _ in curves["train/loss"]] == list(range(TB_EVERY, steps + 1, TB_EVERY))
     assert [s for s, _ in curves["epoch/val_loss"]] == list(range(per_epoch, steps + 1, per_epoch))
@@ -226,7 +239,7 @@ def test_a_resumed_run_continues_the_curves_without_repeats_or_gaps(run, tmp_pat
     case = run["case"]
     args = [f"recipes/{case.recipe}.py", case.devices, *SMALL, *case.flags, "--out-dir", tmp_path,
             "--tb-dir", tmp_path / "tb", "--tb-every", TB_EVERY]
-    per_epoch = ARGS["train"] // ARGS["batch"]
+    per_epoch = case.steps_per_epoch
     first = launch(*args, "--max-steps", per_epoch + 2, env=rng_env(tmp_path / "rng"))
     assert result_of(first)["steps"] == per_epoch + 2
     assert torch.load(tmp_path / RESUMABLE[run["name"]], weights_only=True)["step"] == per_epoch
@@ -251,6 +264,8 @@ def test_mode_specific_lines(run):
     if name == "ddp_torchrun":  # says how it split the global batch, and the workers it gave each process
         assert ("setup: world_size=2 backend=gloo device=cpu global_batch=32 (16 per process x 2), workers=0 per "
                 "process") in proc.stdout
+    if name.endswith(":3"):  # an odd world under each launcher
+        assert "world_size=3 backend=gloo device=cpu global_batch=30 (10 per process x 3)" in proc.stdout
     if name == "ddp_spawn:model-parallel":
         assert "model-parallel: features on cpu, fc on cpu in every worker" in proc.stdout
     if name.startswith("apex_amp:"):
