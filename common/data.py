@@ -10,6 +10,7 @@ import os
 import torch
 from torch.utils.data import Dataset
 
+from common.models import SMALL_IMAGES
 from common.utils import OneLineError
 
 CIFAR_MEAN, CIFAR_STD = (0.507, 0.487, 0.441), (0.267, 0.256, 0.276)
@@ -111,7 +112,23 @@ def prepare_dataset(name, root):
         ) from exc
 
 
-def build_datasets(name, root=None, image_size=None, synthetic_train=2048, synthetic_val=500):
+def transforms(size, flip, mean, std):
+    """(train, val) transforms chosen by image size. Below 64 px (CIFAR-like): the whole image, shifted by up to an
+    eighth of its side (pad and crop), as CIFAR training does; ImageNet's RandomResizedCrop keeps as little as 8% of
+    the image, which at 32 px is a few pixels of a digit. From 64 px: RandomResizedCrop, and the usual resize and
+    center crop for validation. flip: a random horizontal flip, right for photos, wrong for text and digits."""
+    import torchvision.transforms as T
+
+    if size < SMALL_IMAGES:
+        train = [T.Resize(size), T.CenterCrop(size), T.RandomCrop(size, padding=max(1, size // 8))]
+        val = [T.Resize(size), T.CenterCrop(size)]
+    else:
+        train, val = [T.RandomResizedCrop(size)], [T.Resize(size * 8 // 7), T.CenterCrop(size)]
+    tail = [T.ToTensor(), T.Normalize(mean, std)]
+    return T.Compose(train + ([T.RandomHorizontalFlip()] if flip else []) + tail), T.Compose(val + tail)
+
+
+def build_datasets(name, root=None, image_size=None, synthetic_train=2048, synthetic_val=500, flip=True):
     size = image_size or DEFAULT_IMAGE_SIZE[name]
     if name == "synthetic":
         return (
@@ -121,11 +138,8 @@ def build_datasets(name, root=None, image_size=None, synthetic_train=2048, synth
         )
     if name == "cifar100":
         import torchvision  # only where it is used: importing it costs each process over a second
-        import torchvision.transforms as T
 
-        train_tf = T.Compose([T.RandomCrop(size, padding=4), T.RandomHorizontalFlip(), T.ToTensor(),
-                              T.Normalize(CIFAR_MEAN, CIFAR_STD)])
-        val_tf = T.Compose([T.Resize(size), T.ToTensor(), T.Normalize(CIFAR_MEAN, CIFAR_STD)])
+        train_tf, val_tf = transforms(size, flip, CIFAR_MEAN, CIFAR_STD)
         try:
             train = torchvision.datasets.CIFAR100(root, train=True, transform=train_tf)
             val = torchvision.datasets.CIFAR100(root, train=False, transform=val_tf)
@@ -133,11 +147,11 @@ def build_datasets(name, root=None, image_size=None, synthetic_train=2048, synth
             raise DataError(f"no CIFAR-100 in {root!r} ({exc}); run once online to download it") from exc
         return train, val, 100
     if name == "imagefolder":
-        return _imagefolder(root, size)
+        return _imagefolder(root, size, flip)
     raise DataError(f"unknown dataset {name!r}; use synthetic, cifar100 or imagefolder")
 
 
-def _imagefolder(root, size):
+def _imagefolder(root, size, flip):
     layout = "expected ROOT/train/<class>/*.png|jpg and ROOT/val/<class>/*.png|jpg"
     for split in ("train", "val"):
         path = os.path.join(root, split)
@@ -146,12 +160,8 @@ def _imagefolder(root, size):
         if not os.access(path, os.R_OK | os.X_OK):
             raise DataError(f"cannot read {path!r} (permissions); {layout}")
     import torchvision
-    import torchvision.transforms as T
 
-    train_tf = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(),
-                          T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
-    val_tf = T.Compose([T.Resize(size * 8 // 7), T.CenterCrop(size), T.ToTensor(),
-                        T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    train_tf, val_tf = transforms(size, flip, IMAGENET_MEAN, IMAGENET_STD)
     try:
         train = torchvision.datasets.ImageFolder(os.path.join(root, "train"), transform=train_tf)
         val = torchvision.datasets.ImageFolder(os.path.join(root, "val"), transform=val_tf)

@@ -50,13 +50,25 @@ def check_arch(arch):
         raise ValueError(f"unknown --arch {arch!r}; did you mean {', '.join(close)}?")
 
 
-def build_model(arch, num_classes):
+SMALL_IMAGES = 64  # below this side (px): the small-image ResNet stem, and pad-and-crop (common.data.transforms)
+
+
+def build_model(arch, num_classes, image_size=None):
+    """A torchvision classifier by name (random weights), or a tiny CNN. image_size below 64 px: the ResNet family
+    gets the CIFAR stem, a 3x3 stride-1 convolution and no max-pool. ImageNet's stem (a 7x7 stride-2 convolution,
+    then a stride-2 max-pool) cuts a 32 px image to 8 px before the first block, and the last block works on 1 px.
+    The same threshold picks the transforms (common.data.transforms)."""
     check_arch(arch)
     if arch in TINY:
         return TinyCNN(num_classes, **TINY[arch])
     import torchvision
 
-    return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
+    model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
+    if image_size is not None and image_size < SMALL_IMAGES and isinstance(model, torchvision.models.ResNet):
+        model.conv1 = nn.Conv2d(3, model.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
+        nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")  # as torchvision inits
+        model.maxpool = nn.Identity()
+    return model
 
 
 def unused_parameters_error(exc, module):

@@ -1,9 +1,10 @@
 """Mixed precision with NVIDIA apex.amp (opt levels O0-O3), or the same levels built from plain torch.
 
     ./launch.sh recipes/apex_amp.py 0,1,3 --dataset cifar100 --opt-level O1 --impl apex   # real apex
-    ./launch.sh recipes/apex_amp.py 0,1,3 --dataset cifar100 --opt-level O2               # apex, else torch
+    ./launch.sh recipes/apex_amp.py 0,1,3 --dataset cifar100 --opt-level O2 --epochs 30   # apex, else torch
     ./launch.sh recipes/apex_amp.py cpu:2 --arch tiny_bn --opt-level O2 --impl torch       # CPU (slow fp16)
-    ./launch.sh recipes/apex_amp.py 0,1,3 --opt-level O2 --resume runs/apex_amp/checkpoint.pt
+    ./launch.sh recipes/apex_amp.py 0,1,3 --dataset cifar100 --opt-level O2 --epochs 30 \
+        --resume runs/apex_amp/checkpoint.pt                                              # interrupted: go on
     MAX_RESTARTS=3 ./launch.sh recipes/apex_amp.py 0,1,3 --opt-level O2 --resume auto  # a dead rank: all restart
 
 What it shows (the rest is recipes/ddp_torchrun.py): the write-ups' apex pattern, in the order apex
@@ -49,9 +50,10 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common.apex_compat import ApexUnavailable, load_apex
 from common.checkpoint import find_resume, load_checkpoint, load_weights, save_atomic
-from common.data import DataError, build_datasets, default_workers, prepare_dataset
+from common.data import DEFAULT_IMAGE_SIZE, DataError, build_datasets, default_workers, prepare_dataset
 from common.models import build_model, check_arch, unused_parameters_error
 from common.outputs import check_out_dir, state_bytes
+from common.schedule import default_lr, warmup_cosine
 from common.tensorboard_log import TensorBoard
 from common.utils import (
     AverageMeter,
@@ -74,6 +76,7 @@ def parse_args(argv=None):
     p.add_argument("--dataset", choices=["synthetic", "cifar100", "imagefolder"], default="synthetic")
     p.add_argument("--data-root", default="./data", help="cifar100: download dir; imagefolder: has train/ val/")
     p.add_argument("--image-size", type=int, help="default: 32 (synthetic, cifar100), 224 (imagefolder)")
+    p.add_argument("--no-flip", action="store_true", help="no random horizontal flip (text, digits)")
     p.add_argument("--synthetic-train", type=int, default=2048, help="synthetic: training samples")
     p.add_argument("--synthetic-val", type=int, default=500, help="synthetic: validation samples")
     p.add_argument("--arch", default="resnet18", help="torchvision model name, or tiny / tiny_unused")
@@ -82,7 +85,9 @@ def parse_args(argv=None):
                    "(default: 128, rounded down to a multiple of the process count: 126 on 3)")
     p.add_argument("--workers", type=int,
                    help="DataLoader workers PER PROCESS (default: cores per process - 1, at most 4)")
-    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--lr", type=float, help="peak learning rate (default: 0.1 x global batch / 128)")
+    p.add_argument("--warmup-epochs", type=float, default=1,
+                   help="linear learning-rate warm-up, then cosine (at most a fifth of the run)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs, benchmarks)")
     p.add_argument("--out-dir", default="runs/apex_amp", help="model.pt and checkpoint.pt go here")
@@ -113,9 +118,13 @@ def check_args(args, world_size):
     for flag, value, low in [("--epochs", args.epochs, 1), ("--workers", args.workers, 0),
                              ("--max-steps", args.max_steps, 1), ("--image-size", args.image_size, 1),
                              ("--synthetic-train", args.synthetic_train, 1),
-                             ("--synthetic-val", args.synthetic_val, 1), ("--tb-every", args.tb_every, 1)]:
+                             ("--synthetic-val", args.synthetic_val, 1), ("--tb-every", args.tb_every, 1),
+                             ("--warmup-epochs", args.warmup_epochs, 0)]:
         if value is not None and value < low:
             die(f"{flag} {value} must be >= {low}")
+    if args.lr is None:  # the linear scaling rule (common/schedule.py): 0.1 at a global batch of 128
+        args.lr = default_lr(args.batch_size)
+    args.image_size = args.image_size or DEFAULT_IMAGE_SIZE[args.dataset]  # below 64 px: small-image stem
     if args.lr <= 0 or args.dist_timeout <= 0:
         die("--lr and --dist-timeout must be > 0")
     if args.keep_batchnorm_fp32 and args.opt_level in ("O0", "O1"):  # apex raises at O1; at O0 it does nothing
@@ -312,7 +321,8 @@ def main():
             prepare_dataset(args.dataset, args.data_root)
         dist.barrier()
         train_set, val_set, num_classes = build_datasets(
-            args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val)
+            args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val,
+            flip=not args.no_flip)
     except DataError as exc:  # may differ per node (a missing folder): each rank says what it saw
         die(str(exc), all_ranks=True)
     # Same seed on every rank: each process sees a different shard of one shared permutation.
@@ -331,10 +341,10 @@ def main():
 
     # ----------------------------------------------------------------------------------- model
     torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
-    model = build_model(args.arch, num_classes).to(device)
+    model = build_model(args.arch, num_classes, args.image_size).to(device)
     criterion = torch.nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
+    scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs)  # per step
     mixed = (ApexAmp(amp, args.opt_level, args.keep_batchnorm_fp32) if impl == "apex"
              else TorchAmp(args.opt_level, args.keep_batchnorm_fp32, device))
     model, optimizer = mixed.initialize(model, optimizer)  # before the DDP wrap: apex refuses a wrapped model
@@ -398,6 +408,7 @@ def main():
             optimizer.zero_grad()  # no argument: apex O2's replacement takes none (torch's default sets None)
             mixed.backward(loss, optimizer)
             mixed.step(optimizer)
+            scheduler.step()  # every optimizer step: warm-up, then cosine
             loss_meter.update(loss, images.size(0))  # a tensor: summed on the device, no sync per step
             acc_meter.update(accuracy(output, targets)[0], images.size(0))
             step += 1
@@ -409,7 +420,6 @@ def main():
                 diverged.all_reduce_and_check(epoch, step, mixed.loss_scale() if mixed.scales_loss else None)
             if step >= total_steps:
                 break
-        scheduler.step()
         epoch_time = time.perf_counter() - start
         loss_meter.all_reduce(device)
         acc_meter.all_reduce(device)

@@ -42,6 +42,7 @@ from common.loader import DataLoaderX
 from common.models import build_model, check_arch, unused_parameters_error
 from common.outputs import check_out_dir, state_bytes
 from common.recordio import MXFaceDataset, RecordIOError
+from common.schedule import default_lr, warmup_cosine
 from common.tensorboard_log import TensorBoard
 from common.utils import (
     AverageMeter,
@@ -65,6 +66,7 @@ def parse_args(argv=None):
     p.add_argument("--reader", choices=["auto", "python", "mxnet"], default="auto", help="auto = python")
     p.add_argument("--num-classes", type=int, help="identities, when the .rec has no header record 0")
     p.add_argument("--image-size", type=int, default=112, help="images are resized to this square")
+    p.add_argument("--no-flip", action="store_true", help="no random horizontal flip (text, digits)")
     p.add_argument("--synthetic-train", type=int, default=2048, help="synthetic: training samples")
     p.add_argument("--synthetic-val", type=int, default=500, help="synthetic: validation samples")
     p.add_argument("--arch", default="resnet18", help="backbone: torchvision model name, or tiny")
@@ -79,7 +81,10 @@ def parse_args(argv=None):
                    "(default: 128, rounded down to a multiple of the process count: 126 on 3)")
     p.add_argument("--workers", type=int,
                    help="DataLoader workers PER PROCESS (default: cores per process - 1, at most 4)")
-    p.add_argument("--lr", type=float, default=0.02, help="margin heads diverge at CIFAR's 0.1 on small sets")
+    p.add_argument("--lr", type=float, help="peak learning rate (default: 0.02 x global batch / 128; "
+                   "margin heads diverge at CIFAR's 0.1 on small sets)")
+    p.add_argument("--warmup-epochs", type=float, default=1,
+                   help="linear learning-rate warm-up, then cosine (at most a fifth of the run)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs, benchmarks)")
     p.add_argument("--out-dir", default="runs/mx_face_prefetch", help="model.pt is written here")
@@ -104,9 +109,12 @@ def check_args(args, world_size):
                              ("--prefetch", args.prefetch, 1), ("--embedding-size", args.embedding_size, 1),
                              ("--max-steps", args.max_steps, 1), ("--image-size", args.image_size, 1),
                              ("--synthetic-train", args.synthetic_train, 1),
-                             ("--synthetic-val", args.synthetic_val, 1), ("--tb-every", args.tb_every, 1)]:
+                             ("--synthetic-val", args.synthetic_val, 1), ("--tb-every", args.tb_every, 1),
+                             ("--warmup-epochs", args.warmup_epochs, 0)]:
         if value is not None and value < low:
             die(f"{flag} {value} must be >= {low}")
+    if args.lr is None:  # the linear scaling rule (common/schedule.py): 0.1 at a global batch of 128
+        args.lr = default_lr(args.batch_size, base=0.02)
     if args.lr <= 0 or args.dist_timeout <= 0:
         die("--lr and --dist-timeout must be > 0")
     try:
@@ -137,9 +145,10 @@ class MarginHead(nn.Module):
 
 
 class FaceModel(nn.Module):
-    def __init__(self, arch, embedding_size, num_classes, kind, scale, margin):
+    def __init__(self, arch, embedding_size, num_classes, kind, scale, margin, image_size=None):
         super().__init__()
-        self.backbone = build_model(arch, embedding_size)  # its classifier layer now outputs the embedding
+        # Its classifier layer now outputs the embedding; below 64 px a ResNet gets the small-image stem.
+        self.backbone = build_model(arch, embedding_size, image_size)
         self.head = MarginHead(embedding_size, num_classes, kind, scale, margin)
 
     def forward(self, images, labels=None):
@@ -205,7 +214,8 @@ def main():
            f"workers={workers_per_process} per process")
 
     # ------------------------------------------------------------------------------------ data
-    train_tf = T.Compose([T.Resize(args.image_size), T.RandomHorizontalFlip(), T.ToTensor(),
+    flip = [] if args.no_flip else [T.RandomHorizontalFlip()]  # aligned faces: flipping is insightface's only one
+    train_tf = T.Compose([T.Resize(args.image_size), *flip, T.ToTensor(),
                           T.Normalize([0.5] * 3, [0.5] * 3)])
     val_tf = T.Compose([T.Resize(args.image_size), T.ToTensor(), T.Normalize([0.5] * 3, [0.5] * 3)])
     if args.rec == "synthetic":
@@ -243,13 +253,14 @@ def main():
 
     # ----------------------------------------------------------------------------------- model
     torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
-    model = FaceModel(args.arch, args.embedding_size, num_classes, args.head, args.scale, args.margin).to(device)
+    model = FaceModel(args.arch, args.embedding_size, num_classes, args.head, args.scale, args.margin,
+                      args.image_size).to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                 find_unused_parameters=args.find_unused_parameters)
     torch.manual_seed(args.seed + rank)  # from here on, augmentation and dropout differ per rank
     criterion = torch.nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
+    scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs)  # per step
 
     # Before the first step: an --out-dir that cannot hold model.pt fails now, not after hours of training.
     check_out_dir(args.out_dir, is_main, {"model.pt": state_bytes(model.module)})
@@ -279,6 +290,7 @@ def main():
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP averages gradients across ranks during backward
             optimizer.step()
+            scheduler.step()  # every optimizer step: warm-up, then cosine
             loss_meter.update(loss, images.size(0))  # a tensor: summed on the device, no sync per step
             acc_meter.update(accuracy(output, targets)[0], images.size(0))
             step += 1
@@ -289,7 +301,6 @@ def main():
                 diverged.all_reduce_and_check(epoch, step)  # a collective: one verdict everywhere
             if step >= total_steps:
                 break
-        scheduler.step()
         epoch_time = time.perf_counter() - start
         loss_meter.all_reduce(device)
         acc_meter.all_reduce(device)

@@ -9,11 +9,14 @@ rank's shard through the model in turn and averages the gradients, with two deta
 """
 
 import contextlib
+import math
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import RandomSampler
 from torch.utils.data.distributed import DistributedSampler
+
+from common.schedule import warmup_cosine
 
 
 class Plain:
@@ -80,14 +83,17 @@ def shard_orders(dataset, world, epoch, seed, sampler):
 
 
 def train(model, mixed, train_set, *, world, epochs, batch, lr, accum=1, seed=0, one_process_shuffle=False,
-          with_labels=False):
+          with_labels=False, warmup_epochs=1):
     """Train `model` (built after torch.manual_seed(seed), as the recipes build it) the way a W-rank job would.
     mixed: Plain, Autocast or apex_amp.py's TorchAmp. Returns (per-epoch mean training loss, model)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
     model, optimizer = mixed.initialize(model, optimizer)
     sampler = RandomSampler(train_set, generator=torch.Generator().manual_seed(seed)) if one_process_shuffle else None
     micro = batch // world // accum
+    shard = len(train_set) if sampler is not None else math.ceil(len(train_set) / world)  # DistributedSampler pads
+    steps_per_epoch = shard // micro // accum
+    # The recipes' schedule (common/schedule.py), stepped after every optimizer step as they step it.
+    scheduler = warmup_cosine(optimizer, epochs, steps_per_epoch, warmup_epochs)
     losses = []
     for epoch in range(epochs):
         model.train()
@@ -113,7 +119,7 @@ def train(model, mixed, train_set, *, world, epochs, batch, lr, accum=1, seed=0,
                         for name, buffer in model.named_buffers():
                             buffer.copy_(kept[name])
             mixed.step(optimizer)
-        scheduler.step()
+            scheduler.step()
         losses.append(total / count)
     return losses, model
 

@@ -307,3 +307,27 @@ def test_save_atomic_keeps_the_previous_file_when_the_disk_fills(tmp_path, monke
 
 def test_human_sizes():
     assert [human(n) for n in (812 * 2**10, 1.44 * 2**20, 3.2 * 2**30)] == ["812 kB", "1.4 MB", "3.2 GB"]
+
+
+# ------------------------------------------------------------------------------------------- divergence
+def test_the_divergence_check_reads_nothing_from_the_device_per_step(monkeypatch):
+    """update() runs every step: it must not bring a value to the host (.item(), .tolist(), float(), bool(), .cpu()),
+    which on a GPU would stop the CPU from queueing the next step. Every such read raises here."""
+    from common.utils import DivergenceCheck
+
+    check = DivergenceCheck(torch.device("cpu"))
+    losses = [torch.tensor(v) for v in (2.0, 1.5, float("nan"), 1.0, float("inf"))]
+
+    def host_read(*args, **kwargs):
+        raise AssertionError("a host read in DivergenceCheck.update")
+
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "cpu", "numpy", "__float__", "__bool__", "__int__", "__index__"):
+            m.setattr(torch.Tensor, name, host_read)
+        for step, loss in enumerate(losses, 1):
+            check.update(step, loss)
+    assert int(check.first_bad) == 3  # the first non-finite loss, kept on the device
+    with pytest.raises(Exception) as stopped:
+        check.all_reduce_and_check(0, 5)
+    assert type(stopped.value).__name__ == "Diverged" and stopped.value.code == 3
+    assert "steps 1-5: the training loss stopped being finite at step 3" in str(stopped.value)

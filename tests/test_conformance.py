@@ -27,9 +27,10 @@ from reference import Autocast, Plain, evaluate, train
 from common.apex_compat import ApexUnavailable, load_apex
 from common.data import build_datasets
 from common.models import build_model
+from common.schedule import warmup_cosine
 from tools.plot_tb import main as plot_tb
 
-ARGS = {"arch": "tiny_bn", "batch": 32, "epochs": 2, "lr": 0.05, "image_size": 16, "train": 128, "val": 37}
+ARGS = {"arch": "tiny_bn", "batch": 32, "epochs": 2, "lr": 0.1, "image_size": 16, "train": 128, "val": 37}
 SMALL = ["--arch", ARGS["arch"], "--workers", "0", "--batch-size", ARGS["batch"], "--epochs", ARGS["epochs"],
          "--lr", ARGS["lr"], "--image-size", ARGS["image_size"], "--synthetic-train", ARGS["train"],
          "--synthetic-val", ARGS["val"]]  # 37: an odd set, which a padding sampler would miscount
@@ -208,8 +209,16 @@ def test_tensorboard_curves_match_the_printed_lines(run):
     # The window means over TB_EVERY steps average to the epoch's mean (equal sample counts per step).
     windows = [v for _, v in curves["train/loss"]][: per_epoch // TB_EVERY]
     assert sum(windows) / len(windows) == pytest.approx(curves["epoch/train_loss"][0][1], rel=1e-5)
+    # The schedule is stepped after every optimizer step: the rate logged at step s is the one step s + 1 uses.
     lrs = [v for _, v in curves["train/lr"]]
-    assert lrs[0] == pytest.approx(ARGS["lr"]) and lrs[-1] < ARGS["lr"]  # cosine: lower in epoch 2
+    sgd = torch.optim.SGD([torch.zeros(1)], lr=ARGS["lr"])
+    schedule = warmup_cosine(sgd, ARGS["epochs"], per_epoch, 1)
+    expected = []
+    for s in range(1, steps + 1):
+        sgd.step()
+        schedule.step()
+        expected += [schedule.get_last_lr()[0]] if s % TB_EVERY == 0 else []
+    assert lrs == pytest.approx(expected) and lrs[-1] < lrs[0] < ARGS["lr"], (lrs, expected)
     assert all(v > 0 for _, v in curves["epoch/peak_mem_mb"])
     assert "--batch-size" in curves["flags"]
 

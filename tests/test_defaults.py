@@ -1,0 +1,147 @@
+"""The user's own command: the defaults run on any process count, and train well on small real images.
+
+- Every recipe starts and trains on 1, 3 and 5 processes with no flag but the data and the length: the default
+  global batch is rounded down to a multiple of the processes (126 on 3, 125 on 5) and said in the setup line.
+- What the defaults choose by image size: the small-image ResNet stem and pad-and-crop below 64 px,
+  RandomResizedCrop from 64 px, the flip switch, the learning rate from the global batch, the warm-up's values.
+- A recipe at its defaults learns real images (scikit-learn's handwritten digits, as a JPEG ImageFolder and as a
+  packed .rec) well above chance in a few epochs. tools/real_data.py is the full 10-epoch table README quotes.
+"""
+
+import math
+import re
+
+import pytest
+import torch
+import torchvision.transforms as T
+from conftest import REPO, launch, load_recipe, result_of
+
+from common.data import transforms
+from common.models import build_model
+from common.schedule import default_lr, warmup_cosine, warmup_steps
+from tools.real_data import export
+
+RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.py"))
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    """scikit-learn's digits at 16 px: train/ and val/ ImageFolders of JPEGs, and rec/ packed by tools/pack_rec.py."""
+    folder = tmp_path_factory.mktemp("digits")
+    assert export(folder, 16) == (1437, 360)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def few_digits(tmp_path_factory):
+    """The same, 20 training and 5 validation scans of each digit: enough for a run of two steps."""
+    folder = tmp_path_factory.mktemp("few_digits")
+    assert export(folder, 16, per_class=20) == (200, 50)
+    return folder
+
+
+def data_flags(recipe, digits):
+    if recipe == "mx_face_prefetch":
+        return ["--rec", digits / "rec", "--image-size", "16"]
+    return ["--dataset", "imagefolder", "--data-root", digits, "--image-size", "16"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 3, 5])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_runs_at_its_defaults_on_any_process_count(recipe, processes, few_digits, tmp_path):
+    """`./launch.sh recipes/X.py cpu:N --max-steps 2` with only the data given: 250 digits at 16 px (resnet18 at
+    its defaults otherwise). dp.py is one process whatever N is (DataParallel splits the batch itself)."""
+    proc = launch(f"recipes/{recipe}.py", f"cpu:{processes}", *data_flags(recipe, few_digits), "--max-steps", "2",
+                  "--out-dir", tmp_path / "out", timeout=600)
+    result = result_of(proc)
+    world = 1 if recipe == "dp" else processes
+    batch = 128 // world * world
+    assert result["world_size"] == world and result["steps"] == 2, result
+    assert f"global_batch={batch} ({batch // world} per process x {world}" in proc.stdout, proc.stdout
+    assert result["val_samples"] == (20 if recipe == "mx_face_prefetch" else 50)  # every sample, once (the face
+    # recipe holds out every 10th image of each identity in the .rec)
+    assert (tmp_path / "out" / "model.pt").is_file()
+
+
+def test_the_defaults_resolve_by_world_size_and_image_size():
+    for recipe in RECIPES:
+        module = load_recipe(recipe)
+        for world in (1, 2, 3, 5, 8):
+            args = module.parse_args([])
+            parts = 1 if recipe == "dp" else world  # dp.py is one process: DataParallel splits the batch itself
+            module.check_args(args, parts)
+            assert args.batch_size == 128 // parts * parts, (recipe, world, args.batch_size)
+            base = 0.02 if recipe == "mx_face_prefetch" else 0.1
+            assert args.lr == pytest.approx(base * args.batch_size / 128), (recipe, args.lr)
+            assert args.warmup_epochs == 1 and not args.no_flip
+        if recipe != "mx_face_prefetch":
+            assert module.parse_args(["--dataset", "imagefolder"]).image_size is None  # resolved by check_args:
+            args = module.parse_args(["--dataset", "imagefolder"])
+            module.check_args(args, 2)
+            assert args.image_size == 224
+        given = module.parse_args(["--lr", "0.3", "--batch-size", "64"])
+        module.check_args(given, 1 if recipe == "dp" else 2)
+        assert (given.lr, given.batch_size) == (0.3, 64)  # a given rate and batch are kept as they are
+
+
+def test_small_images_get_the_small_image_stem():
+    for size, kernel, stride, pooled in [(32, 3, 1, False), (63, 3, 1, False), (64, 7, 2, True), (224, 7, 2, True)]:
+        model = build_model("resnet18", 10, size)
+        assert model.conv1.kernel_size == (kernel, kernel) and model.conv1.stride == (stride, stride), size
+        assert isinstance(model.maxpool, torch.nn.MaxPool2d) == pooled, size
+    small = build_model("resnet50", 10, 32)
+    assert small.conv1.out_channels == 64 and isinstance(small.maxpool, torch.nn.Identity)
+    # A 32 px image keeps 4 x 4 px at the last block instead of 1 x 1.
+    features = torch.nn.Sequential(*list(build_model("resnet18", 10, 32).children())[:-2]).eval()
+    assert features(torch.zeros(1, 3, 32, 32)).shape[-2:] == (4, 4)
+    assert build_model("vgg11", 10, 32).features[0].kernel_size == (3, 3)  # only the ResNet family is changed
+    assert build_model("tiny", 10, 32).features[0].kernel_size == (3, 3)
+
+
+def test_the_transforms_follow_the_image_size_and_the_flip_switch():
+    def kinds(compose):
+        return [type(t).__name__ for t in compose.transforms]
+
+    train, val = transforms(32, True, (0.5,) * 3, (0.5,) * 3)
+    assert kinds(train) == ["Resize", "CenterCrop", "RandomCrop", "RandomHorizontalFlip", "ToTensor", "Normalize"]
+    assert train.transforms[2].padding == 4 and kinds(val) == ["Resize", "CenterCrop", "ToTensor", "Normalize"]
+    train, _ = transforms(16, False, (0.5,) * 3, (0.5,) * 3)
+    assert "RandomHorizontalFlip" not in kinds(train) and train.transforms[2].padding == 2
+    train, val = transforms(224, True, (0.5,) * 3, (0.5,) * 3)
+    assert kinds(train) == ["RandomResizedCrop", "RandomHorizontalFlip", "ToTensor", "Normalize"]
+    assert kinds(val) == ["Resize", "CenterCrop", "ToTensor", "Normalize"] and val.transforms[0].size == 256
+    image = T.ToPILImage()(torch.rand(3, 20, 28))  # any input size comes out at the size asked for
+    assert train(image).shape == (3, 224, 224) and transforms(32, True, (0,) * 3, (1,) * 3)[0](image).shape == (
+        3, 32, 32)
+
+
+def test_the_learning_rate_rule_and_the_warm_up():
+    assert default_lr(128) == 0.1 and default_lr(32) == 0.025 and default_lr(126) == pytest.approx(0.0984375)
+    assert default_lr(32, base=0.02) == 0.005
+    assert warmup_steps(10, 45, 1) == 45 and warmup_steps(1, 10, 1) == 2 and warmup_steps(10, 45, 0) == 0
+    optimizer = torch.optim.SGD([torch.zeros(1)], lr=0.4)
+    schedule = warmup_cosine(optimizer, 10, 45, 1)
+    rates = []
+    for _ in range(450):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert rates[:3] == pytest.approx([0.4 / 45, 0.8 / 45, 1.2 / 45]) and rates[44] == pytest.approx(0.4)
+    last = 0.4 * 0.5 * (1 + math.cos(math.pi * 404 / 405))
+    assert rates[45] == pytest.approx(0.4) and rates[-1] == pytest.approx(last)
+    assert all(a >= b for a, b in zip(rates[45:], rates[46:], strict=False))  # then only down
+    assert rates[45 + 405 // 2] == pytest.approx(0.2, rel=0.01)  # half-way through the cosine: half the rate
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["ddp_torchrun", "mx_face_prefetch"])
+def test_the_defaults_learn_real_images_well_above_chance(recipe, digits, tmp_path):
+    """Real scans at the defaults (resnet18, warm-up, cosine, lr from the batch), 16 px, batch 32, 3 epochs, no flip:
+    far above chance (10%), and a first-epoch val_loss that BatchNorm's lagging statistics have not blown up."""
+    proc = launch(f"recipes/{recipe}.py", "cpu:2", *data_flags(recipe, digits), "--batch-size", "32",
+                  "--epochs", "3", "--no-flip", "--out-dir", tmp_path / "out", timeout=900)
+    result = result_of(proc)
+    losses = [float(v) for v in re.findall(r"^epoch=1/3 .*?val_loss=(\S+)", proc.stdout, re.M)]
+    assert result["val_acc1"] >= 90, proc.stdout
+    assert losses and losses[0] < 10, proc.stdout

@@ -1,0 +1,306 @@
+"""Every command that README.md, docs/ and the recipes' docstrings print runs, as a user would type it.
+
+The list is read from the files, not typed here: fenced code blocks and `inline code` in the Markdown, and each
+recipe's opening docstring; a line that starts with ./launch.sh, python recipes/ or tools/, torchrun, sbatch, or
+environment assignments before one of those is a command (a trailing backslash continues it). Each runs on a
+CPU stand-in with the same process count (0,1,3 -> cpu:3, 0 -> cpu:1, G:N -> cpu:N, CUDA_VISIBLE_DEVICES=0,1,3 ->
+3 processes), changing only what a CPU box cannot have:
+- data that needs a download or the user's folder: CIFAR-100 becomes 256 + 64 synthetic images of 16 px (two steps an
+  epoch at the default batch), a user's ImageFolder or .rec becomes 250 of scikit-learn's real digits in that format;
+- the length: --max-steps 2; the output: a fresh folder as the working directory (runs/... lands there);
+- two nodes (NNODES=2, MASTER_ADDR of node 0): both nodes on this machine, over 127.0.0.1.
+A recipe must exit 0 with its RESULT line; a documented failure (--impl apex without a GPU) its documented line.
+A command that --resume's or --init-from's an earlier one runs in a copy of that one's folder, after it. What
+cannot run here is in NOT_RUN with the reason, and the test fails on a command that is in neither: a new command
+is never skipped silently.
+"""
+
+import ast
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, launch_env
+
+from tools.procs import run_group
+from tools.real_data import export
+
+PROGRAMS = ("./launch.sh", "python", "python3", "torchrun", "sbatch")
+ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=\S*$")
+# Not commands: a usage line and placeholders for the reader to fill in.
+TEMPLATES = {"./launch.sh [--dry-run] RECIPE [DEVICES] [recipe args...]", "python recipes/R.py",
+             "python -m torch.distributed.launch"}
+SUITE = "the test suite itself (.ci/run runs it)"
+FP16 = "fp16 (apex_amp O2 is fp16 weights) on the CPU: minutes for resnet18's two steps; its flags run small elsewhere"
+SLURM = "SLURM is not installed; tests/test_cluster.py runs the script's node part with SLURM's variables"
+NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsewhere, as said)
+    "DEVICES=cpu:4 sbatch --nodes 2 --gpus-per-node 0 slurm/train.sbatch recipes/ddp_torchrun.py --arch tiny": SLURM,
+    "sbatch --nodes 2 slurm/train.sbatch recipes/ddp_checkpoint.py --dataset cifar100 --epochs 30 --resume auto":
+        SLURM,
+    "sbatch --nodes 2 slurm/train.sbatch recipes/ddp_checkpoint.py --epochs 30 --resume auto": SLURM,
+    "MAX_RESTARTS=3 sbatch --nodes 4 --gpus-per-node 8 slurm/train.sbatch recipes/torch_amp.py --resume auto": SLURM,
+    "python tools/bench.py --devices 0,1,3 --arch resnet101 --batch-size 384 --image-size 32 --recipes "
+    "dp,ddp_torchrun,apex_ddp,apex_amp,torch_amp:fp16":
+        "resnet101 at a global batch of 384: minutes per step on 2 CPU cores; tests/test_bench.py runs the tool",
+    "python tools/bench.py --devices cpu:2":
+        "every entry, 5 rounds: about 8 minutes; tests/test_bench.py runs two real rounds of the tool",
+    "python tools/mutation_check.py":
+        "25 minutes of test runs; its edits are listed in README and run by hand (python tools/mutation_check.py)",
+    "python tools/tune_loader.py --dataset imagefolder --data-root ~/my_data --batch-size 256 --processes 4 "
+    "--device cuda": "--device cuda needs a GPU; tests/test_tune_loader.py runs the tool on the CPU",
+    # fp16 on a CPU runs, 10-50x slower than fp32: resnet18's two steps take minutes. The same flags run at small
+    # scale in test_conformance (torch_amp:fp16, apex_amp:O1-O3) and test_divergence (fp16's scale rule).
+    "./launch.sh recipes/torch_amp.py 0,1,3 --amp-dtype fp16": FP16,
+    "./launch.sh recipes/torch_amp.py 0,1,3 --dataset cifar100 --amp-dtype fp16 --channels-last": FP16,
+    "./launch.sh recipes/apex_amp.py 0,1,3 --opt-level O2": FP16,
+    "./launch.sh recipes/apex_amp.py 0,1,3 --dataset cifar100 --opt-level O2 --epochs 30": FP16,
+    "./launch.sh recipes/apex_amp.py 0,1,3 --dataset cifar100 --opt-level O2 --epochs 30 --resume "
+    "runs/apex_amp/checkpoint.pt": FP16,
+    "MAX_RESTARTS=3 ./launch.sh recipes/apex_amp.py 0,1,3 --opt-level O2 --resume auto": FP16,
+    "python -m pytest": SUITE,
+    'python -m pytest -m "not slow"': SUITE,
+    "python -m pytest -m gpu": "the GPU tier: it needs a GPU (tests/test_gpu.py)",
+    "python3 -m venv .venv": "the set-up of the environment this suite runs in (.ci/run makes its own)",
+}
+# Documented failures on a CPU box: (exit code, a line the error output must hold).
+APEX_NEEDS_A_GPU = (2, "error: NVIDIA apex needs a GPU and none is visible")
+FAILS_HERE = {"--impl apex": APEX_NEEDS_A_GPU}
+
+
+# --------------------------------------------------------------------------------------------- reading
+def _joined(lines):
+    """Lines with trailing-backslash continuations joined, comments (`  # ...`) cut, blank ones dropped."""
+    out, pending = [], ""
+    for line in lines:
+        line = pending + line.strip()
+        if line.endswith("\\"):
+            pending = line[:-1].rstrip() + " "
+            continue
+        pending = ""
+        line = " ".join(re.sub(r"\s+#\s.*$", "", line).split())
+        if line:
+            out.append(line)
+    return out
+
+
+def _is_command(text):
+    words = text.split()
+    while words and ASSIGNMENT.match(words[0]):
+        words = words[1:]
+    return bool(words) and words[0] in PROGRAMS and len(words) > 1 and (
+        words[0] not in ("python", "python3") or words[1].startswith(("recipes/", "tools/", "-m")))
+
+
+def _from_text(text, fenced):
+    found = []
+    for block in fenced:
+        # `pip install -r requirements.txt && ./launch.sh ...`: each part of an && chain is a command of its own
+        found += [part for line in _joined(block.splitlines()) for part in line.split(" && ") if _is_command(part)]
+    for span in re.findall(r"`([^`]+)`", text):  # inline code may wrap onto the next line
+        span = re.sub(r"\s+\.\.\.$", "", " ".join(span.split()))  # `torchrun ... recipes/x.py ...`: its flags
+        found += [part for part in span.split(" && ") if _is_command(part)]
+    return found
+
+
+def documented():
+    """[(where, command)] in the order they appear: README.md, docs/*.md, then each recipe's docstring."""
+    found = []
+    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        text = path.read_text()
+        fenced = re.findall(r"^```[^\n]*\n(.*?)^```", text, re.M | re.S)
+        prose = re.sub(r"^```[^\n]*\n.*?^```", "", text, flags=re.M | re.S)
+        found += [(path.name, c) for c in _from_text(prose, fenced)]
+    for path in sorted((REPO / "recipes").glob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=True)
+        found += [(path.name, c) for c in _from_text(doc, [doc])]
+    seen, unique = set(), []
+    for where, command in found:
+        if command not in seen and command not in TEMPLATES:
+            seen.add(command)
+            unique.append((where, command))
+    return unique
+
+
+# ----------------------------------------------------------------------------------------- stand-ins
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _devices(word):
+    """A GPU list or G:N as the CPU stand-in with the same process count; anything else as it is."""
+    if re.fullmatch(r"\d+(,\d+)*", word):
+        return f"cpu:{len(word.split(','))}"
+    if re.fullmatch(r"\d+:\d+", word):
+        return f"cpu:{word.split(':')[1]}"
+    return word
+
+
+def _flag(words, name):
+    return words[words.index(name) + 1] if name in words else None
+
+
+def stand_in(command, data):
+    """(argv, env changes, node count) that run `command` on this CPU box."""
+    words = shlex.split(command)
+    env = {}
+    while ASSIGNMENT.match(words[0]):
+        key, value = words.pop(0).split("=", 1)
+        env[key] = value
+    program, rest = words[0], words[1:]
+    gpus = env.pop("CUDA_VISIBLE_DEVICES", None)
+    nodes = int(env.get("NNODES", 1))
+    if nodes > 1:  # every node on this machine: node 0's address is ours
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU stand-in, also where a GPU is present
+    recipe = None
+    if program == "./launch.sh":
+        argv = [str(REPO / "launch.sh")]
+        recipe, rest = rest[0], rest[1:]
+        argv.append(recipe)
+        if rest and not rest[0].startswith("-"):
+            argv.append(_devices(rest.pop(0)))
+    elif program == "torchrun":
+        argv = [str(__import__("pathlib").Path(sys.executable).parent / "torchrun")]
+        recipe = next(w for w in rest if w.startswith("recipes/"))
+        argv += [str(REPO / w) if w == recipe else w for w in rest[:rest.index(recipe) + 1]]
+        rest = rest[rest.index(recipe) + 1:]
+    else:  # python recipes/x.py, python tools/x.py, python -m ...
+        argv = [sys.executable]
+        if rest[0] == "-m":
+            argv += rest[:2]
+            if "torch.distributed.launch" in rest[1]:
+                recipe = next(w for w in rest if w.startswith("recipes/"))
+                argv += [str(REPO / w) if w == recipe else w for w in rest[2:rest.index(recipe) + 1]]
+                rest = rest[rest.index(recipe) + 1:]
+            else:
+                rest = rest[2:]
+        else:
+            script, rest = rest[0], rest[1:]
+            argv.append(str(REPO / script))
+            recipe = script if script.startswith("recipes/") else None
+            if script == "recipes/ddp_spawn.py" and gpus:  # one worker per visible GPU: --nproc on the CPU
+                rest += ["--nproc", str(len(gpus.split(",")))]
+            if script == "tools/pack_rec.py":  # the user's identity folders: the digits, one folder per class
+                rest = [str(data / "train"), "packed", *rest[2:]]
+            if script == "tools/tune_loader.py":
+                rest = [data_word(w, data) for w in rest] + ["--rounds", "1"]
+    if recipe is None:
+        return argv + rest, env, nodes
+    name = recipe.split("/")[-1][:-3]
+    # Data a CPU box cannot have, replaced by data it can.
+    if _flag(rest, "--dataset") == "cifar100" or (name != "mx_face_prefetch" and "--dataset" not in rest):
+        rest = [("synthetic" if w == "cifar100" else w) for w in rest]
+        rest += ["--synthetic-train", "256", "--synthetic-val", "64"]
+        if "--image-size" not in rest:  # small in every way: 16 px (still below 64: the same stem and transforms)
+            rest += ["--image-size", "16"]
+    if _flag(rest, "--dataset") == "imagefolder":
+        rest[rest.index("--data-root") + 1] = str(data)
+    if name == "mx_face_prefetch" and _flag(rest, "--rec") != "synthetic":
+        rest[rest.index("--rec") + 1] = str(data / "rec")
+        if "--num-classes" in rest:
+            rest[rest.index("--num-classes") + 1] = "10"
+    return argv + rest + ["--max-steps", "2"], env, nodes
+
+
+def data_word(word, data):
+    return str(data) if word.startswith("~/") else word
+
+
+def producer(index, commands):
+    """The earlier command whose output `commands[index]` reads (--resume, --init-from), or None."""
+    where, command = commands[index]
+    words = shlex.split(command)
+    resume, init = _flag(words, "--resume"), _flag(words, "--init-from")
+    if not init and resume in (None, "auto"):  # auto: goes on from a checkpoint if there is one, else starts
+        return None
+    recipe = next((w for w in words if w.startswith("recipes/")), None)
+    wanted = f"recipes/{init.split('/')[1]}.py" if init else recipe
+    arch = _flag(words, "--arch")
+    for j in [*range(index - 1, -1, -1), *(range(index + 1, len(commands)) if init else [])]:
+        other_where, other = commands[j]
+        other_words = shlex.split(other)
+        if wanted in other_words and _flag(other_words, "--arch") == arch and (init or other_where == where) and (
+                other not in NOT_RUN and "--resume" not in other_words):
+            return j
+    return None
+
+
+# ------------------------------------------------------------------------------------------------- run
+COMMANDS = documented()
+
+
+def test_the_commands_are_read_from_the_files():
+    """The reader finds what a person sees: the quickstart, the docstrings' launch lines, inline commands."""
+    commands = [c for _, c in COMMANDS]
+    assert "./launch.sh recipes/ddp_torchrun.py cpu:2 --dataset synthetic --arch tiny --epochs 3" in commands
+    for recipe in sorted((REPO / "recipes").glob("*.py")):
+        assert any(f"recipes/{recipe.name}" in c for w, c in COMMANDS if w == recipe.name), recipe.name
+    assert any(c.startswith("NNODES=2 NODE_RANK=0 MASTER_ADDR=") for c in commands)
+    assert any(c.startswith("CUDA_VISIBLE_DEVICES=0,1,3 torchrun") for c in commands)
+    assert not set(NOT_RUN) - set(commands), "NOT_RUN lists a command the files no longer print"
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("user_data")
+    assert export(folder, 16, per_class=20) == (200, 50)  # real scans, few: an ImageFolder defaults to 224 px
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    return {}  # index -> the working folder each command ran in (for the ones that read its output)
+
+
+def _run(argv, env, cwd, nodes):
+    full = launch_env({**env, "PYTHONUNBUFFERED": "1"})
+    if nodes == 1:
+        return [run_group(argv, env=full, cwd=cwd, timeout=600)]
+    procs = [subprocess.Popen(argv, env={**full, "NODE_RANK": str(node)}, cwd=cwd, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+             for node in range(nodes)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        results.append(subprocess.CompletedProcess(argv, proc.returncode, out, err))
+    return results
+
+
+ORDER = sorted(range(len(COMMANDS)), key=lambda i: (producer(i, COMMANDS) is not None, i))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", ORDER, ids=[f"{COMMANDS[i][0]}:{COMMANDS[i][1][:70]}" for i in ORDER])
+def test_every_documented_command_runs_on_a_cpu_stand_in(index, digits, folders, tmp_path):
+    where, command = COMMANDS[index]
+    if command in NOT_RUN:
+        pytest.skip(f"{where}: not run here: {NOT_RUN[command]}")
+    argv, env, nodes = stand_in(command, digits)
+    source = producer(index, COMMANDS)
+    cwd = tmp_path / "cwd"
+    if source is not None:
+        assert source in folders, f"{command!r} needs {COMMANDS[source][1]!r} to have run first"
+        shutil.copytree(folders[source], cwd)
+    else:
+        cwd.mkdir()
+    results = _run(argv, env, cwd, nodes)
+    folders[index] = cwd
+    shown = "\n".join(f"exit {r.returncode}\nstdout:\n{r.stdout[-1500:]}\nstderr:\n{r.stderr[-2500:]}" for r in results)
+    print(f"{where}: {command}\n  ran: {' '.join(map(str, argv))} {env}")
+    failure = next((FAILS_HERE[k] for k in FAILS_HERE if k in command), None)
+    if failure:
+        code, line = failure
+        assert all(r.returncode == code for r in results), shown
+        assert any(line in r.stderr for r in results), shown
+        return
+    assert all(r.returncode == 0 for r in results), shown
+    if any(w.startswith("recipes/") for w in shlex.split(command)):
+        assert sum(r.stdout.count("\nRESULT {") + r.stdout.startswith("RESULT {") for r in results) == 1, shown
+    assert os.listdir(cwd) is not None
