@@ -18,15 +18,44 @@ REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "launch.sh"
 
 
+def cuda_unusable():
+    """Why CUDA cannot run here (torch's and the driver's CUDA versions), or None when it can."""
+    import subprocess
+
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=20).stdout.split()
+        driver = f"NVIDIA driver {driver[0]}" if driver else "nvidia-smi lists no GPU"
+    except (OSError, subprocess.TimeoutExpired):
+        driver = "no NVIDIA driver (nvidia-smi not found)"
+    return (f"the GPU tier needs CUDA, and torch.cuda.is_available() is False here: torch {torch.__version__} "
+            f"is built for CUDA {torch.version.cuda}, {driver}")
+
+
 def pytest_collection_modifyitems(config, items):
     """The GPU tier runs only when asked for (-m gpu, or any -m naming it): a plain run, or the quick tier's
-    -m "not slow", stays on the CPU even on a machine with a GPU."""
-    if "gpu" in (config.getoption("markexpr") or ""):
+    -m "not slow", stays on the CPU even on a machine with a GPU. Asked for where CUDA cannot run, it fails with one
+    line instead of skipping every test and passing."""
+    markexpr = config.getoption("markexpr") or ""
+    if "gpu" in markexpr:
+        why = cuda_unusable() if "not gpu" not in markexpr else None
+        if why and any(item.get_closest_marker("gpu") for item in items):
+            pytest.exit(why, returncode=1)
         return
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if gpu:
         config.hook.pytest_deselected(items=gpu)
         items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+
+
+def scaler_resumed_from(saved):
+    """What torch_amp.py's `resumed:` line shows of a restored GradScaler state (its state_dict's repr: the keys are
+    scale, growth_factor, backoff_factor, growth_interval, _growth_tracker)."""
+    return f"scaler={{'scale': {saved['scale']}, 'growth_factor': {saved['growth_factor']}"
 
 
 def launch_env(env=None):

@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import REPO, launch, make_imagefolder, max_diff, params, result_of
+from conftest import REPO, launch, make_imagefolder, max_diff, params, result_of, scaler_resumed_from
 from jobs import Job, error_lines, job_mid_epoch, survivors, tracebacks_beyond_multiprocessing
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
@@ -137,7 +137,7 @@ def test_torch_amp_fp16_channels_last_with_cuda_grad_scaler_survives_resume(tmp_
     resumed = launch("recipes/torch_amp.py", "0", *args, "--resume", tmp_path / "checkpoint.pt")
     result = result_of(resumed)
     assert result["steps"] == 64 and result["val_acc1"] > 80
-    assert f"'scale': {saved['scale']}, '_growth_factor'" in resumed.stdout  # the resumed run starts from it
+    assert scaler_resumed_from(saved) in resumed.stdout  # the resumed run starts from it
     final = params(tmp_path / "checkpoint.pt")["scaler"]
     # Restored, not restarted: 32 more steps on the saved tracker, unless an overflow reset it (and halved the scale).
     assert final["_growth_tracker"] == saved["_growth_tracker"] + 32 or final["scale"] < saved["scale"], final

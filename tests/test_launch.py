@@ -288,3 +288,17 @@ def test_cpu_threads_split_across_processes():
     assert env["OMP_NUM_THREADS"] == str(max(1, cores // 2))
     env, _, _ = dry_run("recipes/ddp_torchrun.py", "cpu:2", env={"OMP_NUM_THREADS": "7"})
     assert env["OMP_NUM_THREADS"] == "7"
+
+
+def test_the_gpu_tier_asked_for_without_cuda_fails_with_one_line():
+    """`python -m pytest -m gpu` where CUDA cannot run must not skip everything and pass."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA runs here: the tier itself runs (python -m pytest -m gpu)")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+                           "tests/test_gpu.py"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    said = [line for line in proc.stdout.splitlines() if "the GPU tier needs CUDA" in line]
+    assert len(said) == 1 and f"torch {torch.__version__} is built for CUDA {torch.version.cuda}" in said[0], said
+    assert " passed" not in proc.stdout and " skipped" not in proc.stdout, proc.stdout[-2000:]

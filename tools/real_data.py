@@ -3,6 +3,7 @@
     python tools/real_data.py                                   # every recipe, cpu:2, 10 epochs: see bench/real_data.md
     python tools/real_data.py --recipes ddp_torchrun,fsdp --epochs 4
     python tools/real_data.py --export ~/digits                 # only write the ImageFolder (and .rec) tree
+    python tools/real_data.py --recipes fsdp --update           # rerun one, keep the other rows
 
 The data: scikit-learn's handwritten digits (1,797 scans of 8x8 px, 10 classes, shipped inside the scikit-learn
 package: no download), every fifth image of the collection held out for validation (1,437 train / 360 val). They
@@ -35,7 +36,8 @@ RECIPES = {  # name: (recipe file, devices, flags beyond the shared ones)
     "ddp_spawn": ("ddp_spawn", "cpu:2", []),
     "ddp_checkpoint": ("ddp_checkpoint", "cpu:2", []),
     "apex_ddp": ("apex_ddp", "cpu:2", []),
-    "apex_amp": ("apex_amp", "cpu:2", []),
+    # O0: the default O1 is fp16 autocast, 10-50x slower on a CPU than fp32 (on a GPU the default applies).
+    "apex_amp": ("apex_amp", "cpu:2", ["--opt-level", "O0"]),
     "torch_amp": ("torch_amp", "cpu:2", []),
     "fsdp": ("fsdp", "cpu:2", []),
     "mx_face_prefetch": ("mx_face_prefetch", "cpu:2", []),
@@ -99,7 +101,8 @@ def table(rows, args):
     lines = [f"Real images: scikit-learn's digits (1,437 train / 360 val) as a {args.size} px JPEG ImageFolder, "
              f"`cpu:2`, global batch {args.batch_size}, {args.epochs} epochs, `--no-flip`, every other flag at the "
              "recipe's default (resnet18, lr 0.1 x batch / 128 = "
-             f"{0.1 * args.batch_size / 128:g}, one epoch of warm-up, cosine). Written by `python tools/real_data.py`.",
+             f"{0.1 * args.batch_size / 128:g} (mx_face_prefetch: 0.02 x batch / 128), one epoch of warm-up, cosine; "
+             "apex_amp at O0: its default O1 is fp16, 10-50x slower on a CPU). Written by `python tools/real_data.py`.",
              "", "| recipe | val top-1 by epoch | best | epoch-1 val_loss | target (>= 98.5%) | minutes |",
              "|---|---|---|---|---|---|"]
     for row in rows:
@@ -119,10 +122,12 @@ def main(argv=None):
     p.add_argument("--recipes", help=f"comma-separated (default: all: {', '.join(RECIPES)})")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=32, help="the global batch")
-    p.add_argument("--size", type=int, default=32, help="image side in px (the 8 px scans are scaled up)")
+    p.add_argument("--size", type=int, default=16, help="image side in px (the 8 px scans are scaled up)")
     p.add_argument("--data", help="where to write the images (default: a temporary folder)")
     p.add_argument("--export", help="only write the ImageFolder and .rec into this folder, then exit")
     p.add_argument("--out", default=str(REPO / "bench"), help="real_data.md and real_data.json go here")
+    p.add_argument("--update", action="store_true",
+                   help="keep the rows of --out's real_data.json for the recipes not run now (same settings)")
     args = p.parse_args(argv)
     if args.export:
         train, val = export(args.export, args.size)
@@ -132,7 +137,24 @@ def main(argv=None):
     unknown = [n for n in names if n not in RECIPES]
     if unknown:
         p.error(f"unknown recipe: {', '.join(unknown)}; choose from {', '.join(RECIPES)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    kept = {}
+    if args.update and (out / "real_data.json").is_file():
+        earlier = json.loads((out / "real_data.json").read_text())
+        same = {k: earlier["settings"].get(k) for k in ("epochs", "batch_size", "size")}
+        if same != {"epochs": args.epochs, "batch_size": args.batch_size, "size": args.size}:
+            p.error(f"--update: {out / 'real_data.json'} was made with {same}; rerun every recipe instead")
+        kept = {row["name"]: row for row in earlier["runs"]}
     rows = []
+
+    def save():  # after every recipe: an interrupted run keeps what it measured
+        done = {**kept, **{row["name"]: row for row in rows}}
+        ordered = [done[name] for name in RECIPES if name in done]
+        (out / "real_data.json").write_text(json.dumps({"settings": vars(args), "runs": ordered}, indent=1) + "\n")
+        (out / "real_data.md").write_text(table(ordered, args))
+        return ordered
+
     with tempfile.TemporaryDirectory(prefix="digits_") as tmp:
         data = Path(args.data or tmp) / "digits"
         train, val = export(data, args.size)
@@ -144,16 +166,13 @@ def main(argv=None):
             row = {"name": name, "code": proc.returncode, "seconds": round(time.monotonic() - start, 1),
                    "epochs": parse_epochs(proc.stdout) if proc.returncode == 0 else []}
             rows.append(row)
+            save()
             if proc.returncode:
                 print(f"{name}: exit {proc.returncode}\n{proc.stderr[-2000:]}", flush=True)
             else:
                 print(f"{name}: " + " ".join(f"{acc:.1f}" for _, _, acc in row["epochs"]) +
                       f" (epoch-1 val_loss {row['epochs'][0][1]:.3f}, {row['seconds']:.0f} s)", flush=True)
-    text = table(rows, args)
-    print(text)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "real_data.md").write_text(text)
-    (Path(args.out) / "real_data.json").write_text(json.dumps({"settings": vars(args), "runs": rows}, indent=1) + "\n")
+    print(table(save(), args))
     return 1 if any(row["code"] for row in rows) else 0
 
 
