@@ -27,11 +27,13 @@ def warmup_steps(epochs, steps_per_epoch, warmup_epochs):
     return min(round(warmup_epochs * steps_per_epoch), epochs * steps_per_epoch // 5)
 
 
-def warmup_cosine(optimizer, epochs, steps_per_epoch, warmup_epochs):
+def warmup_cosine(optimizer, epochs, steps_per_epoch, warmup_epochs, start_step=0):
     """LambdaLR over optimizer steps: (s + 1) / W for the first W steps, then cosine from the full rate to 0 at the
     end of the last epoch. Why a warm-up: at step 0 the weights are random and BatchNorm's statistics are those of
     the initial network; the full rate at once throws the weights far before the statistics catch up (a first
-    epoch whose val_loss is in the thousands). Its state is the step count: a resumed run goes on where it was."""
+    epoch whose val_loss is in the thousands). start_step: a resumed run's place, start_epoch x THIS run's steps per
+    epoch (a checkpoint from another world size or batch counted other steps), built after the optimizer's state is
+    loaded (whose groups keep the rate the schedule scales, as `initial_lr`)."""
     total, warmup = epochs * steps_per_epoch, warmup_steps(epochs, steps_per_epoch, warmup_epochs)
 
     def factor(step):
@@ -39,4 +41,6 @@ def warmup_cosine(optimizer, epochs, steps_per_epoch, warmup_epochs):
             return (step + 1) / warmup
         return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    for group in optimizer.param_groups:  # LambdaLR starts past step 0 only from an initial_lr
+        group.setdefault("initial_lr", group["lr"])
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=start_step - 1)

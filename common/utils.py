@@ -259,7 +259,8 @@ class DivergenceCheck:
         self.last_good = None  # the newest checkpoint this run wrote (or resumed from): the recipe sets it
 
     def update(self, step, loss):
-        self.first_bad = torch.minimum(self.first_bad, torch.where(torch.isfinite(loss.detach()), self.NEVER, step))
+        finite = torch.isfinite(loss.detach()).to(self.first_bad.device, non_blocking=True)  # model parallel: 2 GPUs
+        self.first_bad = torch.minimum(self.first_bad, torch.where(finite, self.NEVER, step))
 
     def all_reduce_and_check(self, epoch, step, loss_scale=None, model=None):
         """A collective: every rank calls it at the same steps. epoch counts from 0, as the loops do. model: also

@@ -361,9 +361,11 @@ def main():
             die(f"{resume} was written with {', '.join(changed)}; resume with the same flags")
         load_weights(model, ckpt["model"], resume)  # a wrong --arch: one line naming the keys
         mixed.load_optimizer_state(optimizer, ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
         mixed.load_state_dict(ckpt["amp"])
         start_epoch, step = ckpt["epoch"], ckpt["step"]
+        # The schedule goes by this run's steps per epoch (another world size or batch counts others).
+        scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs,
+                                  start_epoch * len(train_loader))
         print0(f"resumed: {resume} epoch={start_epoch} step={step} amp={ckpt['amp']}")
     if impl == "apex":
         model = ApexDDP(model, delay_allreduce=True)  # one all-reduce of all gradients after backward

@@ -240,8 +240,10 @@ def main():
             "model", "optimizer", "scheduler", "epoch", "step", "best_acc1", "rng", "args"))
         load_weights(model.module, ckpt["model"], resume)
         optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
         start_epoch, step, best_acc1 = ckpt["epoch"], ckpt["step"], ckpt["best_acc1"]
+        # The schedule goes by this run's steps per epoch (another world size or batch counts others).
+        scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs,
+                                  start_epoch * len(train_loader))
         if ckpt["args"]["epochs"] != args.epochs:  # the cosine schedule was laid out for that many epochs
             die(f"{resume} was trained with --epochs {ckpt['args']['epochs']}; resume with the same --epochs")
         # What the saved streams do not cover (another world size; the CUDA stream of a checkpoint saved on CPU) gets

@@ -308,8 +308,10 @@ def main():
             if ckpt["args"][flag] != getattr(args, flag):  # for that many epochs
                 die(f"{resume} was trained with --{flag} {ckpt['args'][flag]}; resume with the same --{flag}")
         load_shards(model, optimizer, os.path.join(os.path.dirname(resume), ckpt["shards"]))
-        scheduler.load_state_dict(ckpt["scheduler"])
         start_epoch, step, best_acc1 = ckpt["epoch"], ckpt["step"], ckpt["best_acc1"]
+        # The schedule goes by this run's steps per epoch (another world size or batch counts others).
+        scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs,
+                                  start_epoch * len(train_loader))
         # What the saved streams do not cover (another world size; the CUDA stream of a checkpoint saved on CPU) gets
         # a seed per epoch: seed + rank again would replay epoch 0's random draws (distinct below 10,000 ranks).
         torch.manual_seed(args.seed + rank + 10_000 * start_epoch)
@@ -406,7 +408,7 @@ def main():
     # ------------------------------------------------------------------------------------ save
     tb.close()
     # The full weights, gathered shard by shard onto rank 0's CPU (a collective: every rank calls it; the others
-    # get an empty dict). Plain tensors, no prefix: they load into build_model() in any process.
+    # get an empty dict). Plain tensors, no prefix: they load into build_model(arch, classes, image_size) anywhere.
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     peaks = [round(p, 1) for p in gather_values(peak_memory_mb(device), device)]  # every rank's own peak
     # Parameters + gradients + optimizer state in each rank's memory: its shards (ddp_torchrun.py: a full copy).

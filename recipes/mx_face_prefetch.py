@@ -81,8 +81,7 @@ def parse_args(argv=None):
                    "(default: 128, rounded down to a multiple of the process count: 126 on 3)")
     p.add_argument("--workers", type=int,
                    help="DataLoader workers PER PROCESS (default: cores per process - 1, at most 4)")
-    p.add_argument("--lr", type=float, help="peak learning rate (default: 0.02 x global batch / 128; "
-                   "margin heads diverge at CIFAR's 0.1 on small sets)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default: 0.1 x global batch / 128)")
     p.add_argument("--warmup-epochs", type=float, default=1,
                    help="linear learning-rate warm-up, then cosine (at most a fifth of the run)")
     p.add_argument("--seed", type=int, default=0)
@@ -114,7 +113,7 @@ def check_args(args, world_size):
         if value is not None and value < low:
             die(f"{flag} {value} must be >= {low}")
     if args.lr is None:  # the linear scaling rule (common/schedule.py): 0.1 at a global batch of 128
-        args.lr = default_lr(args.batch_size, base=0.02)
+        args.lr = default_lr(args.batch_size)
     if args.lr <= 0 or args.dist_timeout <= 0:
         die("--lr and --dist-timeout must be > 0")
     try:

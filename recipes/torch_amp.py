@@ -246,9 +246,11 @@ def main():
             die(f"{resume} was written with {', '.join(changed)}; resume with the same flags")
         load_weights(model.module, ckpt["model"], resume)  # a wrong --arch: one line naming the keys
         optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
         scaler.load_state_dict(ckpt["scaler"])  # without it fp16 restarts at scale 65536 and skips steps
         start_epoch, step = ckpt["epoch"], ckpt["step"]
+        # The schedule goes by this run's steps per epoch (another world size or batch counts others).
+        scheduler = warmup_cosine(optimizer, args.epochs, steps_per_epoch, args.warmup_epochs,
+                                  start_epoch * steps_per_epoch)
         # No RNG state saved (ddp_checkpoint.py restores it): seed + rank again would replay epoch 0's random draws.
         torch.manual_seed(args.seed + rank + 10_000 * start_epoch)
         print0(f"resumed: {resume} epoch={start_epoch} step={step} scaler={scaler.state_dict()}")

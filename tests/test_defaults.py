@@ -72,8 +72,7 @@ def test_the_defaults_resolve_by_world_size_and_image_size():
             parts = 1 if recipe == "dp" else world  # dp.py is one process: DataParallel splits the batch itself
             module.check_args(args, parts)
             assert args.batch_size == 128 // parts * parts, (recipe, world, args.batch_size)
-            base = 0.02 if recipe == "mx_face_prefetch" else 0.1
-            assert args.lr == pytest.approx(base * args.batch_size / 128), (recipe, args.lr)
+            assert args.lr == pytest.approx(0.1 * args.batch_size / 128), (recipe, args.lr)
             assert args.warmup_epochs == 1 and not args.no_flip
         if recipe != "mx_face_prefetch":
             assert module.parse_args(["--dataset", "imagefolder"]).image_size is None  # resolved by check_args:
@@ -145,3 +144,25 @@ def test_the_defaults_learn_real_images_well_above_chance(recipe, digits, tmp_pa
     losses = [float(v) for v in re.findall(r"^epoch=1/3 .*?val_loss=(\S+)", proc.stdout, re.M)]
     assert result["val_acc1"] >= 90, proc.stdout
     assert losses and losses[0] < 10, proc.stdout
+
+
+def test_a_resumed_schedule_is_placed_by_this_runs_steps():
+    """A resume builds the schedule at start_epoch x this run's steps per epoch, after loading the optimizer: it gives
+    the rate a straight run has there, also when the checkpoint came from another world size (other step counts)
+    or from before this schedule (a CosineAnnealingLR state is not read at all)."""
+    straight_sgd = torch.optim.SGD([torch.zeros(1)], lr=0.4)
+    straight = warmup_cosine(straight_sgd, 10, 45, 1)
+    for _ in range(90):  # two epochs
+        straight_sgd.step()
+        straight.step()
+    saved = straight_sgd.state_dict()
+    resumed_sgd = torch.optim.SGD([torch.zeros(1)], lr=0.4)
+    warmup_cosine(resumed_sgd, 10, 45, 1)  # as the recipes build it before the resume block
+    resumed_sgd.load_state_dict(saved)
+    resumed = warmup_cosine(resumed_sgd, 10, 45, 1, start_step=2 * 45)
+    assert resumed_sgd.param_groups[0]["lr"] == straight_sgd.param_groups[0]["lr"]  # bitwise
+    for _ in range(100):
+        for sgd, schedule in ((straight_sgd, straight), (resumed_sgd, resumed)):
+            sgd.step()
+            schedule.step()
+        assert resumed_sgd.param_groups[0]["lr"] == straight_sgd.param_groups[0]["lr"]

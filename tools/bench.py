@@ -277,7 +277,7 @@ def bare_step_seconds(arch, batch, image_size, steps, device, threads):
     try:
         _, _, num_classes = build_datasets("synthetic", image_size=image_size, synthetic_train=1, synthetic_val=1)
         torch.manual_seed(0)
-        model = build_model(arch, num_classes).to(device).train()
+        model = build_model(arch, num_classes, image_size).to(device).train()  # the recipes' model at this size
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
         criterion = torch.nn.CrossEntropyLoss()
         images = torch.randn(batch, 3, image_size, image_size, device=device)
