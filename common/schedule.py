@@ -22,9 +22,9 @@ def default_lr(global_batch, base=BASE_LR):
 
 
 def warmup_steps(epochs, steps_per_epoch, warmup_epochs):
-    """Optimizer steps of linear warm-up: --warmup-epochs worth, at most a fifth of the run (a one-epoch run warms
-    up for a fifth of its steps, not all of them)."""
-    return min(round(warmup_epochs * steps_per_epoch), epochs * steps_per_epoch // 5)
+    """Optimizer steps of linear warm-up: --warmup-epochs worth, at most a third of the run (a one-epoch run warms
+    up for a third of its steps, not all of them)."""
+    return min(round(warmup_epochs * steps_per_epoch), epochs * steps_per_epoch // 3)
 
 
 def warmup_cosine(optimizer, epochs, steps_per_epoch, warmup_epochs, start_step=0):

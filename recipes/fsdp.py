@@ -99,7 +99,7 @@ def parse_args(argv=None):
                    help="DataLoader workers PER PROCESS (default: cores per process - 1, at most 4)")
     p.add_argument("--lr", type=float, help="peak learning rate (default: 0.1 x global batch / 128)")
     p.add_argument("--warmup-epochs", type=float, default=1,
-                   help="linear learning-rate warm-up, then cosine (at most a fifth of the run)")
+                   help="linear learning-rate warm-up, then cosine (at most a third of the run)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs, benchmarks)")
     p.add_argument("--out-dir", default="runs/fsdp", help="checkpoint/ (sharded), model.pt")

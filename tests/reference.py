@@ -82,8 +82,20 @@ def shard_orders(dataset, world, epoch, seed, sampler):
     return orders
 
 
-def train(model, mixed, train_set, *, world, epochs, batch, lr, accum=1, seed=0, one_process_shuffle=False,
-          with_labels=False, warmup_epochs=1):
+def train(model, mixed, train_set, **kwargs):
+    """_train with one CPU thread, as each recipe process has here (OMP_NUM_THREADS = cores / processes), whatever
+    an earlier test of the same pytest process set (tools/bench.py's bare loop sets its own): another thread count
+    sums in another order, and bf16 or fp16 roundings then drift apart by more than the tolerances."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(model, mixed, train_set, **kwargs)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(model, mixed, train_set, *, world, epochs, batch, lr, accum=1, seed=0, one_process_shuffle=False,
+           with_labels=False, warmup_epochs=1):
     """Train `model` (built after torch.manual_seed(seed), as the recipes build it) the way a W-rank job would.
     mixed: Plain, Autocast or apex_amp.py's TorchAmp. Returns (per-epoch mean training loss, model)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)

@@ -218,7 +218,7 @@ def test_tensorboard_curves_match_the_printed_lines(run):
         sgd.step()
         schedule.step()
         expected += [schedule.get_last_lr()[0]] if s % TB_EVERY == 0 else []
-    assert lrs == pytest.approx(expected) and lrs[-1] < lrs[0] < ARGS["lr"], (lrs, expected)
+    assert lrs == pytest.approx(expected) and lrs[-1] < lrs[0], (lrs, expected)  # warm-up to the peak, then down
     assert all(v > 0 for _, v in curves["epoch/peak_mem_mb"])
     assert "--batch-size" in curves["flags"]
 

@@ -57,7 +57,8 @@ def test_every_recipe_runs_at_its_defaults_on_any_process_count(recipe, processe
     result = result_of(proc)
     world = 1 if recipe == "dp" else processes
     batch = 128 // world * world
-    assert result["world_size"] == world and result["steps"] == 2, result
+    per_epoch = int(re.search(r"steps_per_epoch=(\d+)", proc.stdout).group(1))
+    assert result["world_size"] == world and result["steps"] == min(2, per_epoch) >= 1, result  # 1 epoch, the default
     assert f"global_batch={batch} ({batch // world} per process x {world}" in proc.stdout, proc.stdout
     assert result["val_samples"] == (20 if recipe == "mx_face_prefetch" else 50)  # every sample, once (the face
     # recipe holds out every 10th image of each identity in the .rec)
@@ -118,7 +119,7 @@ def test_the_transforms_follow_the_image_size_and_the_flip_switch():
 def test_the_learning_rate_rule_and_the_warm_up():
     assert default_lr(128) == 0.1 and default_lr(32) == 0.025 and default_lr(126) == pytest.approx(0.0984375)
     assert default_lr(32, base=0.02) == 0.005
-    assert warmup_steps(10, 45, 1) == 45 and warmup_steps(1, 10, 1) == 2 and warmup_steps(10, 45, 0) == 0
+    assert warmup_steps(10, 45, 1) == 45 and warmup_steps(1, 10, 1) == 3 and warmup_steps(10, 45, 0) == 0
     optimizer = torch.optim.SGD([torch.zeros(1)], lr=0.4)
     schedule = warmup_cosine(optimizer, 10, 45, 1)
     rates = []
