@@ -156,7 +156,7 @@ def test_each_rank_holds_half_of_what_a_ddp_rank_holds(tmp_path):
              "--synthetic-train", "8", "--synthetic-val", "2"]
     ddp = result_of(launch("recipes/ddp_torchrun.py", "cpu:2", *small, "--out-dir", tmp_path / "ddp"))
     fsdp = result_of(launch("recipes/fsdp.py", "cpu:2", *small, "--out-dir", tmp_path / "fsdp"))
-    full = 3 * sum(p.numel() * 4 for p in build_model("resnet18", 10).parameters())
+    full = 3 * sum(p.numel() * 4 for p in build_model("resnet18", 10, 8).parameters())  # the 8 px model (its stem)
     assert ddp["state_bytes_per_rank"] == [full, full]
     assert sum(fsdp["state_bytes_per_rank"]) == full  # the shards add up to one copy
     ratio = max(fsdp["state_bytes_per_rank"]) / max(ddp["state_bytes_per_rank"])
