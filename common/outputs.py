@@ -15,7 +15,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from common.utils import die, human
+from common.utils import die, human, local_shard
 
 
 def state_bytes(model, optimizer=None):
@@ -30,12 +30,9 @@ def state_bytes(model, optimizer=None):
 def held_state_bytes(model, optimizer):
     """Bytes of parameters, gradients and optimizer state in this process's memory. A sharded (DTensor) tensor
     counts its local shard only, so FSDP and DDP compare exactly."""
-    def local(t):
-        return t.to_local() if hasattr(t, "to_local") else t
-
     tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
     tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    return sum(local(t).numel() * local(t).element_size() for t in tensors)
+    return sum(local_shard(t).numel() * local_shard(t).element_size() for t in tensors)
 
 
 def _needed(out_dir, files):

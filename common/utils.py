@@ -229,6 +229,11 @@ def nonfinite_flags(args):
             if isinstance(value, float) and not math.isfinite(value)]
 
 
+def local_shard(t):
+    """This rank's part of a tensor: a sharded DTensor's local shard (FSDP), any other tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 # ------------------------------------------------------------------------------------------- divergence
 DIVERGED = 3  # the exit code of a run stopped because it diverged (README: "What happens when things go wrong")
 
@@ -269,8 +274,8 @@ class DivergenceCheck:
         scale_bad = step if loss_scale is not None and not loss_scale >= 1 else self.NEVER
         weights_bad = self.NEVER
         if model is not None:
-            tensors = [t.to_local() if hasattr(t, "to_local") else t
-                       for t in itertools.chain(model.parameters(), model.buffers()) if t.is_floating_point()]
+            tensors = [local_shard(t) for t in itertools.chain(model.parameters(), model.buffers())
+                       if t.is_floating_point()]
             # .to(): a model split over two GPUs (ddp_spawn --model-parallel) gives flags on both
             finite = torch.stack([torch.isfinite(t).all().to(self.first_bad.device) for t in tensors]).all()
             weights_bad = torch.where(finite, self.NEVER, step).to(self.first_bad.device)
