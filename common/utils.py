@@ -156,25 +156,46 @@ class AverageMeter:
 
 class Throughput:
     """Training speed with the first step left out: it pays the warm-up (allocator, cudnn autotune,
-    DDP bucket rebuild). start() as an epoch begins, step(images) after each optimizer step."""
+    DDP bucket rebuild). start() as an epoch begins, step(images) after each optimizer step, stop() as the
+    epoch's steps end (it returns the epoch's seconds).
 
-    def __init__(self):
+    On a GPU the host runs ahead of the device by up to the launch queue, so the host clock alone counts images
+    not yet computed. The clock is read after synchronize() at the boundaries only (start, the first step,
+    stop), never per step: a sync per step would stall the queue this class measures. On the CPU synchronize()
+    is a no-op, so the same lines run there."""
+
+    def __init__(self, device):
+        self.synchronize = torch.get_device_module(device.type).synchronize  # torch.cuda's, torch.cpu's, ...
+        self.device = device
         self.images, self.seconds, self.steps = 0, 0.0, 0
         self.first_step_at = None  # unix time the first step ended: launch-to-first-step overhead
-        self._last = None
+        self._epoch_start = self._since = None
+        self._images = self._steps = 0  # this epoch's, counted from _since
+
+    def _now(self):
+        self.synchronize(self.device)
+        return time.perf_counter()
 
     def start(self):
-        self._last = time.perf_counter()
+        self._epoch_start = self._since = self._now()
+        self._images = self._steps = 0
 
     def step(self, images):
-        now = time.perf_counter()
-        if self.first_step_at is None:
+        if self.first_step_at is None:  # the warm-up step: measured from its end
+            self._since = self._now()
             self.first_step_at = time.time()
         else:
-            self.images += images
-            self.seconds += now - self._last
-            self.steps += 1
-        self._last = now
+            self._images += images
+            self._steps += 1
+
+    def stop(self):
+        """The epoch's seconds, start() to now; adds its steps (the first step of the run left out)."""
+        now = self._now()
+        if self.first_step_at is not None:
+            self.images, self.steps = self.images + self._images, self.steps + self._steps
+            self.seconds += now - self._since
+        self._images = self._steps = 0
+        return now - self._epoch_start
 
     @property
     def images_per_sec(self):

@@ -36,7 +36,6 @@ import contextlib
 import datetime
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -343,7 +342,9 @@ def main():
     torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
     model = build_model(args.arch, num_classes, args.image_size).to(device)
     criterion = torch.nn.CrossEntropyLoss()
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
+    # Torch mode: fused=True lets GradScaler hand the inf flag to the optimizer on the device; with a plain SGD
+    # scaler.step() reads it on the host every step (a GPU sync). apex's own scaler reads it anyway.
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4, fused=impl == "torch")
     scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs)  # per step
     mixed = (ApexAmp(amp, args.opt_level, args.keep_batchnorm_fp32) if impl == "apex"
              else TorchAmp(args.opt_level, args.keep_batchnorm_fp32, device))
@@ -382,7 +383,7 @@ def main():
 
     # ----------------------------------------------------------------------------------- train
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
-    speed = Throughput()
+    speed = Throughput(device)
     # Resumed: the curves go on from `step`; what an interrupted run logged after its checkpoint is dropped.
     tb = TensorBoard(args.tb_dir, args.tb_every, is_main, device, vars(args), start_step=step)
     diverged = DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
@@ -393,7 +394,6 @@ def main():
         train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
         model.train()
         loss_meter, acc_meter = AverageMeter(), AverageMeter()
-        start = time.perf_counter()
         speed.start()
         bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", leave=False, disable=not (is_main and sys.stdout.isatty()))
         for images, targets in bar:
@@ -422,7 +422,7 @@ def main():
                 diverged.all_reduce_and_check(epoch, step, mixed.loss_scale() if mixed.scales_loss else None)
             if step >= total_steps:
                 break
-        epoch_time = time.perf_counter() - start
+        epoch_time = speed.stop()  # waits for the device: the host clock runs ahead of queued GPU work
         loss_meter.all_reduce(device)
         acc_meter.all_reduce(device)
         # Before eval and any save: no file from NaN weights. O1/O2: a scale below 1 is divergence (a collective).

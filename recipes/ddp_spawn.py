@@ -25,7 +25,6 @@ import datetime
 import os
 import socket
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -264,14 +263,13 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
 
     # ----------------------------------------------------------------------------------- train
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
-    step, speed = 0, Throughput()
+    step, speed = 0, Throughput(device)
     tb = TensorBoard(args.tb_dir, args.tb_every, is_main, device, vars(args), start_step=step)  # off without --tb-dir
     diverged = DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
     for epoch in range(args.epochs):
         train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
         model.train()
         loss_meter, acc_meter = AverageMeter(), AverageMeter()
-        start = time.perf_counter()
         speed.start()
         bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", leave=False, disable=not (is_main and sys.stdout.isatty()))
         for images, targets in bar:
@@ -298,7 +296,7 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
                 diverged.all_reduce_and_check(epoch, step)  # a collective: one verdict everywhere
             if step >= total_steps:
                 break
-        epoch_time = time.perf_counter() - start
+        epoch_time = speed.stop()  # waits for the device: the host clock runs ahead of queued GPU work
         loss_meter.all_reduce(device)
         acc_meter.all_reduce(device)
         diverged.all_reduce_and_check(epoch, step, model=model)  # before eval and any save: no file from NaN weights

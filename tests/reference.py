@@ -95,10 +95,11 @@ def train(model, mixed, train_set, **kwargs):
 
 
 def _train(model, mixed, train_set, *, world, epochs, batch, lr, accum=1, seed=0, one_process_shuffle=False,
-           with_labels=False, warmup_epochs=1):
+           with_labels=False, warmup_epochs=1, fused=False):
     """Train `model` (built after torch.manual_seed(seed), as the recipes build it) the way a W-rank job would.
-    mixed: Plain, Autocast or apex_amp.py's TorchAmp. Returns (per-epoch mean training loss, model)."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
+    mixed: Plain, Autocast or apex_amp.py's TorchAmp. fused: SGD(fused=True), as the AMP recipes build it (one kernel;
+    in fp16 its updates round apart from the for-each SGD's). Returns (per-epoch mean training loss, model)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4, fused=fused)
     model, optimizer = mixed.initialize(model, optimizer)
     sampler = RandomSampler(train_set, generator=torch.Generator().manual_seed(seed)) if one_process_shuffle else None
     micro = batch // world // accum

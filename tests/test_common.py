@@ -121,18 +121,26 @@ def test_average_meter_all_reduce_and_gather_values_across_two_gloo_processes():
     assert gather_values(3, torch.device("cpu")) == [3.0]  # no process group: a world of one
 
 
-def test_throughput_leaves_the_first_step_out(monkeypatch):
-    clock = iter([0.0, 5.0, 6.0, 7.0, 100.0, 101.0])  # start, warm-up step 5 s, two 1 s steps; epoch 2
+def test_throughput_leaves_the_first_step_out_and_syncs_only_at_its_boundaries(monkeypatch):
+    # start, the warm-up step ends at 5 s, stop at 8 s (two 1.5 s steps); epoch 2: start at 100 s, stop at 103 s.
+    clock = iter([0.0, 5.0, 8.0, 100.0, 103.0])
     monkeypatch.setattr("common.utils.time.perf_counter", lambda: next(clock))
-    speed = Throughput()
+    syncs = []
+    monkeypatch.setattr(torch.cpu, "synchronize", lambda device=None: syncs.append(device))
+    speed = Throughput(torch.device("cpu"))
     speed.start()
     for _ in range(3):
         speed.step(images=64)
+    assert speed.stop() == 8.0  # the epoch's seconds, warm-up included
     speed.start()  # the gap between epochs (evaluation) is not training time
-    speed.step(images=64)
-    assert (speed.steps, speed.images, speed.seconds) == (3, 192, 3.0)
-    assert speed.images_per_sec == pytest.approx(64.0) and speed.first_step_at is not None
-    assert str(speed.eta(steps_left=30)) == "0:00:30"
+    for _ in range(2):
+        speed.step(images=64)
+    assert speed.stop() == 3.0
+    assert (speed.steps, speed.images, speed.seconds) == (4, 256, 6.0)
+    assert speed.images_per_sec == pytest.approx(256 / 6) and speed.first_step_at is not None
+    assert str(speed.eta(steps_left=30)) == "0:00:45"
+    # The device is waited for before each clock read (5), never for a step: a sync per step would stall the GPU.
+    assert syncs == [torch.device("cpu")] * 5
 
 
 # ------------------------------------------------------------------------------------- models

@@ -7,6 +7,9 @@ With COUNT_DDP_DIR set, once torch's DistributedDataParallel is imported, each p
                    divide by the world size, all-reduce);
   eval_forwards:   forwards through the DDP wrapper with autograd off (evaluation through the wrapper, whose
                    forward may broadcast buffers: a collective that hangs a rank whose shard has no batch),
+  scaler_host_reads: GradScaler steps that read the inf flag on the host (GradScaler._maybe_opt_step, its
+                   .item() per step: the CPU waits for the GPU); an optimizer with _step_supports_amp_scaling
+                   (SGD(fused=True)) takes the flag on the device and makes none,
 and writes them to COUNT_DDP_DIR/rank<R>.json when the recipe calls dist.destroy_process_group().
 With LOG_RNG_DIR set, each time a DataLoader whose sampler has an epoch (DistributedSampler: the training loader)
 starts an epoch, the process appends {"world", "rank", "epoch", "rng"} to LOG_RNG_DIR/<pid>.jsonl, "rng" a digest
@@ -30,9 +33,11 @@ _RNG_DIR = os.environ.get("LOG_RNG_DIR")
 def _patch(ddp_module):
     import torch
     import torch.distributed as dist
+    from torch.amp.grad_scaler import GradScaler
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    ddp, counts = ddp_module.DistributedDataParallel, {"grad_allreduces": 0, "eval_forwards": 0}
+    ddp = ddp_module.DistributedDataParallel
+    counts = {"grad_allreduces": 0, "eval_forwards": 0, "scaler_host_reads": 0}
     wrapped = weakref.WeakSet()
     init, forward, destroy = ddp.__init__, ddp.forward, dist.destroy_process_group
 
@@ -50,6 +55,12 @@ def _patch(ddp_module):
             counts["eval_forwards"] += 1
         return forward(self, *args, **kwargs)
 
+    maybe_opt_step = GradScaler._maybe_opt_step
+
+    def counting_opt_step(self, *args, **kwargs):
+        counts["scaler_host_reads"] += 1
+        return maybe_opt_step(self, *args, **kwargs)
+
     def patched_destroy(*args, **kwargs):
         with open(os.path.join(_DIR, f"rank{dist.get_rank()}.json"), "w") as f:
             json.dump(counts, f)
@@ -60,6 +71,7 @@ def _patch(ddp_module):
         return destroy(*args, **kwargs)
 
     ddp.__init__, ddp.forward, dist.destroy_process_group = patched_init, patched_forward, patched_destroy
+    GradScaler._maybe_opt_step = counting_opt_step
 
 
 def _patch_loader(loader_module):
