@@ -8,8 +8,10 @@ Four ways to not have it, each with its own fix (README, "NVIDIA apex"):
   calls torch.cuda.current_stream(), so on the CPU it counts as unusable.
 """
 
+import contextlib
 import importlib
 import importlib.util
+import io
 import os
 
 from common.utils import first_line
@@ -18,6 +20,18 @@ BUILD_HINT = ("install NVIDIA apex 25.04 from source: pip install --no-build-iso
               "(README, section 'NVIDIA apex'), or use --impl torch")
 # Subpackages that only NVIDIA's apex has, with or without amp: tell "too new" from "unrelated".
 NVIDIA_ONLY = ("optimizers", "normalization", "contrib", "transformer", "fused_dense", "mlp")
+
+
+def apex_build():
+    """Which apex build this is, for the `impl:` line: 'full' with its compiled extensions (apex_C from --cpp_ext,
+    amp_C from --cuda_ext), else 'python-only', which is slow on a GPU: without amp_C, O1/O2 unscale each gradient
+    with a host sync per tensor (apex/amp/scaler.py, unscale_python) and O2 copies masters back in a Python loop;
+    without apex_C apex DDP flattens buckets in Python. Looked up on disk, not imported."""
+    missing = [name for name in ("apex_C", "amp_C") if importlib.util.find_spec(name) is None]
+    if not missing:
+        return "full"
+    return (f"python-only (no {' or '.join(missing)}: a host sync per gradient tensor at O1/O2; for the fused "
+            "kernels rebuild with --cpp_ext --cuda_ext, README 'NVIDIA apex')")
 
 
 class ApexUnavailable(Exception):
@@ -52,9 +66,11 @@ def load_apex(cuda):
     if nvidia and not cuda:  # not even imported: it cannot run here, and its import takes a second
         raise no_gpu
     try:
-        apex = importlib.import_module("apex")
-        amp = importlib.import_module("apex.amp")
-        parallel = importlib.import_module("apex.parallel")
+        # A python-only apex.parallel prints its own warning on every rank as it imports: the impl: line says it once.
+        with contextlib.redirect_stdout(io.StringIO()):
+            apex = importlib.import_module("apex")
+            amp = importlib.import_module("apex.amp")
+            parallel = importlib.import_module("apex.parallel")
     except Exception as exc:  # a broken build fails in its own ways
         raise ApexUnavailable(f"apex is installed but does not import ({type(exc).__name__}: {first_line(exc)})",
                               BUILD_HINT) from exc

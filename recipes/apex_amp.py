@@ -47,7 +47,7 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
-from common.apex_compat import ApexUnavailable, load_apex
+from common.apex_compat import ApexUnavailable, apex_build, load_apex
 from common.checkpoint import find_resume, load_checkpoint, load_weights, save_atomic
 from common.data import DEFAULT_IMAGE_SIZE, DataError, build_datasets, default_workers, prepare_dataset
 from common.models import build_model, check_arch, unused_parameters_error
@@ -271,7 +271,7 @@ def main():
     if impl != "torch":
         try:
             amp, ApexDDP, _ = load_apex(cuda=torch.cuda.is_available())
-            impl = "apex"
+            impl, why = "apex", f" (apex build: {apex_build()})"  # python-only: slow on a GPU, say so
         except ApexUnavailable as exc:
             if impl == "apex":
                 die(str(exc))

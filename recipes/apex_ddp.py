@@ -32,7 +32,7 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
-from common.apex_compat import ApexUnavailable, load_apex
+from common.apex_compat import ApexUnavailable, apex_build, load_apex
 from common.data import DEFAULT_IMAGE_SIZE, DataError, build_datasets, default_workers, prepare_dataset
 from common.models import build_model, check_arch, unused_parameters_error
 from common.outputs import check_out_dir, state_bytes
@@ -137,7 +137,7 @@ def main():
     if impl != "torch":
         try:
             _, ApexDDP, _ = load_apex(cuda=torch.cuda.is_available())
-            impl = "apex"
+            impl, why = "apex", f" (apex build: {apex_build()})"  # python-only: slow on a GPU, say so
         except ApexUnavailable as exc:
             if impl == "apex":
                 die(str(exc))

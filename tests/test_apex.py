@@ -118,6 +118,16 @@ def test_load_apex_tells_the_four_ways_apex_is_unusable(tmp_path, monkeypatch):
     assert not hasattr(apex, "RUNS_ON_CPU")  # only the double may say it runs on the CPU
 
 
+def test_apex_build_tells_a_python_only_build_from_a_full_one(tmp_path, monkeypatch):
+    # apex's compiled extensions are top-level modules: apex_C (--cpp_ext), amp_C (--cuda_ext). Stand-ins on the path.
+    assert apex_compat.apex_build().startswith("python-only (no apex_C or amp_C: ")  # vendor/'s build here
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "apex_C.py").write_text("")
+    assert apex_compat.apex_build().startswith("python-only (no amp_C: a host sync per gradient tensor at O1/O2")
+    (tmp_path / "amp_C.py").write_text("")
+    assert apex_compat.apex_build() == "full"
+
+
 @pytest.mark.parametrize(("recipe", "situation", "message"), [
     ("apex_amp", "pypi apex", f"is the unrelated PyPI package (a Pyramid toolkit, no amp); pip uninstall apex, then "
                               f"{BUILD}"),
@@ -168,7 +178,10 @@ def test_apex_amp_call_order_through_the_double(tmp_path):
     env = {**DOUBLE, "FAKE_APEX_LOG": str(log)}
     args = [*SMALL, "--opt-level", "O2", "--impl", "apex", "--epochs", "2", "--out-dir", tmp_path / "out"]
     first = launch("recipes/apex_amp.py", "cpu:2", *args, "--max-steps", "8", env=env)  # epoch 1 of 2
-    assert result_of(first)["impl"] == "apex" and first.stdout.startswith("impl: apex O2\n")
+    # The double has no compiled extensions, like a python-only build: the first line says so, once.
+    assert result_of(first)["impl"] == "apex" and first.stdout.startswith(
+        "impl: apex O2 (apex build: python-only (no apex_C or amp_C: a host sync per gradient tensor at O1/O2; for the "
+        "fused kernels rebuild with --cpp_ext --cuda_ext, README 'NVIDIA apex'))\n")
     ranks = calls_by_process(log)
     assert len(ranks) == 2
     for calls in ranks:

@@ -255,6 +255,8 @@ def run_entry(entry, args, round_):
         why = f"exit code {code}" if code != 0 else f"{len(lines)} RESULT lines, expected 1"
         return {**run, "error": why, "stderr_tail": stderr_tail(stderr)}
     run["result_line"] = lines[0]
+    # The apex recipes' first line says which impl ran and, for apex, which build (python-only is slow on a GPU).
+    run["impl_line"] = next((line for line in stdout.splitlines() if line.startswith("impl: ")), None)
     run["result"] = json.loads(lines[0][len("RESULT "):])
     return run
 
@@ -367,6 +369,7 @@ def summarize_entry(runs, bare_ms, attempts):
     row["peak_mem_mb_per_rank"] = [statistics.median(rank) for rank in per_rank]
     row["state_bytes_per_rank"] = first.get("state_bytes_per_rank")  # exact: the same in every run
     row["step_vs_bare"] = row["step_ms"]["median"] / row["bare_step_ms"]["median"]
+    row["impl_line"] = first.get("impl_line")
     return row
 
 
@@ -468,6 +471,9 @@ def markdown(report):
                   "ranges (lowest–highest run) overlap, so these runs cannot tell the two apart; \"faster\" or "
                   "\"slower\": every run of one is beyond every run of the other; \"one run: no range\": a side "
                   "has a single successful run, so there is no spread to compare."]
+    impls = [f"{e['name']}: `{e['impl_line']}`" for e in report["entries"] if e.get("impl_line")]
+    if impls:  # what the apex rows measured: apex (which build) or torch's stand-in
+        lines += ["", "What the apex entries ran (their first line): " + "; ".join(impls)]
     if report["skipped"]:
         lines += ["", "Skipped (recipe file missing): " + ", ".join(report["skipped"])]
     if report["failed"]:
