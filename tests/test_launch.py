@@ -2,6 +2,7 @@
 
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -302,3 +303,22 @@ def test_the_gpu_tier_asked_for_without_cuda_fails_with_one_line():
     said = [line for line in proc.stdout.splitlines() if "the GPU tier needs CUDA" in line]
     assert len(said) == 1 and f"torch {torch.__version__} is built for CUDA {torch.version.cuda}" in said[0], said
     assert " passed" not in proc.stdout and " skipped" not in proc.stdout, proc.stdout[-2000:]
+
+
+def test_the_launcher_names_a_watchdog_abort_and_where_to_look():
+    # Under NCCL's default error handling (TORCH_NCCL_ASYNC_ERROR_HANDLING=3) the watchdog aborts the rank whose
+    # collective timed out or lost a peer: no Python error is raised, so one_line_errors() never sees it, and this
+    # line is what the user gets. torch's own ProcessFailure, as torchrun hands it over (no error file).
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from tools.torchrun import describe, root_cause
+
+    aborted = ProcessFailure(local_rank=0, pid=4242, exitcode=-signal.SIGABRT, error_file="/nonexistent")
+    stopped = ProcessFailure(local_rank=1, pid=4243, exitcode=-signal.SIGTERM, error_file="/nonexistent")
+    stopped.timestamp = aborted.timestamp  # the same second: the abort is the cause, torchrun's SIGTERM the effect
+    (first, failure), _ = root_cause({1: stopped, 0: aborted})
+    assert describe(first, failure) == (
+        "rank 0 (pid 4242) was killed by SIGABRT (under NCCL, its watchdog aborts a rank whose collective timed out "
+        "or lost a peer: that rank's output above names which, 'Watchdog caught collective operation timeout' or a "
+        "remote error)")
+    assert describe(1, stopped) == "rank 1 (pid 4243) was stopped (SIGTERM)"

@@ -57,6 +57,9 @@ def describe(rank, failure):
         how = f"was killed by {failure.signal_name()}"
         if failure.exitcode == -signal.SIGTERM:  # the signal torchrun itself stops the surviving ranks with
             how = "was stopped (SIGTERM)"
+        elif failure.exitcode == -signal.SIGABRT:  # NCCL's default (TORCH_NCCL_ASYNC_ERROR_HANDLING=3): no Python error
+            how += (" (under NCCL, its watchdog aborts a rank whose collective timed out or lost a peer: that rank's "
+                    "output above names which, 'Watchdog caught collective operation timeout' or a remote error)")
     else:
         how = f"exited with code {failure.exitcode}"
     return f"rank {rank} (pid {failure.pid}) {how}"
