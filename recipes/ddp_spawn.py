@@ -162,8 +162,10 @@ def main():
     gpus = torch.cuda.device_count()
     ranks_per_gpu = int(os.environ.get("RANKS_PER_GPU", 1))  # launch.sh G:N: N workers share GPU G (debugging)
     nprocs = (gpus // 2 if args.model_parallel else gpus * ranks_per_gpu) if gpus else args.nproc
-    if nprocs < 1 or (gpus and args.model_parallel and ranks_per_gpu > 1):
-        die(f"--model-parallel needs 2 whole GPUs per worker, {gpus} visible" if gpus else "--nproc must be >= 1")
+    # An odd GPU count (0,1,3) would start gpus // 2 workers and leave one GPU idle without a word: refuse it.
+    if nprocs < 1 or (gpus and args.model_parallel and (ranks_per_gpu > 1 or gpus % 2)):
+        die(f"--model-parallel needs 2 whole GPUs per worker, {gpus} visible: list an even number of GPUs"
+            if gpus else "--nproc must be >= 1")
     nnodes, node_rank = int(os.environ.get("NNODES", 1)), int(os.environ.get("NODE_RANK", 0))
     check_args(args, nnodes * nprocs)  # here, before any worker starts: a bad flag exits 2 in seconds
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
