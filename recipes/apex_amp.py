@@ -32,6 +32,7 @@ O2's fp32 masters are re-made from the loaded model, then the optimizer state go
 # launcher: torchrun
 
 import argparse
+import collections
 import contextlib
 import datetime
 import os
@@ -50,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run
 from common.apex_compat import ApexUnavailable, apex_build, load_apex
 from common.checkpoint import find_resume, load_checkpoint, load_weights, save_atomic
 from common.data import DEFAULT_IMAGE_SIZE, DataError, build_datasets, default_workers, prepare_dataset
-from common.models import build_model, check_arch, unused_parameters_error
+from common.models import build_model, check_arch, recomputed_batchnorm, unused_parameters_error
 from common.outputs import check_out_dir, state_bytes
 from common.schedule import default_lr, warmup_cosine
 from common.tensorboard_log import TensorBoard
@@ -394,10 +395,12 @@ def main():
         train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
         model.train()
         loss_meter, acc_meter = AverageMeter(), AverageMeter()
+        recent = collections.deque(maxlen=4)  # this epoch's last batches, for BatchNorm below
         speed.start()
         bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", leave=False, disable=not (is_main and sys.stdout.isatty()))
         for images, targets in bar:
             images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            recent.append((images, targets))
             with mixed.autocast():
                 try:
                     output = model(mixed.cast_input(images))  # DDP checks the last backward reduced everything
@@ -427,6 +430,12 @@ def main():
         acc_meter.all_reduce(device)
         # Before eval and any save: no file from NaN weights. O1/O2: a scale below 1 is divergence (a collective).
         diverged.all_reduce_and_check(epoch, step, mixed.loss_scale() if mixed.scales_loss else None, model)
+        # BatchNorm's running statistics trail the weights (momentum 0.1: each keeps 0.9^k of the batch k steps ago),
+        # so after a short or fast-moving epoch they no longer fit and eval's loss explodes: recompute them from
+        # this epoch's last batches through the final weights. Local, no collective; rank 0's are kept below.
+        with recomputed_batchnorm(model.module), mixed.autocast():
+            for images, _ in recent:
+                model.module(mixed.cast_input(images))
 
         # -------------------------------------------------------------------------------- eval
         # DDP copies rank 0's buffers (BatchNorm statistics) to the others at the start of each forward, so

@@ -15,6 +15,7 @@ split across the GPUs; --workers all belong to the one process.
 # launcher: python
 
 import argparse
+import collections
 import os
 import sys
 from pathlib import Path
@@ -26,7 +27,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common.data import DEFAULT_IMAGE_SIZE, DataError, build_datasets, default_workers, prepare_dataset
-from common.models import build_model, check_arch
+from common.models import build_model, check_arch, recomputed_batchnorm
 from common.outputs import check_out_dir, state_bytes
 from common.schedule import default_lr, warmup_cosine
 from common.tensorboard_log import TensorBoard
@@ -171,10 +172,12 @@ def main():
     for epoch in range(args.epochs):
         model.train()
         loss_meter, acc_meter = AverageMeter(), AverageMeter()
+        recent = collections.deque(maxlen=4)  # this epoch's last batches, for BatchNorm below
         speed.start()
         bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", leave=False, disable=not (is_main and sys.stdout.isatty()))
         for images, targets in bar:
             images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            recent.append((images, targets))
             output = model(images)  # scatter the batch, run replicas in threads, gather on GPU 0
             loss = criterion(output, targets)
             optimizer.zero_grad(set_to_none=True)
@@ -195,6 +198,12 @@ def main():
         loss_meter.all_reduce(device)
         acc_meter.all_reduce(device)
         diverged.all_reduce_and_check(epoch, step, model=model)  # before eval and any save: no file from NaN weights
+        # BatchNorm's running statistics trail the weights (momentum 0.1: each keeps 0.9^k of the batch k steps ago),
+        # so after a short or fast-moving epoch they no longer fit and eval's loss explodes: recompute them from
+        # this epoch's last batches through the final weights (model.module: whole batches, on one device).
+        with recomputed_batchnorm(model.module):
+            for images, _ in recent:
+                model.module(images)
 
         # -------------------------------------------------------------------------------- eval
         val_loss, val_acc1, val_acc5, val_samples = evaluate(model, val_loader, criterion, device)

@@ -38,6 +38,7 @@ What it shows (the rest is recipes/ddp_checkpoint.py):
 # launcher: torchrun
 
 import argparse
+import collections
 import datetime
 import os
 import secrets
@@ -62,7 +63,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common.checkpoint import CheckpointError, SaveError, dcp_failure, find_resume, load_checkpoint, save_atomic
 from common.data import DEFAULT_IMAGE_SIZE, DataError, build_datasets, default_workers, prepare_dataset
-from common.models import build_model, check_arch
+from common.models import build_model, check_arch, recomputed_batchnorm
 from common.outputs import check_out_dir, held_state_bytes, state_bytes
 from common.schedule import default_lr, warmup_cosine
 from common.tensorboard_log import TensorBoard
@@ -341,10 +342,12 @@ def main():
         train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
         model.train()
         loss_meter, acc_meter = AverageMeter(), AverageMeter()
+        recent = collections.deque(maxlen=4)  # this epoch's last batches, for BatchNorm below
         speed.start()
         bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", leave=False, disable=not (is_main and sys.stdout.isatty()))
         for images, targets in bar:
             images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            recent.append((images, targets))
             output = model(images)  # each block all-gathers its parameters, and frees them after its forward
             loss = criterion(output, targets)
             optimizer.zero_grad(set_to_none=True)
@@ -365,6 +368,12 @@ def main():
         loss_meter.all_reduce(device)
         acc_meter.all_reduce(device)
         diverged.all_reduce_and_check(epoch, step, model=model)  # before eval and any save: no file from NaN weights
+        # BatchNorm's running statistics trail the weights (momentum 0.1: each keeps 0.9^k of the batch k steps ago),
+        # so after a short or fast-moving epoch they no longer fit and eval's loss explodes: recompute them from
+        # this epoch's last batches through the final weights. Local, no collective; rank 0's are kept below.
+        with recomputed_batchnorm(model):  # FSDP's forward all-gathers: every rank runs its last batches
+            for images, _ in recent:
+                model(images)
 
         # -------------------------------------------------------------------------------- eval
         # Buffers (BatchNorm statistics) are not sharded: each rank's follow its own batches. Evaluate everywhere

@@ -20,6 +20,7 @@ What it shows (the rest is recipes/ddp_torchrun.py):
 # launcher: torchrun
 
 import argparse
+import collections
 import datetime
 import os
 import sys
@@ -38,7 +39,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common.data import NameFailingSamples, build_datasets, default_workers
 from common.loader import DataLoaderX
-from common.models import build_model, check_arch, unused_parameters_error
+from common.models import build_model, check_arch, recomputed_batchnorm, unused_parameters_error
 from common.outputs import check_out_dir, state_bytes
 from common.recordio import MXFaceDataset, RecordIOError
 from common.schedule import default_lr, warmup_cosine
@@ -272,10 +273,12 @@ def main():
         train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
         model.train()
         loss_meter, acc_meter = AverageMeter(), AverageMeter()
+        recent = collections.deque(maxlen=4)  # this epoch's last batches, for BatchNorm below
         speed.start()
         bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", leave=False, disable=not (is_main and sys.stdout.isatty()))
         for images, targets in bar:
             images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            recent.append((images, targets))
             try:
                 output = model(images, targets)  # the margin needs the labels; DDP checks the last backward
             except RuntimeError as exc:
@@ -302,6 +305,12 @@ def main():
         loss_meter.all_reduce(device)
         acc_meter.all_reduce(device)
         diverged.all_reduce_and_check(epoch, step, model=model)  # before eval and any save: no file from NaN weights
+        # BatchNorm's running statistics trail the weights (momentum 0.1: each keeps 0.9^k of the batch k steps ago),
+        # so after a short or fast-moving epoch they no longer fit and eval's loss explodes: recompute them from
+        # this epoch's last batches through the final weights. Local, no collective; rank 0's are kept below.
+        with recomputed_batchnorm(model.module):
+            for images, targets in recent:
+                model.module(images, targets)  # the margin head needs the labels
 
         # -------------------------------------------------------------------------------- eval
         # DDP copies rank 0's buffers (BatchNorm statistics) to the others at the start of each forward, so

@@ -26,6 +26,7 @@ What it shows (the rest is recipes/ddp_torchrun.py):
 # launcher: torchrun
 
 import argparse
+import collections
 import contextlib
 import datetime
 import itertools
@@ -43,7 +44,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common.checkpoint import find_resume, load_checkpoint, load_weights, save_atomic
 from common.data import DEFAULT_IMAGE_SIZE, DataError, build_datasets, default_workers, prepare_dataset
-from common.models import build_model, check_arch, unused_parameters_error
+from common.models import build_model, check_arch, recomputed_batchnorm, unused_parameters_error
 from common.outputs import check_out_dir, state_bytes
 from common.schedule import default_lr, warmup_cosine
 from common.tensorboard_log import TensorBoard
@@ -275,6 +276,7 @@ def main():
         train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
         model.train()
         loss_meter, acc_meter = AverageMeter(), AverageMeter()
+        recent = collections.deque(maxlen=4)  # this epoch's last batches, for BatchNorm below
         speed.start()
         micro_batches = itertools.islice(train_loader, steps_per_epoch * args.accum_steps)
         bar = tqdm(micro_batches, total=steps_per_epoch * args.accum_steps, desc=f"epoch {epoch + 1}", leave=False,
@@ -282,6 +284,7 @@ def main():
         for i, (images, targets) in enumerate(bar):
             images = images.to(device, non_blocking=True, memory_format=memory_format)
             targets = targets.to(device, non_blocking=True)
+            recent.append((images, targets))
             boundary = (i + 1) % args.accum_steps == 0
             # no_sync: gradients accumulate locally; the boundary micro-step's backward all-reduces the sum.
             with contextlib.nullcontext() if boundary else model.no_sync():
@@ -322,6 +325,13 @@ def main():
         acc_meter.all_reduce(device)
         # Before eval and any save: no file from NaN weights. fp16: a scale below 1 is divergence (a collective).
         diverged.all_reduce_and_check(epoch, step, scaler.get_scale() if scaler.is_enabled() else None, model)
+        # BatchNorm's running statistics trail the weights (momentum 0.1: each keeps 0.9^k of the batch k steps ago),
+        # so after a short or fast-moving epoch they no longer fit and eval's loss explodes: recompute them from
+        # this epoch's last batches through the final weights. Local, no collective; rank 0's are kept below.
+        with recomputed_batchnorm(model.module), torch.autocast(device.type, dtype=amp_dtype,
+                                                               enabled=amp_dtype != torch.float32):
+            for images, _ in recent:
+                model.module(images)
 
         # -------------------------------------------------------------------------------- eval
         # DDP copies rank 0's buffers (BatchNorm statistics) to the others at the start of each forward, so

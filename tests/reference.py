@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.utils.data import RandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
+from common.models import recomputed_batchnorm
 from common.schedule import warmup_cosine
 
 
@@ -107,6 +108,14 @@ def _train(model, mixed, train_set, *, world, epochs, batch, lr, accum=1, seed=0
     steps_per_epoch = shard // micro // accum
     # The recipes' schedule (common/schedule.py), stepped after every optimizer step as they step it.
     scheduler = warmup_cosine(optimizer, epochs, steps_per_epoch, warmup_epochs)
+
+    def batch(order, start):
+        images, labels = zip(*(train_set[i] for i in order[start:start + micro]), strict=True)
+        return torch.stack(images), torch.tensor(labels)
+
+    def forward(images, labels):
+        return model(mixed.cast_input(images), labels) if with_labels else model(mixed.cast_input(images))
+
     losses = []
     for epoch in range(epochs):
         model.train()
@@ -118,12 +127,9 @@ def _train(model, mixed, train_set, *, world, epochs, batch, lr, accum=1, seed=0
             for rank, order in enumerate(orders):
                 kept = {k: v.clone() for k, v in model.named_buffers()}  # rank 0's statistics are the ones kept
                 for m in range(accum):
-                    start = (step * accum + m) * micro
-                    images, labels = zip(*(train_set[i] for i in order[start:start + micro]), strict=True)
-                    images, labels = torch.stack(images), torch.tensor(labels)
+                    images, labels = batch(order, (step * accum + m) * micro)
                     with mixed.autocast():
-                        output = model(mixed.cast_input(images), labels) if with_labels else model(
-                            mixed.cast_input(images))
+                        output = forward(images, labels)
                         loss = F.cross_entropy(output.float(), labels)
                     mixed.backward(loss / (accum * world), optimizer)  # DDP averages over ranks; /K per micro-step
                     total, count = total + loss.item() * len(labels), count + len(labels)
@@ -133,6 +139,11 @@ def _train(model, mixed, train_set, *, world, epochs, batch, lr, accum=1, seed=0
                             buffer.copy_(kept[name])
             mixed.step(optimizer)
             scheduler.step()
+        # The recipes then recompute BatchNorm's statistics from each rank's last 4 (micro-)batches of the epoch,
+        # and keep rank 0's.
+        with recomputed_batchnorm(model), mixed.autocast():
+            for start in [(step * accum + m) * micro for step in range(steps) for m in range(accum)][-4:]:
+                forward(*batch(orders[0], start))
         losses.append(total / count)
     return losses, model
 

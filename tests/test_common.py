@@ -24,7 +24,7 @@ from common import checkpoint
 from common.checkpoint import SaveError, save_atomic
 from common.data import DataError, SyntheticImages, build_datasets, prepare_dataset
 from common.loader import DataLoaderX
-from common.models import build_model, check_arch, unused_parameters_error
+from common.models import build_model, check_arch, recomputed_batchnorm, unused_parameters_error
 from common.utils import AverageMeter, Throughput, accuracy, first_line, gather_values, human, one_line_errors
 
 # ------------------------------------------------------------------------------ meters, accuracy
@@ -150,6 +150,36 @@ def test_unknown_arch_suggests_close_names():
     with pytest.raises(ValueError, match="unknown --arch 'resnet19'; did you mean resnet18"):
         check_arch("resnet19")
     assert build_model("resnet18", 7).fc.out_features == 7
+
+
+def test_recomputed_batchnorm_takes_the_mean_of_the_batches_run_and_restores_the_rest():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4)).eval()
+    norm = model[1]
+    norm.running_mean.fill_(5.0)  # statistics that trail the weights
+    batches = [torch.randn(8, 3, 5, 5) * 3 + 1 for _ in range(3)]
+    with recomputed_batchnorm(model):
+        for x in batches:
+            model(x)
+    with torch.no_grad():
+        inputs = [model[0](x) for x in batches]
+    expected_mean = torch.stack([h.mean(dim=(0, 2, 3)) for h in inputs]).mean(0)
+    expected_var = torch.stack([h.var(dim=(0, 2, 3), unbiased=True) for h in inputs]).mean(0)
+    assert torch.allclose(norm.running_mean, expected_mean, atol=1e-6)
+    assert torch.allclose(norm.running_var, expected_var, atol=1e-5)
+    assert norm.momentum == 0.1 and not model.training and int(norm.num_batches_tracked) == 3
+    assert all(p.grad is None for p in model.parameters())
+    # With one batch, eval (running statistics) now computes what train mode (the batch's) computes, up to the
+    # running variance's unbiased n / (n - 1) (n = 8 x 5 x 5 values per channel).
+    with recomputed_batchnorm(model):
+        model(batches[0])
+    with torch.no_grad():
+        assert torch.allclose(model(batches[0]), model.train()(batches[0]), rtol=0.01, atol=0.01)
+    # No batch run: the statistics it had are kept, not reset to 0 and 1.
+    before = {k: v.clone() for k, v in norm.named_buffers()}
+    with recomputed_batchnorm(model.eval()):
+        pass
+    assert all(torch.equal(before[k], v) for k, v in norm.named_buffers()) and not model.training
 
 
 def test_unused_parameters_error_names_the_parameters():

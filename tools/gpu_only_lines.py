@@ -1,0 +1,134 @@
+"""The lines of recipes/ and common/ that no CPU test runs, each with the guard that keeps the CPU out of it.
+
+    python tools/gpu_only_lines.py           # the whole suite under coverage, subprocesses included (~45 min)
+
+It runs `python -m pytest` (or --pytest-args) under coverage.py, every recipe process, torchrun rank and spawned
+worker included (`[run] patch = subprocess, _exit`: the recipes leave with os._exit after an error), and writes
+docs/gpu_only_lines.md: each line that never ran, grouped by file, under the closest enclosing guard that only a GPU
+or a real apex passes (an `if` / ternary / `while` whose condition names CUDA, NCCL, GPUs, pinned memory or apex,
+or a function or class named in GPU_ONLY_DEFS). A line that never ran and has no such guard is listed apart: no
+GPU is needed for it, so a CPU test should run it (the tool exits 1 while there is one).
+"""
+
+import argparse
+import ast
+import datetime
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tools/ run as a script
+
+OUT = REPO / "docs" / "gpu_only_lines.md"
+# A condition that only a GPU (or a real apex on one) makes take the branch the CPU never takes.
+GPU_CONDITION = re.compile(r"cuda|nccl|\bgpus?\b|ranks_per_gpu|pin_memory|impl == \"apex\"|\bapex\b|channels_last")
+# Whole functions and classes that run only on a GPU, with the reason.
+GPU_ONLY_DEFS = {
+    "ApexAmp": "real apex's amp: amp.initialize refuses CPU parameters",
+}
+
+
+def guard_of(tree, source, line):
+    """The closest enclosing node of `line` that keeps the CPU out: (its line, its text), or None."""
+    best = None
+    for node in ast.walk(tree):
+        if not (getattr(node, "lineno", None) and node.lineno <= line <= (node.end_lineno or node.lineno)):
+            continue
+        text = None
+        # An if / while around the line (not its own condition), or a conditional expression on it.
+        if isinstance(node, ast.IfExp) or isinstance(node, (ast.If, ast.While)) and line > node.test.end_lineno:
+            condition = " ".join((ast.get_source_segment(source, node.test) or "").split())
+            if GPU_CONDITION.search(condition):
+                text = f"{'while' if isinstance(node, ast.While) else 'if'} {condition}"
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in GPU_ONLY_DEFS:
+            text = f"{node.name}: {GPU_ONLY_DEFS[node.name]}"
+        # The closest guard; a conditional expression only where no statement guards the line.
+        rank = (not isinstance(node, ast.IfExp), node.lineno)
+        if text and (best is None or rank >= best[0]):
+            best = (rank, text)
+    return (best[0][1], best[1]) if best else None
+
+
+def classify(path, statements, missing):
+    """[(first line, last line, guard line or None, guard text or None, first line's text)] for the statement lines
+    in `missing` (never ran); neighbours under the same guard with no statement that ran between them are joined."""
+    source = path.read_text()
+    tree, lines = ast.parse(source), source.splitlines()
+    ran = set(statements) - set(missing)
+    out = []
+    for line in sorted(missing):
+        where, text = guard_of(tree, source, line) or (None, None)
+        if out and out[-1][2:4] == (where, text) and not any(out[-1][1] < k < line for k in ran):
+            out[-1] = (out[-1][0], line, where, text, out[-1][4])
+        else:
+            out.append((line, line, where, text, lines[line - 1].strip()))
+    return out
+
+
+def measure(pytest_args, data_dir):
+    """Run pytest under coverage into data_dir; the combined coverage.Coverage, and pytest's exit code."""
+    import coverage
+
+    rc = data_dir / "coveragerc"
+    rc.write_text("[run]\npatch = subprocess\n    _exit\nparallel = true\n"
+                  f"source =\n    {REPO / 'recipes'}\n    {REPO / 'common'}\ndata_file = {data_dir / '.coverage'}\n")
+    code = subprocess.call([sys.executable, "-m", "coverage", "run", f"--rcfile={rc}", "-m", "pytest",
+                            "-p", "no:cacheprovider", *pytest_args], cwd=REPO)
+    cov = coverage.Coverage(config_file=str(rc))
+    cov.combine(strict=True)
+    cov.save()
+    cov.load()
+    return cov, code
+
+
+def report(cov, command):
+    """The markdown list, and the number of lines with no GPU guard."""
+    guarded, unguarded, total = [], [], 0
+    for path in sorted([*(REPO / "recipes").glob("*.py"), *(REPO / "common").glob("*.py")]):
+        _, statements, _, missing, _ = cov.analysis2(str(path))
+        total += len(missing)
+        for first, last, where, text, code in classify(path, statements, missing):
+            name = path.relative_to(REPO)
+            span = f"{first}" if first == last else f"{first}-{last}"
+            if where is None:
+                unguarded.append(f"- `{name}:{span}` `{code}`")
+            else:
+                guarded.append((str(name), f"- {span}: under `{text}` (line {where}), first `{code}`"))
+    lines = ["# GPU-only lines", "",
+             f"{total} statement lines of `recipes/` and `common/` run in no CPU test: measured by `{command}` on "
+             f"{datetime.date.today()} (coverage.py over every process the suite starts). Each is listed under the "
+             "closest guard that keeps a CPU out of it; the GPU tier (`python -m pytest -m gpu`) runs them. "
+             "Regenerate with `python tools/gpu_only_lines.py`.", ""]
+    for name in dict.fromkeys(n for n, _ in guarded):
+        entries = [e for n, e in guarded if n == name]
+        lines += [f"## {name}", "", *entries, ""]
+    lines += ["## Not run on the CPU, no GPU guard", "",
+              *(unguarded or ["None: every line the CPU tests leave out sits behind a GPU guard."]), ""]
+    return "\n".join(lines), total, len(unguarded)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--pytest-args", default="", help="run only these (quoted); default: the whole suite")
+    p.add_argument("--out", type=Path, default=OUT)
+    args = p.parse_args(argv)
+    pytest_args = shlex.split(args.pytest_args)
+    with tempfile.TemporaryDirectory(prefix="gpu_only_lines_") as tmp:
+        cov, code = measure(pytest_args, Path(tmp))
+        if code != 0:
+            print(f"gpu_only_lines: error: pytest exited {code}: a failing suite measures nothing trustworthy",
+                  file=sys.stderr)
+            return 1
+        command = "python -m pytest" + (f" {args.pytest_args}" if pytest_args else "")
+        text, total, unguarded = report(cov, command)
+    args.out.write_text(text)
+    print(f"gpu_only_lines: {total} lines no CPU test runs, {unguarded} of them without a GPU guard; wrote {args.out}")
+    return 1 if unguarded else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
