@@ -5,7 +5,10 @@ actionable message on missing or malformed data; recipes turn that into `error: 
 A file that fails to load during training raises SampleError naming the sample (recipes exit 1).
 """
 
+import contextlib
+import fcntl
 import os
+import sys
 
 import torch
 from torch.utils.data import Dataset
@@ -97,19 +100,55 @@ def default_workers(workers, processes_per_node):
 
 
 def prepare_dataset(name, root):
-    """Download what needs downloading. Call on one process per node, then barrier, then build."""
+    """Download what needs downloading. Call on one process per node, then barrier, then build.
+
+    Nodes whose `root` is one shared folder call this at the same moment. torchvision writes the archive and its
+    contents straight under their final names, so two downloads at once would write over each other, and a node
+    that checked while another was writing would read half a file. So the check and the download run under an
+    exclusive lock on ROOT/.download.lock: the nodes take turns, the first downloads, and the others find the files
+    whole (torchvision checks each file's md5 first) and download nothing. On a folder of each node's own, each
+    node downloads its own copy, as before."""
     if name != "cifar100":
         return
     try:
         import torchvision  # only where it is used: importing it costs each process over a second
 
-        torchvision.datasets.CIFAR100(root, train=True, download=True)
+        with exclusive_lock(root):
+            torchvision.datasets.CIFAR100(root, train=True, download=True)
     except Exception as exc:  # URLError offline, HTTPError, disk full: all need the same advice
         raise DataError(
             f"could not download CIFAR-100 into {root!r} ({type(exc).__name__}: {exc}). Offline? copy "
             f"cifar-100-python.tar.gz from a machine with internet into {root!r}, "
             "or use --dataset synthetic / --dataset imagefolder"
         ) from exc
+
+
+DOWNLOAD_LOCK = ".download.lock"
+
+
+@contextlib.contextmanager
+def exclusive_lock(folder):
+    """Run the block while holding an exclusive fcntl.flock on FOLDER/.download.lock (FOLDER made if missing): the
+    processes that lock the same folder run their blocks one at a time, on this machine and, through a shared file
+    system, on others. Linux's NFS client makes flock a lock on the server (man 2 flock, "NOTES"); a mount that keeps
+    locks within one node (NFS local_lock=flock, Lustre's localflock) gives no turns across nodes, and one with no
+    locks at all fails the call: the block then runs unlocked after a warning. The lock ends with the file's last
+    descriptor, also when the process is killed, so none is left stale. A folder where the lock file cannot be
+    made (read-only: data someone else put there) needs none: nobody can download into it."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, DOWNLOAD_LOCK)
+    try:
+        lock = open(path, "a")  # "a": makes it if missing, never truncates one another process holds
+    except OSError:
+        lock = None
+    with lock if lock is not None else contextlib.nullcontext():
+        if lock is not None:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # waits for whoever holds it
+            except OSError as exc:  # ENOLCK (NFS without its lock service), ENOSYS (Lustre mounted without flock)
+                print(f"warning: cannot lock {path} ({exc.strerror}): nodes sharing this folder may download into "
+                      "it at once; download once on one node first", file=sys.stderr, flush=True)
+        yield
 
 
 def transforms(size, flip, mean, std):

@@ -193,7 +193,7 @@ def main():
 
     # ------------------------------------------------------------------------------------ data
     try:
-        if local_rank == 0:  # one download per node; the others wait at the barrier
+        if local_rank == 0:  # one per node (in turn on a shared folder: one download); the others wait at the barrier
             prepare_dataset(args.dataset, args.data_root)
         dist.barrier()
         train_set, val_set, num_classes = build_datasets(

@@ -222,7 +222,7 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
 
     # ------------------------------------------------------------------------------------ data
     try:
-        if local_rank == 0:  # one download per node; the others wait at the barrier
+        if local_rank == 0:  # one per node (in turn on a shared folder: one download); the others wait at the barrier
             prepare_dataset(args.dataset, args.data_root)
         # Unbound NCCL (--model-parallel) must be told the GPU, or it guesses rank % GPU count: another worker's.
         dist.barrier(device_ids=[device.index] if backend == "nccl" else None)

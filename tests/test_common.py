@@ -197,6 +197,57 @@ def test_cifar100_offline_download_says_what_to_do(tmp_path):
         prepare_dataset("cifar100", str(tmp_path))
 
 
+def fake_cifar():
+    """tests/fake_cifar/sitecustomize.py, the test double of torchvision's CIFAR-100 download, as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fake_cifar", os.path.join(os.path.dirname(__file__), "fake_cifar",
+                                                                             "sitecustomize.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # FAKE_CIFAR_DOWNLOADS unset: it installs nothing by itself
+    return module
+
+
+def _prepare_with_the_fake_download(root, log):
+    fake_cifar().install(torchvision.datasets.cifar, log, seconds=1.0)  # in this forked process only
+    prepare_dataset("cifar100", root)
+
+
+def test_processes_preparing_one_folder_at_once_download_it_once(tmp_path):
+    # What two nodes on one shared --data-root do (tests/test_cluster.py runs the recipes so), as two processes:
+    # the second waits for the first's lock, then finds every file whole and downloads nothing.
+    root, log = tmp_path / "a" / "data", tmp_path / "downloads.log"  # parents made too
+    fork = multiprocessing.get_context("fork")
+    procs = [fork.Process(target=_prepare_with_the_fake_download, args=(str(root), str(log))) for _ in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=60)
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert len(log.read_text().splitlines()) == 1, log.read_text()
+    whole = fake_cifar().files()
+    assert {name: (root / "cifar-100-python" / name).read_bytes() for name in whole} == whole
+    assert (root / ".download.lock").is_file()
+
+
+def test_cifar100_in_a_folder_that_takes_no_lock_file_is_used_as_it_is(tmp_path, monkeypatch):
+    # A read-only shared folder that someone filled (the tests run as root, whom chmod does not stop: a directory
+    # where the lock file would go stands in for it). There is nothing to wait for and nothing to download.
+    fake = fake_cifar()
+    (tmp_path / "cifar-100-python").mkdir()
+    for name, data in fake.files().items():
+        (tmp_path / "cifar-100-python" / name).write_bytes(data)
+    (tmp_path / ".download.lock").mkdir()
+    monkeypatch.setattr(torchvision.datasets.cifar.CIFAR100, "train_list", [["train", None]])
+    monkeypatch.setattr(torchvision.datasets.cifar.CIFAR100, "test_list", [["test", None]])
+    monkeypatch.setattr(torchvision.datasets.cifar.CIFAR100, "meta", {"filename": "meta", "key": "fine_label_names",
+                                                                      "md5": None})
+    monkeypatch.setattr(torchvision.datasets.cifar, "download_and_extract_archive",
+                        lambda *args, **kwargs: pytest.fail("downloaded into a folder that had the data"))
+    prepare_dataset("cifar100", str(tmp_path))
+    assert build_datasets("cifar100", str(tmp_path))[2] == 100
+
+
 def test_cifar100_builder_on_generated_pickles(tmp_path, monkeypatch):
     # The real archive cannot be downloaded here; torchvision's class reads these files unchanged
     # once its md5 table (which only the real files match) is pointed at them.
