@@ -10,12 +10,14 @@
 What it shows (the rest is recipes/ddp_torchrun.py):
 - Each epoch rank 0 writes OUT_DIR/latest.pt: model (no "module." prefix), optimizer, LR scheduler,
   epoch, step, best accuracy, every rank's RNG state and the args. When validation accuracy improves
-  it also writes best.pt. Then dist.barrier(), then every rank loads latest.pt with
-  map_location=its own device (write-up 000's save -> barrier -> load): without the barrier a fast
-  rank reads a half-written file; without map_location every rank loads onto the GPU it was saved from.
-  (This reload also proves the file loads on every rank now, not on the day you need it.) The folder
-  must be one every node sees: checked at start-up, before the first step, with the room the
-  checkpoints need (common.outputs.check_out_dir).
+  it also writes best.pt. Then dist.barrier(), then every rank loads the weights back from latest.pt
+  (write-up 000's save -> barrier -> load): without the barrier a fast rank reads a half-written file.
+  Each loads with map_location="cpu" and mmap=True: the file is mapped, and only the weights are read,
+  as they are copied into the model on the rank's device; the optimizer and RNG states stay on disk.
+  --resume loads all of it with map_location=its own device: without map_location every rank loads
+  onto the GPU it was saved from. (The reload also proves the file loads on every rank now, not on
+  the day you need it.) The folder must be one every node sees: checked at start-up, before the
+  first step, with the room the checkpoints need (common.outputs.check_out_dir).
 - Writes are atomic (common.checkpoint.save_atomic): a temp file in the same directory, then os.replace.
   A crash or a full disk mid-write leaves the previous checkpoint whole; a failed write is one line.
 - --resume PATH|auto restores all of it and continues: the same losses and, on CPU, bitwise the same
@@ -340,7 +342,8 @@ def main():
                 print0(f"best: epoch={epoch + 1} val_acc1={val_acc1:.2f} saved {best}")
         dist.barrier()  # nobody reads latest.pt before rank 0 has finished writing it
         diverged.last_good = latest
-        load_weights(model.module, load_checkpoint(latest, map_location=device)["model"], latest)
+        # The weights alone, mapped: read only as they are copied in (not the optimizer and RNG states onto the GPU)
+        load_weights(model.module, load_checkpoint(latest, map_location="cpu", mmap=True)["model"], latest)
         if step >= total_steps:
             break
 
