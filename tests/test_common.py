@@ -22,7 +22,14 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from common import checkpoint
 from common.checkpoint import SaveError, save_atomic
-from common.data import DataError, SyntheticImages, build_datasets, prepare_dataset
+from common.data import (
+    DataError,
+    SyntheticImages,
+    build_datasets,
+    default_worker_count,
+    default_workers,
+    prepare_dataset,
+)
 from common.loader import DataLoaderX
 from common.models import build_model, check_arch, unused_parameters_error
 from common.utils import AverageMeter, Throughput, accuracy, first_line, gather_values, human, one_line_errors
@@ -190,6 +197,17 @@ def test_imagefolder_errors_are_actionable(tmp_path, imagefolder):
     message = r"different class folders \(only in train: \['cat'\], only in val: \['dog'\]\)"
     with pytest.raises(DataError, match=message):
         build_datasets("imagefolder", str(mismatch))
+
+
+def test_default_workers_one_per_spare_core_of_each_process_at_most_16(monkeypatch):
+    assert [default_worker_count(cores, 8) for cores in (8, 16, 64, 128, 256)] == [0, 1, 7, 15, 16]
+    assert [default_worker_count(2, processes) for processes in (1, 2, 4)] == [1, 0, 0]  # never negative
+    assert [default_worker_count(cores, 1) for cores in (16, 17, 18, 512)] == [15, 16, 16, 16]
+    assert default_worker_count(7, 0) == 6  # 0 processes counts as 1
+    # The cores are the process's own (a scheduler's cgroup or taskset), not the machine's.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert default_workers(None, 8) == 7 and default_workers(None, 2) == 16
+    assert default_workers(0, 8) == 0 and default_workers(32, 8) == 32  # --workers as given, beyond the ceiling too
 
 
 def test_cifar100_offline_download_says_what_to_do(tmp_path):
