@@ -83,11 +83,13 @@ def find_resume(resume, latest):
     return None
 
 
-def load_checkpoint(path, map_location, require=()):
+def load_checkpoint(path, map_location, require=(), mmap=False):
     """torch.load(weights_only=True) onto `map_location` (this rank's device, not the one it was saved
-    from). `require`: the keys a checkpoint of this recipe must have."""
+    from). `require`: the keys a checkpoint of this recipe must have. mmap=True with map_location="cpu": the file is
+    mapped, not read, and only the bytes of the tensors the caller then uses are read from it (torch.load's mmap;
+    onto a GPU, every tensor would be copied there, read or not)."""
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except (PermissionError, FileNotFoundError, IsADirectoryError) as exc:  # the system's own words say it
         raise CheckpointError(f"cannot load {path} ({type(exc).__name__}: {exc})") from exc
     except Exception as exc:  # truncated (OSError EINVAL from the zip reader), not a zip, pickled objects, OOM

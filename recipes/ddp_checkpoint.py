@@ -10,12 +10,14 @@
 What it shows (the rest is recipes/ddp_torchrun.py):
 - Each epoch rank 0 writes OUT_DIR/latest.pt: model (no "module." prefix), optimizer, LR scheduler,
   epoch, step, best accuracy, every rank's RNG state and the args. When validation accuracy improves
-  it also writes best.pt. Then dist.barrier(), then every rank loads latest.pt with
-  map_location=its own device (write-up 000's save -> barrier -> load): without the barrier a fast
-  rank reads a half-written file; without map_location every rank loads onto the GPU it was saved from.
-  (This reload also proves the file loads on every rank now, not on the day you need it.) The folder
-  must be one every node sees: checked at start-up, before the first step, with the room the
-  checkpoints need (common.outputs.check_out_dir).
+  it also writes best.pt. Then dist.barrier(), then every rank loads the weights back from latest.pt
+  (write-up 000's save -> barrier -> load): without the barrier a fast rank reads a half-written file.
+  Each loads with map_location="cpu" and mmap=True: the file is mapped, and only the weights are read,
+  as they are copied into the model on the rank's device; the optimizer and RNG states stay on disk.
+  --resume loads all of it with map_location=its own device: without map_location every rank loads
+  onto the GPU it was saved from. (The reload also proves the file loads on every rank now, not on
+  the day you need it.) The folder must be one every node sees: checked at start-up, before the
+  first step, with the room the checkpoints need (common.outputs.check_out_dir).
 - Writes are atomic (common.checkpoint.save_atomic): a temp file in the same directory, then os.replace.
   A crash or a full disk mid-write leaves the previous checkpoint whole; a failed write is one line.
 - --resume PATH|auto restores all of it and continues: the same losses and, on CPU, bitwise the same
@@ -81,7 +83,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, help="GLOBAL batch, split evenly across processes "
                    "(default: 128, rounded down to a multiple of the process count: 126 on 3)")
     p.add_argument("--workers", type=int,
-                   help="DataLoader workers PER PROCESS (default: cores per process - 1, at most 4)")
+                   help="DataLoader workers PER PROCESS (default: cores per process - 1, at most 16)")
     p.add_argument("--lr", type=float, help="peak learning rate (default: 0.1 x global batch / 128)")
     p.add_argument("--warmup-epochs", type=float, default=1,
                    help="linear learning-rate warm-up, then cosine (at most a third of the run)")
@@ -185,7 +187,7 @@ def main():
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     batch_per_process = args.batch_size // world_size
-    # --workers counts per process; unset: one per core this process has beyond its own, at most 4.
+    # --workers counts per process; unset: one per core this process has beyond its own, at most 16.
     workers_per_process = default_workers(args.workers, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     print0(f"setup: world_size={world_size} backend={backend} device={device.type} "
            f"global_batch={args.batch_size} ({batch_per_process} per process x {world_size}), "
@@ -193,7 +195,7 @@ def main():
 
     # ------------------------------------------------------------------------------------ data
     try:
-        if local_rank == 0:  # one download per node; the others wait at the barrier
+        if local_rank == 0:  # one per node (in turn on a shared folder: one download); the others wait at the barrier
             prepare_dataset(args.dataset, args.data_root)
         dist.barrier()
         train_set, val_set, num_classes = build_datasets(
@@ -347,7 +349,8 @@ def main():
                 print0(f"best: epoch={epoch + 1} val_acc1={val_acc1:.2f} saved {best}")
         dist.barrier()  # nobody reads latest.pt before rank 0 has finished writing it
         diverged.last_good = latest
-        load_weights(model.module, load_checkpoint(latest, map_location=device)["model"], latest)
+        # The weights alone, mapped: read only as they are copied in (not the optimizer and RNG states onto the GPU)
+        load_weights(model.module, load_checkpoint(latest, map_location="cpu", mmap=True)["model"], latest)
         if step >= total_steps:
             break
 

@@ -72,7 +72,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, help="GLOBAL batch, split evenly across processes "
                    "(default: 128, rounded down to a multiple of the process count: 126 on 3)")
     p.add_argument("--workers", type=int,
-                   help="DataLoader workers PER PROCESS (default: cores per process - 1, at most 4)")
+                   help="DataLoader workers PER PROCESS (default: cores per process - 1, at most 16)")
     p.add_argument("--lr", type=float, help="peak learning rate (default: 0.1 x global batch / 128)")
     p.add_argument("--warmup-epochs", type=float, default=1,
                    help="linear learning-rate warm-up, then cosine (at most a third of the run)")
@@ -224,7 +224,7 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
 
     # ------------------------------------------------------------------------------------ data
     try:
-        if local_rank == 0:  # one download per node; the others wait at the barrier
+        if local_rank == 0:  # one per node (in turn on a shared folder: one download); the others wait at the barrier
             prepare_dataset(args.dataset, args.data_root)
         # Unbound NCCL (--model-parallel) must be told the GPU, or it guesses rank % GPU count: another worker's.
         dist.barrier(device_ids=[device.index] if backend == "nccl" else None)

@@ -57,7 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--arch", default="resnet18", help="torchvision model name, or tiny / tiny_unused")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=128, help="whole batch, split across the GPUs")
-    p.add_argument("--workers", type=int, help="DataLoader workers (one process; default: cores - 1, at most 4)")
+    p.add_argument("--workers", type=int, help="DataLoader workers (one process; default: cores - 1, at most 16)")
     p.add_argument("--lr", type=float, help="peak learning rate (default: 0.1 x global batch / 128)")
     p.add_argument("--warmup-epochs", type=float, default=1,
                    help="linear learning-rate warm-up, then cosine (at most a third of the run)")
@@ -129,7 +129,7 @@ def main():
     batch_per_process = args.batch_size
     workers_per_process = default_workers(args.workers, processes_per_node=1)
     where = f"DataParallel over {num_gpus} GPU(s)" if num_gpus else "no GPU, DataParallel passes through"
-    print0(f"setup: 1 process, {where}, batch={args.batch_size} (split across the GPUs), workers={args.workers}")
+    print0(f"setup: 1 process, {where}, batch={args.batch_size} (split across the GPUs), workers={workers_per_process}")
 
     # ------------------------------------------------------------------------------------ data
     try:

@@ -77,7 +77,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, help="GLOBAL batch per optimizer step, split evenly across "
                    "processes and --accum-steps (default: 128, rounded down to a multiple of processes x accum-steps)")
     p.add_argument("--workers", type=int,
-                   help="DataLoader workers PER PROCESS (default: cores per process - 1, at most 4)")
+                   help="DataLoader workers PER PROCESS (default: cores per process - 1, at most 16)")
     p.add_argument("--lr", type=float, help="peak learning rate (default: 0.1 x global batch / 128)")
     p.add_argument("--warmup-epochs", type=float, default=1,
                    help="linear learning-rate warm-up, then cosine (at most a third of the run)")
@@ -185,7 +185,7 @@ def main():
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     batch_per_process = args.batch_size // world_size
     micro_batch = batch_per_process // args.accum_steps
-    # --workers counts per process; unset: one per core this process has beyond its own, at most 4.
+    # --workers counts per process; unset: one per core this process has beyond its own, at most 16.
     workers_per_process = default_workers(args.workers, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     print0(f"setup: world_size={world_size} backend={backend} device={device.type} "
            f"global_batch={args.batch_size} ({batch_per_process} per process x {world_size}, "
@@ -198,7 +198,7 @@ def main():
 
     # ------------------------------------------------------------------------------------ data
     try:
-        if local_rank == 0:  # one download per node; the others wait at the barrier
+        if local_rank == 0:  # one per node (in turn on a shared folder: one download); the others wait at the barrier
             prepare_dataset(args.dataset, args.data_root)
         dist.barrier()
         train_set, val_set, num_classes = build_datasets(

@@ -94,6 +94,29 @@ def test_two_launch_sh_nodes_equal_one_node_with_two_processes(tmp_path):
     assert not (tmp_path / "node1").exists()  # rank 0 saves; the other node writes nothing
 
 
+@pytest.mark.slow
+def test_two_nodes_sharing_a_data_root_download_cifar100_once(tmp_path):
+    # Each node's local rank 0 prepares the data just after the rendezvous, so both reach the download together.
+    # tests/fake_cifar (a test double of torchvision's download) writes the files slowly, under their final names,
+    # as the real one does, and logs each download: without the lock both nodes downloaded (or one read the
+    # other's half-written file).
+    log, data = tmp_path / "downloads.log", tmp_path / "data"
+    port = str(free_port())
+    nodes = [Job("recipes/ddp_torchrun.py", "cpu:1", *TINY, "--dataset", "cifar100", "--data-root", data,
+                 "--max-steps", "2", "--batch-size", "16", "--out-dir", tmp_path / "out", env={
+                     "NNODES": "2", "NODE_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                     "PYTHONPATH": str(REPO / "tests" / "fake_cifar"), "FAKE_CIFAR_DOWNLOADS": str(log)})
+             for rank in (0, 1)]
+    assert [node.finish(timeout=180) for node in nodes] == [0, 0], [node.output() for node in nodes]
+    downloads = log.read_text().splitlines()
+    print("\n".join(downloads))
+    assert len(downloads) == 1 and f"into={data}" in downloads[0], downloads
+    assert not any("warning" in "".join(node.stderr) for node in nodes), [node.output() for node in nodes]
+    result = result_of(subprocess.CompletedProcess([], 0, "".join(nodes[0].stdout), ""))
+    assert (result["world_size"], result["steps"], result["val_samples"]) == (2, 2, 16), result  # both trained
+    assert "data: cifar100 train=64 val=16 classes=100" in "".join(nodes[0].stdout)
+
+
 def sbatch_node(node, env, *args):
     """slurm/train.sbatch's node part, as srun starts it on node `node` of a 2-node allocation."""
     full = launch_env({"SLURM_NNODES": "2", "SLURM_NODEID": str(node), "SLURM_SUBMIT_DIR": str(REPO),

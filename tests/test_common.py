@@ -22,7 +22,14 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from common import checkpoint
 from common.checkpoint import SaveError, save_atomic
-from common.data import DataError, SyntheticImages, build_datasets, prepare_dataset
+from common.data import (
+    DataError,
+    SyntheticImages,
+    build_datasets,
+    default_worker_count,
+    default_workers,
+    prepare_dataset,
+)
 from common.loader import DataLoaderX
 from common.models import build_model, check_arch, recomputed_batchnorm, unused_parameters_error
 from common.utils import AverageMeter, Throughput, accuracy, first_line, gather_values, human, one_line_errors
@@ -230,9 +237,71 @@ def test_imagefolder_errors_are_actionable(tmp_path, imagefolder):
         build_datasets("imagefolder", str(mismatch))
 
 
+def test_default_workers_one_per_spare_core_of_each_process_at_most_16(monkeypatch):
+    assert [default_worker_count(cores, 8) for cores in (8, 16, 64, 128, 256)] == [0, 1, 7, 15, 16]
+    assert [default_worker_count(2, processes) for processes in (1, 2, 4)] == [1, 0, 0]  # never negative
+    assert [default_worker_count(cores, 1) for cores in (16, 17, 18, 512)] == [15, 16, 16, 16]
+    assert default_worker_count(7, 0) == 6  # 0 processes counts as 1
+    # The cores are the process's own (a scheduler's cgroup or taskset), not the machine's.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert default_workers(None, 8) == 7 and default_workers(None, 2) == 16
+    assert default_workers(0, 8) == 0 and default_workers(32, 8) == 32  # --workers as given, beyond the ceiling too
+
+
 def test_cifar100_offline_download_says_what_to_do(tmp_path):
     with pytest.raises(DataError, match="could not download CIFAR-100 .* Offline\\? copy cifar-100-python.tar.gz"):
         prepare_dataset("cifar100", str(tmp_path))
+
+
+def fake_cifar():
+    """tests/fake_cifar/sitecustomize.py, the test double of torchvision's CIFAR-100 download, as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fake_cifar", os.path.join(os.path.dirname(__file__), "fake_cifar",
+                                                                             "sitecustomize.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # FAKE_CIFAR_DOWNLOADS unset: it installs nothing by itself
+    return module
+
+
+def _prepare_with_the_fake_download(root, log):
+    fake_cifar().install(torchvision.datasets.cifar, log, seconds=1.0)  # in this forked process only
+    prepare_dataset("cifar100", root)
+
+
+def test_processes_preparing_one_folder_at_once_download_it_once(tmp_path):
+    # What two nodes on one shared --data-root do (tests/test_cluster.py runs the recipes so), as two processes:
+    # the second waits for the first's lock, then finds every file whole and downloads nothing.
+    root, log = tmp_path / "a" / "data", tmp_path / "downloads.log"  # parents made too
+    fork = multiprocessing.get_context("fork")
+    procs = [fork.Process(target=_prepare_with_the_fake_download, args=(str(root), str(log))) for _ in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=60)
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert len(log.read_text().splitlines()) == 1, log.read_text()
+    whole = fake_cifar().files()
+    assert {name: (root / "cifar-100-python" / name).read_bytes() for name in whole} == whole
+    assert (root / ".download.lock").is_file()
+
+
+def test_cifar100_in_a_folder_that_takes_no_lock_file_is_used_as_it_is(tmp_path, monkeypatch):
+    # A read-only shared folder that someone filled (the tests run as root, whom chmod does not stop: a directory
+    # where the lock file would go stands in for it). There is nothing to wait for and nothing to download.
+    fake = fake_cifar()
+    (tmp_path / "cifar-100-python").mkdir()
+    for name, data in fake.files().items():
+        (tmp_path / "cifar-100-python" / name).write_bytes(data)
+    (tmp_path / ".download.lock").mkdir()
+    monkeypatch.setattr(torchvision.datasets.cifar.CIFAR100, "train_list", [["train", None]])
+    monkeypatch.setattr(torchvision.datasets.cifar.CIFAR100, "test_list", [["test", None]])
+    monkeypatch.setattr(torchvision.datasets.cifar.CIFAR100, "meta", {"filename": "meta", "key": "fine_label_names",
+                                                                      "md5": None})
+    monkeypatch.setattr(torchvision.datasets.cifar, "download_and_extract_archive",
+                        lambda *args, **kwargs: pytest.fail("downloaded into a folder that had the data"))
+    prepare_dataset("cifar100", str(tmp_path))
+    assert build_datasets("cifar100", str(tmp_path))[2] == 100
 
 
 def test_cifar100_builder_on_generated_pickles(tmp_path, monkeypatch):

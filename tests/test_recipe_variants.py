@@ -1,5 +1,6 @@
 """The sibling recipes: ddp_launch, ddp_spawn, torch_amp, ddp_checkpoint (real gloo runs on CPU)."""
 
+import json
 import re
 import shutil
 import subprocess
@@ -138,19 +139,20 @@ def test_fp16_trains_and_the_scaler_state_survives_resume(tmp_path):
 @pytest.fixture(scope="module")
 def checkpoint_runs(tmp_path_factory):
     """3 epochs straight, and 1 epoch + stop + resume for 2 (on 2 ranks, and on 1), on PNGs with random
-    augmentation and workers; every run logs each epoch's RNG state (tests/instrument) into tmp/rng_<run>."""
+    augmentation and workers; every run logs each epoch's RNG state (tests/instrument) into tmp/rng_<run>, and the
+    2-rank runs each torch.load call into tmp/loads_<run>."""
     tmp = tmp_path_factory.mktemp("ckpt")
     data = make_imagefolder(tmp / "data")
     args = ["--dataset", "imagefolder", "--data-root", data, "--image-size", "16", "--batch-size", "8",
             "--arch", "tiny", "--workers", "1", "--epochs", "3"]
     straight = launch("recipes/ddp_checkpoint.py", "cpu:2", *args, "--out-dir", tmp / "straight",
-                      env=rng_env(tmp / "rng_straight"))
+                      env={**rng_env(tmp / "rng_straight"), "LOG_LOADS_DIR": str(tmp / "loads_straight")})
     first = launch("recipes/ddp_checkpoint.py", "cpu:2", *args, "--max-steps", "7", "--out-dir", tmp / "resumed",
                    env=rng_env(tmp / "rng_resumed"))
     as_if_saved_on_gpu(tmp / "resumed" / "latest.pt")  # every rank loads it with map_location=its own device
     shutil.copytree(tmp / "resumed", tmp / "one")
     resumed = launch("recipes/ddp_checkpoint.py", "cpu:2", *args, "--resume", "auto", "--out-dir", tmp / "resumed",
-                     env=rng_env(tmp / "rng_resumed"))
+                     env={**rng_env(tmp / "rng_resumed"), "LOG_LOADS_DIR": str(tmp / "loads_resumed")})
     one = run_direct("ddp_checkpoint", *args, "--resume", "auto", "--out-dir", tmp / "one",
                      env=rng_env(tmp / "rng_one"))
     return {"tmp": tmp, "data": data, "args": args, "straight": straight, "first": first, "resumed": resumed,
@@ -165,6 +167,28 @@ def test_resume_reproduces_the_uninterrupted_run_bitwise(checkpoint_runs):
     assert epoch_lines(first.stdout) + epoch_lines(resumed.stdout) == epoch_lines(straight.stdout)
     a, b = params(checkpoint_runs["tmp"] / "straight/model.pt"), params(checkpoint_runs["tmp"] / "resumed/model.pt")
     assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def torch_loads(folder):
+    """{rank: [(file, map_location, mmap), ...]} in call order, from tests/instrument's LOG_LOADS_DIR logs."""
+    loads = {}
+    for log in sorted(folder.glob("*.jsonl")):
+        for line in log.read_text().splitlines():
+            entry = json.loads(line)
+            loads.setdefault(entry["rank"], []).append((entry["file"], entry["map_location"], entry["mmap"]))
+    return loads
+
+
+@pytest.mark.slow
+def test_each_epoch_every_rank_maps_only_the_weights_onto_the_cpu_and_a_resume_loads_all_onto_its_device(
+        checkpoint_runs):
+    # The per-epoch reload maps latest.pt (mmap) onto the CPU and copies in the weights alone: loading the whole
+    # checkpoint (optimizer, every rank's RNG state) onto each rank's GPU every epoch just for them cost every rank
+    # the file's full size in reads and GPU memory. A resume needs all of it, onto the rank's device.
+    tmp = checkpoint_runs["tmp"]
+    reload, resume = ("latest.pt", "'cpu'", True), ("latest.pt", "device(type='cpu')", False)
+    assert torch_loads(tmp / "loads_straight") == {rank: [reload] * 3 for rank in (0, 1)}  # one per epoch
+    assert torch_loads(tmp / "loads_resumed") == {rank: [resume] + [reload] * 2 for rank in (0, 1)}  # epochs 2, 3
 
 
 @pytest.mark.slow

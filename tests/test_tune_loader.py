@@ -12,6 +12,7 @@ import torch
 from conftest import REPO, make_imagefolder
 from PIL import Image
 
+from common.data import default_worker_count
 from tools import tune_loader
 from tools.procs import run_group
 from tools.tune_loader import cores_per_process, recommend, settings, worker_sweep
@@ -93,6 +94,13 @@ def test_progress_table_and_recommendation(cpu_sweep):
         assert plain == [f"  with DataLoader (the loader of most recipes): --workers {best['workers']} "
                          f"(pin_memory=False) at {best['images_per_sec']:.1f} images/s"]
     assert "rule: the fastest row; among rows within 5% of it, the one with the fewest workers" in stdout
+    # What a recipe takes here without --workers (--processes 2), and its DataLoader row where --max-workers 1 has it.
+    default = default_worker_count(len(os.sched_getaffinity(0)), 2)
+    assert report["settings"]["recipes_default_workers"] == default
+    row = [r for r in rows if (r["loader"], r["workers"]) == ("DataLoader", str(default))]
+    said = f"DataLoader at {row[0]['images/s']} images/s" if row else "above --max-workers 1, not measured"
+    assert (f"  the recipes' default here: --workers {default} (one per core of the process beyond its own, at most "
+            f"16): {said}") in lines
 
 
 @pytest.mark.slow
@@ -151,6 +159,10 @@ def test_worker_sweep():
     assert worker_sweep(6) == [0, 1, 2, 4, 6]
     assert worker_sweep(8) == [0, 1, 2, 4, 8]
     assert worker_sweep(12) == [0, 1, 2, 4, 8, 12]
+    # the recipes' default count in its place, where it is within --max-workers
+    assert worker_sweep(8, also=7) == [0, 1, 2, 4, 7, 8]
+    assert worker_sweep(64, also=16) == [0, 1, 2, 4, 8, 16, 32, 64]
+    assert worker_sweep(2, also=1) == worker_sweep(2) and worker_sweep(4, also=7) == worker_sweep(4)
 
 
 def test_cores_per_process():
@@ -162,6 +174,7 @@ def test_cores_per_process():
 
 
 def test_settings():
+    assert settings(2, "cpu", also=3) == settings(2, "cpu")  # the default above --max-workers: not measured
     assert settings(2, "cpu") == [("DataLoader", 0, False), ("DataLoaderX", 0, False), ("DataLoader", 1, False),
                                   ("DataLoaderX", 1, False), ("DataLoader", 2, False), ("DataLoaderX", 2, False)]
     assert settings(1, "cuda") == [("DataLoader", 0, False), ("DataLoader", 0, True), ("DataLoaderX", 0, False),

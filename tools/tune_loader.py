@@ -16,7 +16,9 @@ For each setting (a row) it reads --batches batches and reports images/s and ms/
 measures every row R times, round after round, and reports each row's median. Before the clock starts
 it reads one batch per worker (at least one): that absorbs the workers' start-up, and leaves every worker busy
 with its next batch, so the timed batches are not ones that were already waiting. Rows:
-  workers      0, 1, 2, 4, 8, ... up to --max-workers (default: the cores of one process, cores / --processes)
+  workers      0, 1, 2, 4, 8, ... up to --max-workers (default: the cores of one process, cores / --processes),
+               and the recipes' default count where it is not above that (common.data.default_worker_count:
+               one per core of the process beyond its own, at most 16)
   loader       torch's DataLoader, and common.loader.DataLoaderX (loads ahead in a thread; on a GPU also
                copies each batch on a side stream)
   pin_memory   off and on, only with --device cuda; there the time includes the copy to the GPU
@@ -30,8 +32,9 @@ less memory and start-up for the same speed), printed as the recipe flag: --work
 row is DataLoaderX's, the same rule over the DataLoader rows follows: most recipes build a plain DataLoader.
 
 Output: one progress line per measurement as it finishes, then a table (loader, workers, pin_memory, images/s,
-ms/batch) and the recommendation; a chart of images/s against workers (--out, PNG) and, with --json, the settings,
-the hardware and every row with its rounds.
+ms/batch), the recommendation and what the recipes' default worker count measured (their DataLoader row); a
+chart of images/s against workers (--out, PNG) and, with --json, the settings, the hardware and every row with its
+rounds.
 Bad input (a missing --data-root, --batches 0, a batch that does not divide by --processes, --device cuda
 without a GPU) gets one line on stderr and exit code 2; an image that does not load, one line and exit 1.
 """
@@ -53,7 +56,15 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
-from common.data import DEFAULT_IMAGE_SIZE, DataError, SampleError, build_datasets, prepare_dataset
+from common.data import (
+    DEFAULT_IMAGE_SIZE,
+    MAX_DEFAULT_WORKERS,
+    DataError,
+    SampleError,
+    build_datasets,
+    default_worker_count,
+    prepare_dataset,
+)
 from common.loader import DataLoaderX
 from tools.bench import hardware
 
@@ -110,16 +121,19 @@ def cores_per_process(cores, processes):
     return max(1, cores // processes)
 
 
-def worker_sweep(max_workers):
-    """0, 1, 2, 4, 8, ... below max_workers, then max_workers itself: [0], [0, 1], [0, 1, 2, 3], [0, 1, 2, 4, 6]."""
+def worker_sweep(max_workers, also=None):
+    """0, 1, 2, 4, 8, ... below max_workers, then max_workers itself: [0], [0, 1], [0, 1, 2, 3], [0, 1, 2, 4, 6];
+    and `also` (the recipes' default) in its place where it is not above max_workers: 8 and 7: [0, 1, 2, 4, 7, 8]."""
     counts = [0] + [2**k for k in range(max_workers.bit_length()) if 2**k < max_workers]
-    return counts + [max_workers] if max_workers > 0 else counts
+    counts = counts + [max_workers] if max_workers > 0 else counts
+    return sorted(set(counts) | ({also} if also is not None and 0 <= also <= max_workers else set()))
 
 
-def settings(max_workers, device_type):
+def settings(max_workers, device_type, also=None):
     """(loader, workers, pin_memory) per row, by worker count; pin_memory only matters on a GPU."""
     pins = (False, True) if device_type == "cuda" else (False,)
-    return [(loader, workers, pin) for workers in worker_sweep(max_workers) for loader in LOADERS for pin in pins]
+    return [(loader, workers, pin) for workers in worker_sweep(max_workers, also) for loader in LOADERS
+            for pin in pins]
 
 
 def recommend(rows, tolerance=TOLERANCE):
@@ -153,6 +167,16 @@ def table(rows):
 def recommendation_line(row):
     return (f"recommended: --workers {row['workers']} ({row['loader']}, pin_memory={row['pin_memory']}) "
             f"at {row['images_per_sec']:.1f} images/s")
+
+
+def default_line(rows, recipes_default, device_type, max_workers):
+    """What the recipes take without --workers, and its row: their DataLoader, pinned on a GPU as they pin."""
+    row = next((r for r in rows if (r["loader"], r["workers"], r["pin_memory"])
+                == ("DataLoader", recipes_default, device_type == "cuda")), None)
+    said = (f"DataLoader at {row['images_per_sec']:.1f} images/s" if row is not None
+            else f"above --max-workers {max_workers}, not measured")
+    return (f"  the recipes' default here: --workers {recipes_default} (one per core of the process beyond its own, "
+            f"at most {MAX_DEFAULT_WORKERS}): {said}")
 
 
 # ---------------------------------------------------------------------------------------- measure
@@ -281,6 +305,7 @@ def main(argv=None):
 def tune(args, cores, per_process):
     batch = args.batch_size // args.processes
     max_workers = per_process if args.max_workers is None else args.max_workers
+    recipes_default = default_worker_count(cores, args.processes)  # what a recipe takes without --workers
     try:
         prepare_dataset(args.dataset, args.data_root)
         train_set, _, _ = build_datasets(args.dataset, args.data_root, args.image_size)
@@ -291,7 +316,8 @@ def tune(args, cores, per_process):
                      f"{args.batch_size} / --processes {args.processes}); lower --batch-size")
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     image_size = args.image_size or DEFAULT_IMAGE_SIZE[args.dataset]
-    to_measure = settings(max_workers, device.type) * args.rounds  # round after round: drift hits every row alike
+    # Round after round: drift hits every row alike.
+    to_measure = settings(max_workers, device.type, also=recipes_default) * args.rounds
     load = os.getloadavg()[0]  # other jobs on these cores make every row slower and noisier: say so up front
     print(f"tune_loader: {args.dataset} train={len(train_set)} images of {image_size}x{image_size}, batch {batch} "
           f"per process (--batch-size {args.batch_size} / --processes {args.processes}), {per_process} of {cores} "
@@ -321,7 +347,7 @@ def tune(args, cores, per_process):
                      "train_samples": len(train_set), "batch_size": args.batch_size, "processes": args.processes,
                      "batch_per_process": batch, "cores": cores, "cores_per_process": per_process,
                      "device": device.type, "batches": args.batches, "rounds": args.rounds, "max_workers": max_workers,
-                     "load_average": load}
+                     "recipes_default_workers": recipes_default, "load_average": load}
     report = {"settings": settings_used, "hardware": hardware(), "rows": rows, "recommended": best, "rule": RULE}
     note = f"\n(images/s: each row's median of its {args.rounds} rounds)" if args.rounds > 1 else ""
     print(f"\n{table(rows)}{note}\n", flush=True)
@@ -331,6 +357,7 @@ def tune(args, cores, per_process):
         print(f"  with DataLoader (the loader of most recipes): --workers {plain['workers']} "
               f"(pin_memory={plain['pin_memory']}) at {plain['images_per_sec']:.1f} images/s", flush=True)
     print(f"  rule: {RULE}; --workers counts per process, images/s is one process's", flush=True)
+    print(default_line(rows, recipes_default, device.type, max_workers), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     plot(report, args.out)
     written = [str(args.out)]

@@ -1,5 +1,5 @@
-"""Instrumentation for the tests (test_conformance.py, test_recipe_variants.py, test_fsdp.py): what DDP and the RNG
-do, without touching the recipes.
+"""Instrumentation for the tests (test_conformance.py, test_recipe_variants.py, test_fsdp.py): what DDP, the RNG and
+torch.load do, without touching the recipes.
 
 Python imports this module at start-up when tests/instrument is on PYTHONPATH (every rank, spawned workers too).
 With COUNT_DDP_DIR set, once torch's DistributedDataParallel is imported, each process counts
@@ -15,6 +15,10 @@ With LOG_RNG_DIR set, each time a DataLoader whose sampler has an epoch (Distrib
 starts an epoch, the process appends {"world", "rank", "epoch", "rng"} to LOG_RNG_DIR/<pid>.jsonl, "rng" a digest
 of the main process's CPU RNG state at that moment: where the epoch's worker seeds (non-persistent workers) and
 main-process augmentation and CPU dropout start drawing from (rng_streams() in conftest.py reads them back).
+With LOG_LOADS_DIR set, each torch.load of a file appends {"rank", "file", "map_location", "mmap"} to
+LOG_LOADS_DIR/<pid>.jsonl ("file" the base name, "map_location" its repr, "mmap" as passed): where a checkpoint's
+tensors went and whether the file was read or mapped (ddp_checkpoint's per-epoch reload of the weights; on this
+CPU-only box the recipe's device is the CPU too, so the repr tells map_location="cpu" from map_location=device).
 Processes that never import those modules (launch.sh's port picker) do not pay for importing torch.
 """
 
@@ -28,6 +32,7 @@ import weakref
 
 _DIR = os.environ.get("COUNT_DDP_DIR")
 _RNG_DIR = os.environ.get("LOG_RNG_DIR")
+_LOADS_DIR = os.environ.get("LOG_LOADS_DIR")
 
 
 def _patch(ddp_module):
@@ -92,6 +97,22 @@ def _patch_loader(loader_module):
     loader.__iter__ = patched_iter
 
 
+def _patch_load(torch):
+    load = torch.load
+
+    os.makedirs(_LOADS_DIR, exist_ok=True)
+
+    def logged_load(f, map_location=None, *args, mmap=None, **kwargs):
+        if isinstance(f, (str, os.PathLike)):  # a file, not the buffers all_gather_object unpickles
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            with open(os.path.join(_LOADS_DIR, f"{os.getpid()}.jsonl"), "a") as log:
+                log.write(json.dumps({"rank": rank, "file": os.path.basename(f), "map_location": repr(map_location),
+                                      "mmap": mmap}) + "\n")
+        return load(f, map_location, *args, mmap=mmap, **kwargs)
+
+    torch.load = logged_load
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     """Finds the modules in `patches` as usual, and patches each once it has run."""
 
@@ -116,6 +137,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 
 _PATCHES = {**({"torch.nn.parallel.distributed": _patch} if _DIR else {}),
-            **({"torch.utils.data.dataloader": _patch_loader} if _RNG_DIR else {})}
+            **({"torch.utils.data.dataloader": _patch_loader} if _RNG_DIR else {}),
+            **({"torch": _patch_load} if _LOADS_DIR else {})}
 if _PATCHES:
     sys.meta_path.insert(0, _PatchOnImport(_PATCHES))
