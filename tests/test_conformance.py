@@ -156,9 +156,10 @@ def test_training_equals_the_reference_loop(run):
     assert saved.keys() == run["weights"].keys()  # saved from model.module: no "module." prefix
     diffs = {k: (saved[k].float() - run["weights"][k].float()).abs().max().item() for k in saved}
     loss_diff = max(abs(a - b) for a, b in zip(printed, run["losses"], strict=True))
-    print(f"{run['name']}: weights {max(diffs.values()):.1e} (atol {case.weights_atol:.0e}), losses {loss_diff:.1e} "
-          f"(atol {case.loss_atol:.1e}) from the reference")  # README numbers: pytest -rP tests/test_conformance.py
     stats = {k: diffs.pop(k) for k in list(diffs) if "running_" in k}  # BatchNorm's running mean and variance
+    print(f"{run['name']}: weights {max(diffs.values()):.1e} (atol {case.weights_atol:.0e}), BatchNorm statistics "
+          f"{max(stats.values(), default=0):.1e} (atol {case.stats_atol or case.weights_atol:.0e}), losses "
+          f"{loss_diff:.1e} (atol {case.loss_atol:.1e}) from the reference")  # README: pytest -rP test_conformance.py
     assert max(diffs.values()) <= case.weights_atol, sorted(diffs.items(), key=lambda kv: -kv[1])[:3]
     assert max(stats.values(), default=0) <= (case.stats_atol or case.weights_atol), stats
     initial = fresh_model(case).state_dict()
