@@ -438,11 +438,12 @@ def main():
                 model.module(mixed.cast_input(images))
 
         # -------------------------------------------------------------------------------- eval
-        # DDP copies rank 0's buffers (BatchNorm statistics) to the others at the start of each forward, so
-        # after the last step every rank holds its own: evaluate everywhere with rank 0's, which model.pt gets.
+        # Buffers (BatchNorm statistics): torch's DDP copies rank 0's to the others at the start of each forward;
+        # apex's never does (it broadcasts the parameters once, when it wraps the model). Either way, after the last
+        # step every rank holds its own: evaluate everywhere with rank 0's, which model.pt gets.
         for buffer in model.module.buffers():
             dist.broadcast(buffer, 0)
-        # model.module, not the DDP wrapper: its first forward after training broadcasts buffers, a collective
+        # model.module, not the DDP wrapper: torch's first forward after training broadcasts buffers, a collective
         # that hangs when a rank's shard has no batch, or when rank 0 evaluates alone. Every rank evaluates.
         val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device, mixed)
         eta = speed.eta(total_steps - step)

@@ -14,13 +14,14 @@ What it shows (the rest is recipes/ddp_checkpoint.py):
   A block's parameters are all-gathered before its forward (and backward) and freed after it
   (--no-reshard-after-forward keeps them until backward: less communication, more memory); gradients are
   reduce-scattered, so each rank's optimizer steps its own shard.
-- fully_shard goes on every block first, then on the root: each call groups the parameters not yet
-  grouped into one all-gather, so the root takes only what is left (stem, head). fully_shard on the root
-  alone makes one group of the whole model: all of it gathered at once, no memory saved (and a block
-  sharded after its parent is refused).
-- --amp-dtype bf16: MixedPrecisionPolicy computes and all-gathers in bf16, reduces gradients in fp32; shards
-  and optimizer state stay fp32. BatchNorm gets fp32 groups of its own: bf16 weights beside its fp32 running
-  statistics fail ("expected scalar type BFloat16 but found Float"). Needs torch >= 2.6.
+- fully_shard goes on every block first, then on the root: each call groups the parameters not yet grouped into one
+  all-gather, so the root takes only what is left (stem, head). fully_shard on the root alone makes one group of the
+  whole model: all of it gathered at once, no memory saved (and a block sharded after its parent is refused). All
+  calls share one DeviceMesh: without mesh= each builds its own (launch.sh G:N, gloo on CUDA: a process group each).
+- --amp-dtype bf16: MixedPrecisionPolicy computes and all-gathers in bf16, reduces gradients in fp32; shards and
+  optimizer state stay fp32. BatchNorm stays fp32 (bf16 weights beside its fp32 running statistics fail: "expected
+  scalar type BFloat16 but found Float"), one group per block's BatchNorm layers (fully_shard on a list of modules):
+  17 groups on resnet50, not 53, one per layer, each with its own all-gather and reduce-scatter. Needs torch >= 2.6.
 - Checkpoints: OUT_DIR/checkpoint/epoch_N-RUN/ holds one shard file per rank, written by every rank at once
   with torch.distributed.checkpoint (DCP) from get_state_dict(model, optimizer). model.state_dict() of a
   sharded model holds DTensors; torch.save from rank 0 would write rank 0's shard only. Rank 0 then writes
@@ -55,6 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
@@ -156,6 +158,34 @@ def blocks(module):
             yield from (block for block in child if any(True for _ in block.parameters()))
         else:
             yield from blocks(child)
+
+
+def norm_groups(model):
+    """--amp-dtype bf16: the BatchNorm layers, a list for each block that holds any (a ResNet block's bn1, bn2 and
+    its downsample's), and one of those outside every block (the stem's; the tiny models', blocks of their own)."""
+    def norms(module):
+        return [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    groups = [norms(block) for block in blocks(model) if norms(block) != [block]]  # not a BatchNorm block
+    grouped = {norm for group in groups for norm in group}
+    return [group for group in [*groups, [m for m in norms(model) if m not in grouped]] if group]
+
+
+def shard(model, mesh, amp_dtype, reshard_after_forward):
+    """fully_shard, in place: the BatchNorm groups (bf16), every block, then the root, all on `mesh`."""
+    # Parameters are all-gathered in param_dtype for compute; gradients are reduce-scattered in fp32.
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if amp_dtype == "bf16" else None,
+                                     reduce_dtype=torch.float32)
+    if amp_dtype == "bf16":  # BatchNorm in fp32 groups of its own, beside its fp32 running statistics
+        for norms in norm_groups(model):  # one all-gather for a block's BatchNorm layers, not one for each
+            fully_shard(norms, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32),
+                        reshard_after_forward=reshard_after_forward)
+    # Blocks first, root last (each call groups the parameters not grouped yet): one all-gather per block.
+    for block in blocks(model):
+        if not isinstance(block, FSDPModule):  # a BatchNorm layer grouped above
+            fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    # The root returns the logits in fp32, so the loss and the accuracy are computed in full precision.
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(mp_policy.param_dtype, torch.float32, torch.float32),
+                reshard_after_forward=reshard_after_forward)
 
 
 # ------------------------------------------------------------------------------------ checkpoints
@@ -273,20 +303,8 @@ def main():
     # ----------------------------------------------------------------------------------- model
     torch.manual_seed(args.seed)  # same initial weights everywhere: each rank keeps its slice of them
     model = build_model(args.arch, num_classes, args.image_size).to(device)
-    # Parameters are all-gathered in param_dtype for compute; gradients are reduce-scattered in fp32.
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.amp_dtype == "bf16" else None,
-                                     reduce_dtype=torch.float32)
-    if args.amp_dtype == "bf16":  # BatchNorm in fp32 groups of its own, beside its fp32 running statistics
-        for norm in [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]:
-            fully_shard(norm, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32),
-                        reshard_after_forward=args.reshard_after_forward)
-    # Blocks first, root last (each call groups the parameters not grouped yet): one all-gather per block.
-    for block in blocks(model):
-        if not isinstance(block, FSDPModule):  # a BatchNorm layer grouped above
-            fully_shard(block, mp_policy=mp_policy, reshard_after_forward=args.reshard_after_forward)
-    # The root returns the logits in fp32, so the loss and the accuracy are computed in full precision.
-    fully_shard(model, mp_policy=MixedPrecisionPolicy(mp_policy.param_dtype, torch.float32, torch.float32),
-                reshard_after_forward=args.reshard_after_forward)
+    # One mesh for every fully_shard call: without mesh= each builds its own (under G:N a new gloo group each).
+    shard(model, init_device_mesh(device.type, (world_size,)), args.amp_dtype, args.reshard_after_forward)
     torch.manual_seed(args.seed + rank)  # from here on, augmentation and dropout differ per rank
     criterion = torch.nn.CrossEntropyLoss()
     # After fully_shard: the optimizer must hold the sharded (DTensor) parameters, and its state is sharded too.

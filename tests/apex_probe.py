@@ -1,12 +1,17 @@
 """Run as a script where `apex` imports (the real one, or tests/fake_apex on PYTHONPATH). Prints, as one JSON
 line, how that apex behaves where the recipes depend on it; tests/test_apex.py compares the double's answers
-with the real apex's."""
+with the real apex's. With --ddp, also what its DistributedDataParallel synchronizes, on 2 gloo CPU processes."""
 
+import contextlib
 import inspect
 import json
+import os
+import sys
+import tempfile
 
 import apex
 import torch
+import torch.distributed as dist
 from apex import amp
 from apex.parallel import DistributedDataParallel
 from torch import nn
@@ -61,27 +66,84 @@ def optimizer_report(level):
             "has _amp_lazy_init": callable(getattr(optimizer, "_amp_lazy_init", None))}
 
 
-net = model()
-loss = net(torch.ones(1, 3, 4, 4)).sum()
-runs_on_cpu = getattr(apex, "RUNS_ON_CPU", False)
-print(json.dumps({
-    "runs_on_cpu": runs_on_cpu,
-    "the recipes' calls bind": {
-        "amp.initialize(model, optimizer, opt_level=, keep_batchnorm_fp32=, verbosity=)":
-            binds(amp.initialize, net, sgd(net), opt_level="O2", keep_batchnorm_fp32=None, verbosity=0),
-        "amp.scale_loss(loss, optimizer)": binds(amp.scale_loss, loss, sgd(net)),
-        "amp.state_dict()": binds(amp.state_dict),
-        "amp.load_state_dict(state)": binds(amp.load_state_dict, {}),
-        "DistributedDataParallel(model, delay_allreduce=True)": binds(DistributedDataParallel, net,
-                                                                      delay_allreduce=True),
-    },
-    "refuses": {
-        "keep_batchnorm_fp32 at O1": first_error_line(
-            lambda: amp.initialize(model(), sgd(net), opt_level="O1", keep_batchnorm_fp32=True, verbosity=0)),
-        "a wrapped model": first_error_line(
-            lambda: amp.initialize(nn.DataParallel(model()), sgd(net), opt_level="O2", verbosity=0)),
-        "CPU parameters": None if runs_on_cpu else first_error_line(
-            lambda: amp.initialize(model(), sgd(net), opt_level="O0", verbosity=0)),
-    },
-    "the optimizer initialize returns": {level: optimizer_report(level) for level in ("O0", "O1", "O2", "O3")},
-}))
+def rank0s(tensors):
+    """Whether every rank holds rank 0's values of all these tensors (a collective: every rank calls it)."""
+    same = torch.tensor(1)
+    for tensor in tensors:
+        theirs = tensor.detach().double().clone()
+        dist.broadcast(theirs, 0)
+        same &= torch.equal(theirs, tensor.detach().double())
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same)
+
+
+def make_rank_own(module, rank):
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:  # BatchNorm's buffers: running_mean, _var, count
+            tensor.fill_(rank + 1)
+
+
+def ddp_rank(rank, folder):
+    """One of 2 ranks: parameters and buffers that differ per rank, wrapped, then a forward; what became rank 0's."""
+    with contextlib.redirect_stdout(sys.stderr):  # this script's only stdout line is the report
+        dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
+        if not torch.cuda.is_available():
+            # apex DDP's __init__ keeps torch.cuda.current_stream() (distributed.py:230), which raises without a GPU.
+            # With delay_allreduce=True only the after-backward all-reduce uses it, which this probe never runs; nothing
+            # else it does at construction or in forward touches CUDA (no amp_C here: multi_tensor_applier is off).
+            torch.cuda.current_stream = lambda device=None: None
+        net = model()
+        make_rank_own(net, rank)
+        wrapped = DistributedDataParallel(net, delay_allreduce=True)
+        report = {"wrapping makes the parameters rank 0's": rank0s(net.parameters()),
+                  "wrapping makes the buffers rank 0's": rank0s(net.buffers())}
+        make_rank_own(net, rank)
+        net.eval()  # BatchNorm leaves its statistics alone: they change only if the wrapper's forward syncs them
+        with torch.no_grad():
+            wrapped(torch.ones(2, 3, 4, 4))
+        report["a forward makes the buffers rank 0's"] = rank0s(net.buffers())
+        if rank == 0:
+            with open(os.path.join(folder, "report.json"), "w") as f:
+                json.dump(report, f)
+        dist.destroy_process_group()
+
+
+def ddp_report():
+    with tempfile.TemporaryDirectory() as folder:
+        torch.multiprocessing.start_processes(ddp_rank, args=(folder,), nprocs=2, start_method="spawn")
+        with open(os.path.join(folder, "report.json")) as f:
+            return json.load(f)
+
+
+def main():
+    net = model()
+    loss = net(torch.ones(1, 3, 4, 4)).sum()
+    runs_on_cpu = getattr(apex, "RUNS_ON_CPU", False)
+    report = {
+        "runs_on_cpu": runs_on_cpu,
+        "the recipes' calls bind": {
+            "amp.initialize(model, optimizer, opt_level=, keep_batchnorm_fp32=, verbosity=)":
+                binds(amp.initialize, net, sgd(net), opt_level="O2", keep_batchnorm_fp32=None, verbosity=0),
+            "amp.scale_loss(loss, optimizer)": binds(amp.scale_loss, loss, sgd(net)),
+            "amp.state_dict()": binds(amp.state_dict),
+            "amp.load_state_dict(state)": binds(amp.load_state_dict, {}),
+            "DistributedDataParallel(model, delay_allreduce=True)": binds(DistributedDataParallel, net,
+                                                                          delay_allreduce=True),
+        },
+        "refuses": {
+            "keep_batchnorm_fp32 at O1": first_error_line(
+                lambda: amp.initialize(model(), sgd(net), opt_level="O1", keep_batchnorm_fp32=True, verbosity=0)),
+            "a wrapped model": first_error_line(
+                lambda: amp.initialize(nn.DataParallel(model()), sgd(net), opt_level="O2", verbosity=0)),
+            "CPU parameters": None if runs_on_cpu else first_error_line(
+                lambda: amp.initialize(model(), sgd(net), opt_level="O0", verbosity=0)),
+        },
+        "the optimizer initialize returns": {level: optimizer_report(level) for level in ("O0", "O1", "O2", "O3")},
+    }
+    if "--ddp" in sys.argv:
+        report["DistributedDataParallel(model, delay_allreduce=True), 2 gloo CPU ranks"] = ddp_report()
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

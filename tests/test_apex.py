@@ -11,7 +11,7 @@ from collections import defaultdict
 
 import pytest
 import torch
-from conftest import REPO, as_if_saved_on_gpu, launch, load_recipe, result_of, run_direct
+from conftest import REPO, as_if_saved_on_gpu, epoch_lines, launch, load_recipe, result_of, run_direct
 
 from common import apex_compat
 from common.apex_compat import ApexUnavailable, load_apex
@@ -148,17 +148,18 @@ def test_impl_apex_says_why_apex_is_unusable(tmp_path, recipe, situation, messag
 # ------------------------------------------------------------- the double against the real apex
 
 
-def probe(env):
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "apex_probe.py")], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env={**{k: v for k, v in os.environ.items()
-                                                          if k not in ("PYTHONPATH", "FAKE_APEX_ON_CPU")}, **env})
+def probe(env, *args):
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "apex_probe.py"), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300,
+                          env={**{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FAKE_APEX_ON_CPU")},
+                               **env})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
 
 @pytest.mark.skipif(not REAL_APEX, reason=f"the real apex is not installed; {INSTALL_APEX}")
 def test_the_double_behaves_like_the_real_apex_where_the_recipes_depend_on_it():
-    real, double, double_on_cpu = probe({}), probe({"PYTHONPATH": FAKE_APEX}), probe(DOUBLE)
+    real, double, double_on_cpu = probe({}, "--ddp"), probe({"PYTHONPATH": FAKE_APEX}, "--ddp"), probe(DOUBLE)
     # Every call the recipes make fits both; the refusals read the same; apex O2's zero_grad takes no argument
     # (bug: zero_grad(set_to_none=True) crashed the first step) and every level has _amp_lazy_init.
     assert all(real["the recipes' calls bind"].values()) and double["the recipes' calls bind"] == real[
@@ -167,6 +168,15 @@ def test_the_double_behaves_like_the_real_apex_where_the_recipes_depend_on_it():
     assert double_on_cpu["the optimizer initialize returns"] == real["the optimizer initialize returns"]
     assert real["the optimizer initialize returns"]["O2"]["zero_grad(set_to_none=True) binds"] is False
     assert (real["runs_on_cpu"], double["runs_on_cpu"], double_on_cpu["runs_on_cpu"]) == (False, False, True)
+    # Each wrapped on 2 gloo CPU ranks whose parameters and BatchNorm buffers differ: apex's DDP broadcasts rank 0's
+    # parameters when it wraps the model (apex/parallel/distributed.py: flat_dist_call over module.parameters()),
+    # never the buffers, and its forward syncs nothing (torch's DDP broadcasts the buffers at every forward). So
+    # apex_ddp.py and apex_amp.py broadcast rank 0's buffers themselves before evaluating. The double used to
+    # broadcast the whole state_dict, buffers too, when it wrapped.
+    ddp = "DistributedDataParallel(model, delay_allreduce=True), 2 gloo CPU ranks"
+    assert double[ddp] == real[ddp] == {"wrapping makes the parameters rank 0's": True,
+                                        "wrapping makes the buffers rank 0's": False,
+                                        "a forward makes the buffers rank 0's": False}
 
 
 # ------------------------------------------------------------------- the apex path, via the double
@@ -208,16 +218,20 @@ def test_apex_amp_call_order_through_the_double(tmp_path):
 
 @pytest.mark.slow
 def test_apex_ddp_through_the_double_matches_torch_ddp(tmp_path):
+    # With BatchNorm: neither DDP syncs the buffers after the last step (apex's never does), so the evaluation and
+    # model.pt agree only because the recipe broadcasts rank 0's before evaluating; rank 0's own are the same under
+    # both (torch's DDP broadcasts them from rank 0, apex's leaves them alone).
     log = tmp_path / "apex_calls.log"
-    args = ["--arch", "tiny", "--workers", "0", "--max-steps", "4", "--batch-size", "32"]
+    args = ["--arch", "tiny_bn", "--workers", "0", "--max-steps", "4", "--batch-size", "32"]
     apex = launch("recipes/apex_ddp.py", "cpu:2", *args, "--impl", "apex", "--out-dir", tmp_path / "a",
                   env={**DOUBLE, "FAKE_APEX_LOG": str(log)})
     torch_ddp = launch("recipes/apex_ddp.py", "cpu:2", *args, "--out-dir", tmp_path / "t")
     assert result_of(apex)["impl"] == "apex" and result_of(torch_ddp)["impl"] == "torch"
     for calls in calls_by_process(log):
         assert calls == ["parallel.DistributedDataParallel delay_allreduce=True"] + ["parallel.allreduce"] * 4
-    # One delayed all-reduce or torch's bucketed ones: the same averaged gradients.
+    # One delayed all-reduce or torch's bucketed ones: the same averaged gradients; the same evaluation.
     assert result_of(apex)["train_loss"] == pytest.approx(result_of(torch_ddp)["train_loss"], abs=1e-6)
+    assert epoch_lines(apex.stdout) == epoch_lines(torch_ddp.stdout)
     a, b = (torch.load(tmp_path / d / "model.pt", weights_only=True) for d in ("a", "t"))
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6)

@@ -4,13 +4,17 @@ line, and each rank holds about half of what a DDP rank holds. Real gloo runs on
 
 import re
 import shutil
+import socket
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from conftest import (
     epoch_lines,
     epoch_losses,
     launch,
+    load_recipe,
     max_diff,
     params,
     replayed,
@@ -20,6 +24,8 @@ from conftest import (
     run_direct,
 )
 from reference import Plain, evaluate
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from common.data import build_datasets
 from common.models import build_model
@@ -137,8 +143,8 @@ def test_a_checkpoint_of_another_arch_or_with_a_truncated_shard_is_refused(runs)
 
 def test_bf16_trains_with_batchnorm_and_keeps_fp32_weights(tmp_path):
     # BatchNorm's running statistics are fp32: with its weights gathered in bf16 every forward failed ("expected
-    # scalar type BFloat16 but found Float"), so BatchNorm gets fp32 groups of its own. Two ranks: the groups'
-    # all-gathers and reduce-scatters in both dtypes.
+    # scalar type BFloat16 but found Float"), so BatchNorm gets fp32 groups of its own (how many: the next test).
+    # Two ranks: the groups' all-gathers and reduce-scatters in both dtypes.
     bn = [a if a != "tiny" else "tiny_bn" for a in ARGS]
     fp32 = launch("recipes/fsdp.py", "cpu:2", *bn, "--out-dir", tmp_path / "fp32")
     bf16 = launch("recipes/fsdp.py", "cpu:2", *bn, "--amp-dtype", "bf16", "--out-dir", tmp_path / "bf16")
@@ -148,6 +154,79 @@ def test_bf16_trains_with_batchnorm_and_keeps_fp32_weights(tmp_path):
     # bf16's rounding shows in the losses, and it trains as fp32 does
     low, full = epoch_losses(bf16.stdout), epoch_losses(fp32.stdout)
     assert low == pytest.approx(full, abs=0.05) and low != full
+
+
+def _groups_worker(rank, port, results):
+    """Shard resnet18 (8 px) and tiny_bn as fsdp.py does, on 2 gloo ranks: every group's modules, dtype and mesh."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    recipe, got = load_recipe("fsdp"), {}
+    for arch, size in (("resnet18", 8), ("tiny_bn", 16)):
+        for amp_dtype in ("fp32", "bf16"):
+            torch.manual_seed(0)
+            model, mesh = build_model(arch, 10, size), init_device_mesh("cpu", (2,))
+            recipe.shard(model, mesh, amp_dtype, reshard_after_forward=True)
+            names = {module: name for name, module in model.named_modules()}
+            states = {module._get_fsdp_state() for module in model.modules() if isinstance(module, FSDPModule)}
+            groups = [group for state in states for group in state._fsdp_param_groups]
+            got[arch, amp_dtype] = {
+                "groups": sorted((group.mp_policy.param_dtype == torch.bfloat16,
+                                  tuple(sorted(names[m] for m in group.modules))) for group in groups),
+                "one mesh": all(group.mesh_info.mesh is mesh for group in groups)}
+    # The same step with one group per BatchNorm layer (the layout before): grouping changes the collectives, not
+    # the arithmetic. Each rank its own batch; the gradients are reduce-scattered (averaged) across both.
+    grads = []
+    for grouped in (True, False):
+        torch.manual_seed(0)
+        model, mesh = build_model("resnet18", 10, 8), init_device_mesh("cpu", (2,))
+        if grouped:
+            recipe.shard(model, mesh, "bf16", reshard_after_forward=True)
+        else:
+            bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            for norm in [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]:
+                fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+            for block in recipe.blocks(model):
+                fully_shard(block, mesh=mesh, mp_policy=bf16)
+            fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32, torch.float32))
+        generator = torch.Generator().manual_seed(rank)
+        images, targets = torch.randn(4, 3, 8, 8, generator=generator), torch.randint(0, 10, (4,), generator=generator)
+        torch.nn.functional.cross_entropy(model(images), targets).backward()
+        grads.append({name: p.grad.full_tensor() for name, p in model.named_parameters()})
+    got["grads equal"] = all(torch.equal(grads[0][name], grads[1][name]) for name in grads[0])
+    results[rank] = got
+    dist.destroy_process_group()
+
+
+def test_bf16_groups_a_blocks_batchnorm_layers_together_all_on_one_mesh():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_groups_worker, args=(port, results), nprocs=2)
+    assert results[0] == results[1]
+    got = results[0]
+    # resnet18: 4 layers of 2 BasicBlocks. Each block is a bf16 group (conv1, conv2, downsample's conv); under bf16
+    # its BatchNorm layers (bn1, bn2, downsample.1 where it has one: the first block of layers 2-4) are one fp32
+    # group; the stem's bn1 is in no block, an fp32 group alone; the root (the stem's conv1, fc) a bf16 group.
+    resnet18 = build_model("resnet18", 10, 8)
+    residual = [(f"layer{i}.{j}", block) for i in range(1, 5) for j, block in enumerate(getattr(resnet18, f"layer{i}"))]
+    assert len(residual) == 8
+    blocks = [(True, (name,)) for name, _ in residual] + [(True, ("",))]
+    norms = [(False, tuple(sorted([f"{name}.bn1", f"{name}.bn2"] + [f"{name}.downsample.1"] * bool(block.downsample))))
+             for name, block in residual] + [(False, ("bn1",))]
+    assert got["resnet18", "bf16"]["groups"] == sorted(blocks + norms)
+    assert len(got["resnet18", "bf16"]["groups"]) == 2 * 8 + 2  # was 8 + 1 + 20, one group per BatchNorm layer
+    assert got["resnet18", "fp32"]["groups"] == sorted((False, name) for _, name in blocks)  # 8 + 1, no norm groups
+    # tiny_bn: features = conv, bn, relu, pool, conv, bn, relu, pool, flatten; its members with parameters are the
+    # blocks (2 convs, 2 BatchNorm layers). Under bf16 the convs are a group each, both BatchNorm layers (in no
+    # other block) one fp32 group, the root (fc) one: 4, was 5.
+    tiny = [(True, ("features.0",)), (True, ("features.4",)), (False, ("features.1", "features.5")), (True, ("",))]
+    assert got["tiny_bn", "bf16"]["groups"] == sorted(tiny)
+    assert got["tiny_bn", "fp32"]["groups"] == sorted((False, (name,)) for name in (
+        "features.0", "features.1", "features.4", "features.5", ""))
+    # Every fully_shard call got the mesh given to shard() (the recipe builds one): without mesh= each builds its own.
+    assert all(report["one mesh"] for key, report in got.items() if key != "grads equal")
+    assert got["grads equal"]  # bitwise: one step of resnet18, its BatchNorm layers grouped or one group each
 
 
 def test_each_rank_holds_half_of_what_a_ddp_rank_holds(tmp_path):

@@ -1,5 +1,8 @@
 """TEST DOUBLE of apex.parallel.DistributedDataParallel: like apex's delay_allreduce=True, one
-all-reduce of every gradient, queued to run when backward finishes."""
+all-reduce of every gradient, queued to run when backward finishes. Like apex 25.04
+(apex/parallel/distributed.py), it broadcasts rank 0's parameters once, when it wraps the model, and
+never the buffers: no broadcast in forward, unlike torch's DDP, so each rank's BatchNorm statistics
+follow its own batches until the recipe broadcasts them itself."""
 
 import torch
 import torch.distributed as dist
@@ -15,8 +18,8 @@ class DistributedDataParallel(nn.Module):
         self.module = module
         self._queued = False
         with torch.no_grad():
-            for tensor in module.state_dict().values():
-                dist.broadcast(tensor, 0)  # every rank starts from rank 0's weights
+            for p in module.parameters():
+                dist.broadcast(p, 0)  # every rank starts from rank 0's weights (the buffers stay each rank's own)
         for p in module.parameters():
             if p.requires_grad:
                 p.register_hook(self._queue_allreduce)
