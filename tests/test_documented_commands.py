@@ -26,6 +26,7 @@ import sys
 
 import pytest
 from conftest import REPO, launch_env
+from test_defaults import THREE_HERE
 
 from tools.procs import run_group
 from tools.real_data import export
@@ -247,6 +248,11 @@ def test_the_commands_are_read_from_the_files():
     assert any(c.startswith("NNODES=2 NODE_RANK=0 MASTER_ADDR=") for c in commands)
     assert any(c.startswith("CUDA_VISIBLE_DEVICES=0,1,3 torchrun") for c in commands)
     assert not set(NOT_RUN) - set(commands), "NOT_RUN lists a command the files no longer print"
+    # tests/test_defaults.py leaves the 3-process default run of these recipes to their documented 0,1,3 commands.
+    for recipe in sorted(p.stem for p in (REPO / "recipes").glob("*.py")):
+        on_three = [c for c in commands if f"recipes/{recipe}.py 0,1,3" in c and c not in NOT_RUN
+                    and not any(k in c for k in FAILS_HERE) and "--batch-size" not in c]
+        assert on_three or recipe in THREE_HERE, f"no documented 0,1,3 command runs {recipe} at its default batch"
 
 
 @pytest.fixture(scope="module")
@@ -303,6 +309,13 @@ def test_every_documented_command_runs_on_a_cpu_stand_in(index, digits, folders,
         assert any(line in r.stderr for r in results), shown
         return
     assert all(r.returncode == 0 for r in results), shown
-    if any(w.startswith("recipes/") for w in shlex.split(command)):
+    words = shlex.split(command)
+    if any(w.startswith("recipes/") for w in words):
         assert sum(r.stdout.count("\nRESULT {") + r.stdout.startswith("RESULT {") for r in results) == 1, shown
+        # The default global batch on this many processes (3 for every 0,1,3 command): 128 rounded down to a
+        # multiple of processes x --accum-steps, said on the setup line (dp.py: one process, its own line).
+        setup = re.search(r"^setup: world_size=(\d+) .*?global_batch=(\d+) ", "".join(r.stdout for r in results), re.M)
+        if "--batch-size" not in words and "recipes/dp.py" not in words:
+            parts = int(setup[1]) * int(_flag(words, "--accum-steps") or 1)
+            assert int(setup[2]) == 128 // parts * parts, setup[0]
     assert os.listdir(cwd) is not None

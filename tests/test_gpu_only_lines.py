@@ -1,0 +1,50 @@
+"""tools/gpu_only_lines.py: each line no CPU test runs is filed under the guard that keeps the CPU out, or listed as
+having none; the committed list (docs/gpu_only_lines.md) and README agree on its count."""
+
+import re
+import textwrap
+
+from conftest import REPO
+
+from tools.gpu_only_lines import classify
+
+SOURCE = textwrap.dedent('''\
+    def train(device, gpus):
+        x = 1
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)
+            y = 2
+        w = 4 if device.type == "cuda" else 5
+        while gpus:
+            gpus -= 1
+        return x
+
+
+    class ApexAmp:
+        def step(self):
+            return 1
+    ''')
+
+
+def test_each_line_is_filed_under_its_gpu_guard_or_listed_without_one(tmp_path):
+    path = tmp_path / "recipe.py"
+    path.write_text(SOURCE)
+    statements = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 14]
+    missing = [4, 5, 6, 8, 9, 14]  # what a CPU run would leave out, and line 9 (a test gap, no guard)
+    assert classify(path, statements, missing) == [
+        (4, 5, 3, "if torch.cuda.is_available()", "torch.cuda.set_device(0)"),
+        (6, 6, 6, 'if device.type == "cuda"', 'w = 4 if device.type == "cuda" else 5'),
+        (8, 8, 7, "while gpus", "gpus -= 1"),
+        (9, 9, None, None, "return x"),
+        (14, 14, 12, "ApexAmp: real apex's amp: amp.initialize refuses CPU parameters", "return 1"),
+    ]
+    # Two missing lines under one guard with a line that ran between them stay apart.
+    assert [c[:2] for c in classify(path, statements, [4, 8])] == [(4, 4), (8, 8)]
+
+
+def test_the_committed_list_and_readme_agree():
+    listed = (REPO / "docs" / "gpu_only_lines.md").read_text()
+    total = int(re.search(r"^(\d+) statement lines of `recipes/` and `common/` run in no CPU test", listed, re.M)[1])
+    entries = re.findall(r"^- (\d+)(?:-(\d+))?: under", listed, re.M)
+    assert entries and re.search(r"^## Not run on the CPU, no GPU guard\n\nNone", listed, re.M), listed[-600:]
+    assert f"{total} lines of `recipes/` and `common/` that no CPU test runs" in (REPO / "README.md").read_text()
