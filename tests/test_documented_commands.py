@@ -52,6 +52,8 @@ NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsew
         "every entry, 5 rounds: about 8 minutes; tests/test_bench.py runs two real rounds of the tool",
     "python tools/real_data.py": "every recipe, 10 epochs each: about 45 minutes on 2 cores; tests/test_defaults.py "
                                  "trains two recipes on the same digits for 3 epochs",
+    "python tools/gpu_only_lines.py": "the whole suite under coverage.py (~45 minutes); tests/test_gpu_only_lines.py "
+                                      "checks how it files each line, and the committed list against README",
     "python tools/mutation_check.py":
         "25 minutes of test runs; its edits are listed in README and run by hand (python tools/mutation_check.py)",
     "python tools/tune_loader.py --dataset imagefolder --data-root ~/my_data --batch-size 256 --processes 4 "
