@@ -27,7 +27,8 @@ apex removed amp in 25.07. torch.amp replaces it (recipes/torch_amp.py). This re
 The checkpoint's "amp" slot holds amp.state_dict() or GradScaler.state_dict() (two formats) beside the flags
 that wrote it: --resume refuses another --impl, --opt-level, --keep-batchnorm-fp32 or --epochs. As in apex,
 O2's fp32 masters are re-made from the loaded model, then the optimizer state goes into them. apex needs a GPU
-(on the CPU --impl auto runs torch); CPU fp16 is 10-50x slower than fp32: use --arch tiny / tiny_bn there.
+(on the CPU --impl auto runs torch); CPU fp16 is 10-50x slower than fp32, so there the default level is O0:
+give O1-O3 with --arch tiny / tiny_bn.
 """
 # launcher: torchrun
 
@@ -98,12 +99,15 @@ def parse_args(argv=None):
                    help="torch DDP only: needed when some parameters get no gradient in a step")
     p.add_argument("--impl", choices=["auto", "apex", "torch"], default="auto",
                    help="apex.amp + apex DDP (apex), the torch equivalents (torch), or apex when usable (auto)")
-    p.add_argument("--opt-level", choices=["O0", "O1", "O2", "O3"], default="O1")
+    p.add_argument("--opt-level", choices=["O0", "O1", "O2", "O3"],
+                   help="default: O1 on a GPU, O0 on a CPU (where fp16 runs 10-50x slower than fp32)")
     p.add_argument("--keep-batchnorm-fp32", action="store_true",
                    help="O3: keep BatchNorm in fp32 (O2 always does; O0 and O1 do not take it)")
     p.add_argument("--resume", help="a checkpoint.pt to continue from (model, optimizer, scheduler, amp), "
                    "or 'auto': OUT_DIR/checkpoint.pt if it exists (for MAX_RESTARTS)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.opt_level = args.opt_level or ("O1" if torch.cuda.is_available() else "O0")  # said on the impl: line
+    return args
 
 
 def check_args(args, world_size):
