@@ -149,14 +149,15 @@ def test_the_learning_rate_rule_and_the_warm_up():
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["ddp_torchrun", "mx_face_prefetch"])
 def test_the_defaults_learn_real_images_well_above_chance(recipe, digits, tmp_path):
-    """Real scans at the defaults (resnet18, warm-up, cosine, lr from the batch), 16 px, batch 32, 3 epochs, no flip:
-    far above chance (10%), and a first-epoch val_loss that BatchNorm's lagging statistics have not blown up."""
+    """Real scans at the defaults (resnet18, warm-up, cosine, lr from the batch), 16 px, batch 32, 2 epochs, no flip:
+    far above chance (10%), and a first-epoch val_loss that BatchNorm's statistics, recomputed at the epoch's end,
+    keep low (measured: 95.0% and 0.72 for ddp_torchrun, 95.1% and 0.28 for mx_face_prefetch)."""
     proc = launch(f"recipes/{recipe}.py", "cpu:2", *data_flags(recipe, digits), "--batch-size", "32",
-                  "--epochs", "3", "--no-flip", "--out-dir", tmp_path / "out", timeout=900)
+                  "--epochs", "2", "--no-flip", "--out-dir", tmp_path / "out", timeout=900)
     result = result_of(proc)
-    losses = [float(v) for v in re.findall(r"^epoch=1/3 .*?val_loss=(\S+)", proc.stdout, re.M)]
+    losses = [float(v) for v in re.findall(r"^epoch=1/2 .*?val_loss=(\S+)", proc.stdout, re.M)]
     assert result["val_acc1"] >= 90, proc.stdout
-    assert losses and losses[0] < 10, proc.stdout
+    assert losses and losses[0] < 2, proc.stdout
 
 
 def test_a_resumed_schedule_is_placed_by_this_runs_steps():

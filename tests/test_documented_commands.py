@@ -51,7 +51,7 @@ NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsew
     "python tools/bench.py --devices cpu:2":
         "every entry, 5 rounds: about 8 minutes; tests/test_bench.py runs two real rounds of the tool",
     "python tools/real_data.py": "every recipe, 10 epochs each: about 45 minutes on 2 cores; tests/test_defaults.py "
-                                 "trains two recipes on the same digits for 3 epochs",
+                                 "trains two recipes on the same digits for 2 epochs",
     "python tools/gpu_only_lines.py": "the whole suite under coverage.py (~45 minutes); tests/test_gpu_only_lines.py "
                                       "checks how it files each line, and the committed list against README",
     "python tools/mutation_check.py":
