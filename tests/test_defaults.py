@@ -42,10 +42,10 @@ def few_digits(tmp_path_factory):
     return folder
 
 
-def data_flags(recipe, digits):
+def data_flags(recipe, digits, size=16):
     if recipe == "mx_face_prefetch":
-        return ["--rec", digits / "rec", "--image-size", "16"]
-    return ["--dataset", "imagefolder", "--data-root", digits, "--image-size", "16"]
+        return ["--rec", digits / "rec", "--image-size", str(size)]
+    return ["--dataset", "imagefolder", "--data-root", digits, "--image-size", str(size)]
 
 
 # 3 processes: the other recipes have a documented 0,1,3 command at their default batch, which
@@ -58,9 +58,9 @@ CASES = [(recipe, n) for recipe in RECIPES for n in ((1, 3, 5) if recipe in THRE
 @pytest.mark.slow
 @pytest.mark.parametrize(("recipe", "processes"), CASES)
 def test_every_recipe_runs_at_its_defaults_on_any_process_count(recipe, processes, few_digits, tmp_path):
-    """`./launch.sh recipes/X.py cpu:N --max-steps 2` with only the data given: 250 digits at 16 px (resnet18 at
+    """`./launch.sh recipes/X.py cpu:N --max-steps 2` with only the data given: 250 digits at 8 px (resnet18 at
     its defaults otherwise). dp.py is one process whatever N is (DataParallel splits the batch itself)."""
-    proc = launch(f"recipes/{recipe}.py", f"cpu:{processes}", *data_flags(recipe, few_digits), "--max-steps", "2",
+    proc = launch(f"recipes/{recipe}.py", f"cpu:{processes}", *data_flags(recipe, few_digits, 8), "--max-steps", "2",
                   "--out-dir", tmp_path / "out", timeout=600)
     result = result_of(proc)
     world = 1 if recipe == "dp" else processes

@@ -5,7 +5,7 @@ recipe's opening docstring; a line that starts with ./launch.sh, python recipes/
 environment assignments before one of those is a command (a trailing backslash continues it). Each runs on a
 CPU stand-in with the same process count (0,1,3 -> cpu:3, 0 -> cpu:1, G:N -> cpu:N, CUDA_VISIBLE_DEVICES=0,1,3 ->
 3 processes), changing only what a CPU box cannot have:
-- data that needs a download or the user's folder: CIFAR-100 becomes 256 + 64 synthetic images of 16 px (two steps an
+- data that needs a download or the user's folder: CIFAR-100 becomes 256 + 64 synthetic images of 8 px (two steps an
   epoch at the default batch), a user's ImageFolder or .rec becomes 250 of scikit-learn's real digits in that format;
 - the length: --max-steps 2; the output: a fresh folder as the working directory (runs/... lands there);
 - two nodes (NNODES=2, MASTER_ADDR of node 0): both nodes on this machine, over 127.0.0.1.
@@ -203,8 +203,8 @@ def stand_in(command, data):
     if _flag(rest, "--dataset") == "cifar100" or (name != "mx_face_prefetch" and "--dataset" not in rest):
         rest = [("synthetic" if w == "cifar100" else w) for w in rest]
         rest += ["--synthetic-train", "256", "--synthetic-val", "64"]
-        if "--image-size" not in rest:  # small in every way: 16 px (still below 64: the same stem and transforms)
-            rest += ["--image-size", "16"]
+        if "--image-size" not in rest:  # small in every way: 8 px (still below 64: the same stem and transforms)
+            rest += ["--image-size", "8"]
     if _flag(rest, "--dataset") == "imagefolder":
         rest[rest.index("--data-root") + 1] = str(data)
     if name == "mx_face_prefetch" and _flag(rest, "--rec") != "synthetic":
