@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import io
 import os
+import sys
 
 from common.utils import first_line
 
@@ -66,11 +67,15 @@ def load_apex(cuda):
     if nvidia and not cuda:  # not even imported: it cannot run here, and its import takes a second
         raise no_gpu
     try:
-        # A python-only apex.parallel prints its own warning on every rank as it imports: the impl: line says it once.
+        # A python-only apex DDP prints its own warning on every rank when it first flattens a bucket (at the wrap,
+        # apex/parallel/distributed.py import_flatten_impl): done here, into nothing; the impl: line says it once.
         with contextlib.redirect_stdout(io.StringIO()):
             apex = importlib.import_module("apex")
             amp = importlib.import_module("apex.amp")
             parallel = importlib.import_module("apex.parallel")
+            distributed = sys.modules.get("apex.parallel.distributed")
+            if hasattr(distributed, "import_flatten_impl"):
+                distributed.import_flatten_impl()
     except Exception as exc:  # a broken build fails in its own ways
         raise ApexUnavailable(f"apex is installed but does not import ({type(exc).__name__}: {first_line(exc)})",
                               BUILD_HINT) from exc

@@ -212,6 +212,9 @@ class TorchAmp:
                         p = self.masters[-1][1]
                     params.append(p)
                 group["params"] = params
+        for group in optimizer.param_groups:  # fused SGD and a skipped first step: see recipes/torch_amp.py
+            for p in group["params"]:
+                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
         return model, optimizer
 
     def autocast(self):
@@ -238,6 +241,8 @@ class TorchAmp:
 
     def load_optimizer_state(self, optimizer, state):
         optimizer.load_state_dict(state)  # O2's masters exist from initialize(): the momentum stays fp32
+        for group in optimizer.param_groups:  # a plain SGD's checkpoint would switch fused off (GradScaler then fails)
+            group.update(fused=True, foreach=None)
 
     def state_dict(self):
         return self.scaler.state_dict()
@@ -399,12 +404,12 @@ def main():
         train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
         model.train()
         loss_meter, acc_meter = AverageMeter(), AverageMeter()
-        recent = collections.deque(maxlen=4)  # this epoch's last batches, for BatchNorm below
+        recent = collections.deque(maxlen=4)  # this epoch's last inputs, for BatchNorm below
         speed.start()
         bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", leave=False, disable=not (is_main and sys.stdout.isatty()))
         for images, targets in bar:
             images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-            recent.append((images, targets))
+            recent.append(images)
             with mixed.autocast():
                 try:
                     output = model(mixed.cast_input(images))  # DDP checks the last backward reduced everything
@@ -438,8 +443,8 @@ def main():
         # so after a short or fast-moving epoch they no longer fit and eval's loss explodes: recompute them from
         # this epoch's last batches through the final weights. Local, no collective; rank 0's are kept below.
         with recomputed_batchnorm(model.module), mixed.autocast():
-            for images, _ in recent:
-                model.module(mixed.cast_input(images))
+            while recent:  # popped: each batch leaves GPU memory once used
+                model.module(mixed.cast_input(recent.popleft()))
 
         # -------------------------------------------------------------------------------- eval
         # Buffers (BatchNorm statistics): torch's DDP copies rank 0's to the others at the start of each forward;

@@ -213,12 +213,12 @@ def main():
         train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
         model.train()
         loss_meter, acc_meter = AverageMeter(), AverageMeter()
-        recent = collections.deque(maxlen=4)  # this epoch's last batches, for BatchNorm below
+        recent = collections.deque(maxlen=4)  # this epoch's last inputs, for BatchNorm below
         speed.start()
         bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", leave=False, disable=not (is_main and sys.stdout.isatty()))
         for images, targets in bar:
             images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-            recent.append((images, targets))
+            recent.append(images)
             try:
                 output = model(images)  # DDP checks here that the last backward reduced every gradient
             except RuntimeError as exc:
@@ -249,8 +249,8 @@ def main():
         # so after a short or fast-moving epoch they no longer fit and eval's loss explodes: recompute them from
         # this epoch's last batches through the final weights. Local, no collective; rank 0's are kept below.
         with recomputed_batchnorm(model.module):
-            for images, _ in recent:
-                model.module(images)
+            while recent:  # popped: each batch leaves GPU memory once used
+                model.module(recent.popleft())
 
         # -------------------------------------------------------------------------------- eval
         # DDP copies rank 0's buffers (BatchNorm statistics) to the others at the start of each forward, so

@@ -172,12 +172,12 @@ def main():
     for epoch in range(args.epochs):
         model.train()
         loss_meter, acc_meter = AverageMeter(), AverageMeter()
-        recent = collections.deque(maxlen=4)  # this epoch's last batches, for BatchNorm below
+        recent = collections.deque(maxlen=4)  # this epoch's last inputs, for BatchNorm below
         speed.start()
         bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", leave=False, disable=not (is_main and sys.stdout.isatty()))
         for images, targets in bar:
             images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-            recent.append((images, targets))
+            recent.append(images)
             output = model(images)  # scatter the batch, run replicas in threads, gather on GPU 0
             loss = criterion(output, targets)
             optimizer.zero_grad(set_to_none=True)
@@ -200,10 +200,11 @@ def main():
         diverged.all_reduce_and_check(epoch, step, model=model)  # before eval and any save: no file from NaN weights
         # BatchNorm's running statistics trail the weights (momentum 0.1: each keeps 0.9^k of the batch k steps ago),
         # so after a short or fast-moving epoch they no longer fit and eval's loss explodes: recompute them from
-        # this epoch's last batches through the final weights (model.module: whole batches, on one device).
+        # this epoch's last batches through the final weights (model.module on GPU 0, a GPU's slice at a time).
         with recomputed_batchnorm(model.module):
-            for images, _ in recent:
-                model.module(images)
+            while recent:  # popped: each batch leaves GPU memory once used
+                for part in recent.popleft().chunk(max(1, torch.cuda.device_count())):
+                    model.module(part)
 
         # -------------------------------------------------------------------------------- eval
         val_loss, val_acc1, val_acc5, val_samples = evaluate(model, val_loader, criterion, device)

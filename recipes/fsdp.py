@@ -360,12 +360,12 @@ def main():
         train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
         model.train()
         loss_meter, acc_meter = AverageMeter(), AverageMeter()
-        recent = collections.deque(maxlen=4)  # this epoch's last batches, for BatchNorm below
+        recent = collections.deque(maxlen=4)  # this epoch's last inputs, for BatchNorm below
         speed.start()
         bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", leave=False, disable=not (is_main and sys.stdout.isatty()))
         for images, targets in bar:
             images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-            recent.append((images, targets))
+            recent.append(images)
             output = model(images)  # each block all-gathers its parameters, and frees them after its forward
             loss = criterion(output, targets)
             optimizer.zero_grad(set_to_none=True)
@@ -388,10 +388,11 @@ def main():
         diverged.all_reduce_and_check(epoch, step, model=model)  # before eval and any save: no file from NaN weights
         # BatchNorm's running statistics trail the weights (momentum 0.1: each keeps 0.9^k of the batch k steps ago),
         # so after a short or fast-moving epoch they no longer fit and eval's loss explodes: recompute them from
-        # this epoch's last batches through the final weights. Local, no collective; rank 0's are kept below.
-        with recomputed_batchnorm(model):  # FSDP's forward all-gathers: every rank runs its last batches
-            for images, _ in recent:
-                model(images)
+        # this epoch's last batches through the final weights; rank 0's are kept below. FSDP's forward all-gathers:
+        # every rank runs as many batches (the same number of steps) in this loop.
+        with recomputed_batchnorm(model):
+            while recent:  # popped: each batch leaves GPU memory once used
+                model(recent.popleft())
 
         # -------------------------------------------------------------------------------- eval
         # Buffers (BatchNorm statistics) are not sharded: each rank's follow its own batches. Evaluate everywhere

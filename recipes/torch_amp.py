@@ -231,6 +231,10 @@ def main():
     # fused=True: one kernel for every parameter, and GradScaler hands it the inf flag on the device; with a plain
     # SGD, scaler.step() reads that flag on the host every step, and the CPU waits for the GPU.
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4, fused=True)
+    # Fused SGD makes its momentum buffers with empty_like at its first step() even when GradScaler skips that step
+    # (an fp16 overflow, common at first), so they hold whatever memory held: start them at 0 (0.9 x 0 + g = g).
+    for p in model.parameters():
+        optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
     scheduler = warmup_cosine(optimizer, args.epochs, steps_per_epoch, args.warmup_epochs)  # per step
     # Enabled for fp16 only: with bf16 or fp32 its calls pass straight through.
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
@@ -248,6 +252,8 @@ def main():
             die(f"{resume} was written with {', '.join(changed)}; resume with the same flags")
         load_weights(model.module, ckpt["model"], resume)  # a wrong --arch: one line naming the keys
         optimizer.load_state_dict(ckpt["optimizer"])
+        for group in optimizer.param_groups:  # a plain SGD's checkpoint would switch fused off (GradScaler then fails)
+            group.update(fused=True, foreach=None)
         scaler.load_state_dict(ckpt["scaler"])  # without it fp16 restarts at scale 65536 and skips steps
         start_epoch, step = ckpt["epoch"], ckpt["step"]
         # The schedule goes by this run's steps per epoch (another world size or batch counts others).
@@ -276,7 +282,7 @@ def main():
         train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
         model.train()
         loss_meter, acc_meter = AverageMeter(), AverageMeter()
-        recent = collections.deque(maxlen=4)  # this epoch's last batches, for BatchNorm below
+        recent = collections.deque(maxlen=4)  # this epoch's last inputs, for BatchNorm below
         speed.start()
         micro_batches = itertools.islice(train_loader, steps_per_epoch * args.accum_steps)
         bar = tqdm(micro_batches, total=steps_per_epoch * args.accum_steps, desc=f"epoch {epoch + 1}", leave=False,
@@ -284,7 +290,7 @@ def main():
         for i, (images, targets) in enumerate(bar):
             images = images.to(device, non_blocking=True, memory_format=memory_format)
             targets = targets.to(device, non_blocking=True)
-            recent.append((images, targets))
+            recent.append(images)
             boundary = (i + 1) % args.accum_steps == 0
             # no_sync: gradients accumulate locally; the boundary micro-step's backward all-reduces the sum.
             with contextlib.nullcontext() if boundary else model.no_sync():
@@ -330,8 +336,8 @@ def main():
         # this epoch's last batches through the final weights. Local, no collective; rank 0's are kept below.
         with recomputed_batchnorm(model.module), torch.autocast(device.type, dtype=amp_dtype,
                                                                enabled=amp_dtype != torch.float32):
-            for images, _ in recent:
-                model.module(images)
+            while recent:  # popped: each batch leaves GPU memory once used
+                model.module(recent.popleft())
 
         # -------------------------------------------------------------------------------- eval
         # DDP copies rank 0's buffers (BatchNorm statistics) to the others at the start of each forward, so

@@ -102,6 +102,10 @@ def _train(model, mixed, train_set, *, world, epochs, batch, lr, accum=1, seed=0
     in fp16 its updates round apart from the for-each SGD's). Returns (per-epoch mean training loss, model)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4, fused=fused)
     model, optimizer = mixed.initialize(model, optimizer)
+    if fused:  # as torch_amp.py: momentum buffers start at zero (apex_amp's TorchAmp does it in initialize)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                optimizer.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
     sampler = RandomSampler(train_set, generator=torch.Generator().manual_seed(seed)) if one_process_shuffle else None
     micro = batch // world // accum
     shard = len(train_set) if sampler is not None else math.ceil(len(train_set) / world)  # DistributedSampler pads

@@ -101,7 +101,7 @@ BUILD = ("install NVIDIA apex 25.04 from source: pip install --no-build-isolatio
          "(README, section 'NVIDIA apex'), or use --impl torch")
 
 
-def test_load_apex_tells_the_four_ways_apex_is_unusable(tmp_path, monkeypatch):
+def test_load_apex_tells_the_four_ways_apex_is_unusable(tmp_path, monkeypatch, capfd):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(apex_compat.importlib.util, "find_spec",
                         lambda name, *a: None if name == "apex" else real_find_spec(name, *a))
@@ -113,8 +113,12 @@ def test_load_apex_tells_the_four_ways_apex_is_unusable(tmp_path, monkeypatch):
         pytest.skip(f"the real apex is not installed here, so its 'no GPU' case is not checked; {INSTALL_APEX}")
     with pytest.raises(ApexUnavailable, match="^NVIDIA apex needs a GPU and none is visible .*; use --impl torch"):
         load_apex(cuda=False)
+    capfd.readouterr()
     amp, ddp, apex = load_apex(cuda=True)  # with a GPU, the real 25.04 is usable
     assert amp.__name__ == "apex.amp" and ddp.__name__ == "DistributedDataParallel"
+    # The python-only build's "installed without --cpp_ext" warning, which apex DDP would print on every rank at the
+    # wrap, came out here, into nothing: the impl: line says which build runs, once.
+    assert sys.modules["apex.parallel.distributed"].imported_flatten_impl and "cpp_ext" not in capfd.readouterr().out
     assert not hasattr(apex, "RUNS_ON_CPU")  # only the double may say it runs on the CPU
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torchvision
+from conftest import REPO
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from common import checkpoint
@@ -438,3 +439,34 @@ def test_the_divergence_check_reads_nothing_from_the_device_per_step(monkeypatch
         check.all_reduce_and_check(0, 5)
     assert type(stopped.value).__name__ == "Diverged" and stopped.value.code == 3
     assert "steps 1-5: the training loss stopped being finite at step 3" in str(stopped.value)
+
+
+def test_fused_sgd_after_a_skipped_first_step_needs_its_momentum_started_at_zero():
+    # torch_amp.py and apex_amp.py's torch mode build SGD(fused=True): GradScaler then hands it the inf flag on the
+    # device. Its first step() makes the momentum buffers with empty_like before the kernel, which skips an inf step:
+    # they keep whatever memory held. The recipes start them at zero, which a plain SGD's first real step equals.
+    def train(fused, zeroed):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(256, 256)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4, fused=fused)
+        if zeroed:
+            for p in model.parameters():
+                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        scaler = torch.amp.GradScaler("cpu")
+        for step in range(3):
+            junk = [torch.full((256, 256), float("nan")) for _ in range(20)]  # freed memory holding NaNs
+            del junk
+            scaler.scale(model(torch.randn(8, 256)).pow(2).sum()).backward()
+            if step == 0:
+                model.weight.grad[0, 0] = float("inf")  # an fp16 overflow: GradScaler skips this step
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+        return model.weight.detach()
+
+    plain = train(fused=False, zeroed=False)
+    assert torch.equal(train(fused=True, zeroed=True), plain)
+    assert not torch.equal(train(fused=True, zeroed=False), plain)  # without: NaN here (what memory held)
+    for recipe, line in [("torch_amp", 'optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)'),
+                         ("apex_amp", 'optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)')]:
+        assert line in (REPO / "recipes" / f"{recipe}.py").read_text(), recipe

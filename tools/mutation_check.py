@@ -61,7 +61,7 @@ EDITS = [
     Edit("fused_sgd", "AMP with a for-each SGD: GradScaler reads the inf flag on the host every step (a GPU sync)",
          "weight_decay=5e-4, fused=", "weight_decay=5e-4, foreach="),
     Edit("bn_recompute", "eval with BatchNorm statistics that trail the weights (not recomputed from the last batches)",
-         "recent.append((images, targets))", "pass"),
+         "recent.append(", "(lambda *batch: None)("),
     Edit("full_state_dict", "FSDP: model.pt saved from the sharded state_dict (rank 0's DTensor shards)",
          "StateDictOptions(full_state_dict=True, cpu_offload=True)", "StateDictOptions(cpu_offload=True)"),
 ]
