@@ -52,6 +52,21 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if not item.get_closest_marker("gpu")]
 
 
+def spawn_gloo(worker, nprocs=2):
+    """Run worker(rank, port, results) in `nprocs` spawned processes that meet on a free local port; each puts what
+    it saw in results[rank]. Returns that dict."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(worker, args=(port, results), nprocs=nprocs)
+    return results
+
+
 def scaler_resumed_from(saved):
     """What torch_amp.py's `resumed:` line shows of a restored GradScaler state (its state_dict's repr: the keys are
     scale, growth_factor, backoff_factor, growth_interval, _growth_tracker)."""

@@ -7,7 +7,6 @@ import multiprocessing
 import os
 import pickle
 import re
-import socket
 import sys
 import threading
 import time
@@ -16,9 +15,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torchvision
-from conftest import REPO
+from conftest import REPO, spawn_gloo
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from common import checkpoint
@@ -120,11 +118,7 @@ def _meter_worker(rank, port, results):
 
 
 def test_average_meter_all_reduce_and_gather_values_across_two_gloo_processes():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.spawn(_meter_worker, args=(port, results), nprocs=2)
+    results = spawn_gloo(_meter_worker)
     assert results[0] == results[1] == (50.0, 3, pytest.approx(50.0 / 3), [700.5, 701.5], 0)
     assert gather_values(3, torch.device("cpu")) == [3.0]  # no process group: a world of one
 

@@ -4,12 +4,10 @@ line, and each rank holds about half of what a DDP rank holds. Real gloo runs on
 
 import re
 import shutil
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import (
     epoch_lines,
     epoch_losses,
@@ -22,6 +20,7 @@ from conftest import (
     rng_env,
     rng_streams,
     run_direct,
+    spawn_gloo,
 )
 from reference import Plain, evaluate
 from torch.distributed.device_mesh import init_device_mesh
@@ -198,11 +197,7 @@ def _groups_worker(rank, port, results):
 
 
 def test_bf16_groups_a_blocks_batchnorm_layers_together_all_on_one_mesh():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.spawn(_groups_worker, args=(port, results), nprocs=2)
+    results = spawn_gloo(_groups_worker)
     assert results[0] == results[1]
     got = results[0]
     # resnet18: 4 layers of 2 BasicBlocks. Each block is a bf16 group (conv1, conv2, downsample's conv); under bf16
