@@ -83,6 +83,15 @@ def find_resume(resume, latest):
     return None
 
 
+def check_epochs_left(path, start_epoch, epochs):
+    """A checkpoint that already ran all `epochs` leaves nothing to resume: a CheckpointError (exit 2), said once
+    per node, as it is the same on every rank."""
+    if start_epoch >= epochs:
+        error = CheckpointError(f"{path} already finished all {epochs} epochs; nothing to resume")
+        error.all_ranks = False
+        raise error
+
+
 def load_checkpoint(path, map_location, require=(), mmap=False):
     """torch.load(weights_only=True) onto `map_location` (this rank's device, not the one it was saved
     from). `require`: the keys a checkpoint of this recipe must have. mmap=True with map_location="cpu": the file is
@@ -102,12 +111,19 @@ def load_checkpoint(path, map_location, require=(), mmap=False):
     return ckpt
 
 
-def dcp_failure(exc):
+def dcp_failure(exc, folder=None):
     """One line for torch.distributed.checkpoint's CheckpointException, which holds every rank's exception with its
-    traceback (and is a BaseException: `except Exception` lets it through): the first failure that says something."""
+    traceback (and is a BaseException: `except Exception` lets it through): the first failure that says something.
+    A shard is written by torch.save's zip writer, which drops the OSError that stopped it (a full disk, a quota, an
+    I/O error) and raises "[enforce fail at inline_container.cc:N]" instead: `folder` given, the line says so, with
+    the space left there."""
     failures = [failure for failure, _ in exc.failures.values()]
     failure = next((f for f in failures if str(f).strip()), failures[0])
-    return f"{type(failure).__name__}: {first_line(failure).split('. ')[0][:200]}"  # torch adds advice after a period
+    said = f"{type(failure).__name__}: {first_line(failure).split('. ')[0][:200]}"  # torch adds advice after a period
+    if folder is not None and "inline_container" in said:
+        return (f"a write failed: a full disk, a quota or an I/O error ({said.strip()}); "
+                f"{_free(os.path.join(folder, 'x'))} free there")
+    return said
 
 
 def load_weights(model, state, path):

@@ -21,8 +21,11 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 DEFAULT_IMAGE_SIZE = {"synthetic": 32, "cifar100": 32, "imagefolder": 224}
 
 
-class DataError(Exception):
-    """Missing or malformed data; the message says what to do."""
+class DataError(OneLineError):
+    """Missing or malformed data; the message says what to do. Raised out of a recipe's main(), one_line_errors()
+    prints it on every rank (a missing folder may be missing on one node only) and exits 2, as a bad flag does."""
+
+    code = 2
 
 
 class SampleError(OneLineError):
@@ -183,6 +186,8 @@ def transforms(size, flip, mean, std):
 
 
 def build_datasets(name, root=None, image_size=None, synthetic_train=2048, synthetic_val=500, flip=True):
+    if name not in DEFAULT_IMAGE_SIZE:
+        raise DataError(f"unknown dataset {name!r}; use synthetic, cifar100 or imagefolder")
     size = image_size or DEFAULT_IMAGE_SIZE[name]
     if name == "synthetic":
         return (
@@ -200,9 +205,17 @@ def build_datasets(name, root=None, image_size=None, synthetic_train=2048, synth
         except RuntimeError as exc:
             raise DataError(f"no CIFAR-100 in {root!r} ({exc}); run once online to download it") from exc
         return train, val, 100
-    if name == "imagefolder":
-        return _imagefolder(root, size, flip)
-    raise DataError(f"unknown dataset {name!r}; use synthetic, cifar100 or imagefolder")
+    return _imagefolder(root, size, flip)
+
+
+def check_full_batch(steps, samples, batch_size):
+    """A training set too small for one full batch of the GLOBAL `batch_size` (the loaders drop the last partial
+    batch, so an epoch would have `steps` = 0 and train on nothing): a DataError saying so, once per node (every
+    rank counts the same steps)."""
+    if steps == 0:
+        error = DataError(f"{samples} training samples make no full batch of {batch_size}; lower --batch-size")
+        error.all_ranks = False
+        raise error
 
 
 def _imagefolder(root, size, flip):

@@ -7,6 +7,8 @@ import re
 import torch
 import torch.nn as nn
 
+from common.utils import OneLineError
+
 
 class TinyCNN(nn.Module):
     """Two conv layers and no BatchNorm: fast on CPU, and its result does not depend on world size.
@@ -71,6 +73,26 @@ def build_model(arch, num_classes, image_size=None):
         nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")  # as torchvision inits
         model.maxpool = nn.Identity()
     return model
+
+
+class UnusedParameters(OneLineError):
+    """DDP refused parameters that got no gradient; the message names them and the fix."""
+
+    all_ranks = False  # every rank meets the same model: said once per node
+
+
+@contextlib.contextmanager
+def unused_parameters_named(module):
+    """Around a DDP forward pass, where DDP checks that the last backward reduced every gradient: its error for the
+    parameters that got none (a page of text, naming indices) becomes UnusedParameters naming them (exit 1). Any
+    other error goes through as it is."""
+    try:
+        yield
+    except RuntimeError as exc:
+        hint = unused_parameters_error(exc, module)
+        if hint is None:
+            raise
+        raise UnusedParameters(hint) from None
 
 
 def unused_parameters_error(exc, module):

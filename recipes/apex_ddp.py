@@ -34,8 +34,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common.apex_compat import ApexUnavailable, apex_build, load_apex
-from common.data import DEFAULT_IMAGE_SIZE, DataError, build_datasets, default_workers, prepare_dataset
-from common.models import build_model, check_arch, recomputed_batchnorm, unused_parameters_error
+from common.data import DEFAULT_IMAGE_SIZE, build_datasets, check_full_batch, default_workers, prepare_dataset
+from common.models import build_model, check_arch, recomputed_batchnorm, unused_parameters_named
 from common.outputs import check_out_dir, state_bytes
 from common.schedule import default_lr, warmup_cosine
 from common.tensorboard_log import TensorBoard
@@ -182,15 +182,12 @@ def main():
            f"workers={workers_per_process} per process")
 
     # ------------------------------------------------------------------------------------ data
-    try:
-        if local_rank == 0:  # one per node (in turn on a shared folder: one download); the others wait at the barrier
-            prepare_dataset(args.dataset, args.data_root)
-        dist.barrier()
-        train_set, val_set, num_classes = build_datasets(
-            args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val,
-            flip=not args.no_flip)
-    except DataError as exc:  # may differ per node (a missing folder): each rank says what it saw
-        die(str(exc), all_ranks=True)
+    if local_rank == 0:  # one per node (in turn on a shared folder: one download); the others wait at the barrier
+        prepare_dataset(args.dataset, args.data_root)
+    dist.barrier()
+    train_set, val_set, num_classes = build_datasets(  # a DataError: one line on each rank, exit 2
+        args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val,
+        flip=not args.no_flip)
     # Same seed on every rank: each process sees a different shard of one shared permutation.
     train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     train_loader = DataLoader(train_set, batch_size=batch_per_process, sampler=train_sampler,
@@ -200,8 +197,7 @@ def main():
     val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=batch_per_process,
                             num_workers=workers_per_process, pin_memory=device.type == "cuda",
                             persistent_workers=workers_per_process > 0)
-    if len(train_loader) == 0:
-        die(f"{len(train_set)} training samples make no full batch of {args.batch_size}; lower --batch-size")
+    check_full_batch(len(train_loader), len(train_set), args.batch_size)  # drop_last: else 0 steps
     print0(f"data: {args.dataset} train={len(train_set)} val={len(val_set)} classes={num_classes} "
            f"steps_per_epoch={len(train_loader)}")
 
@@ -236,13 +232,8 @@ def main():
         for images, targets in bar:
             images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             recent.append(images)
-            try:
+            with unused_parameters_named(model.module):  # DDP's error for them: one line naming them
                 output = model(images)  # DDP checks here that the last backward reduced every gradient
-            except RuntimeError as exc:
-                hint = unused_parameters_error(exc, model.module)
-                if hint is None:
-                    raise
-                die(hint, code=1)
             loss = criterion(output, targets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP averages gradients across ranks during backward

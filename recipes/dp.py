@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, RandomSampler
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
-from common.data import DEFAULT_IMAGE_SIZE, DataError, build_datasets, default_workers, prepare_dataset
+from common.data import DEFAULT_IMAGE_SIZE, build_datasets, check_full_batch, default_workers, prepare_dataset
 from common.models import build_model, check_arch, recomputed_batchnorm
 from common.outputs import check_out_dir, state_bytes
 from common.schedule import default_lr, warmup_cosine
@@ -132,13 +132,10 @@ def main():
     print0(f"setup: 1 process, {where}, batch={args.batch_size} (split across the GPUs), workers={workers_per_process}")
 
     # ------------------------------------------------------------------------------------ data
-    try:
-        prepare_dataset(args.dataset, args.data_root)
-        train_set, val_set, num_classes = build_datasets(
-            args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val,
-            flip=not args.no_flip)
-    except DataError as exc:  # may differ per node (a missing folder): each rank says what it saw
-        die(str(exc), all_ranks=True)
+    prepare_dataset(args.dataset, args.data_root)
+    train_set, val_set, num_classes = build_datasets(  # a DataError: one line on each rank, exit 2
+        args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val,
+        flip=not args.no_flip)
     train_sampler = RandomSampler(train_set, generator=torch.Generator().manual_seed(args.seed))
     train_loader = DataLoader(train_set, batch_size=batch_per_process, sampler=train_sampler,
                               num_workers=workers_per_process, pin_memory=device.type == "cuda",
@@ -146,8 +143,7 @@ def main():
     val_loader = DataLoader(val_set, batch_size=batch_per_process,
                             num_workers=workers_per_process, pin_memory=device.type == "cuda",
                             persistent_workers=workers_per_process > 0)
-    if len(train_loader) == 0:
-        die(f"{len(train_set)} training samples make no full batch of {args.batch_size}; lower --batch-size")
+    check_full_batch(len(train_loader), len(train_set), args.batch_size)  # drop_last: else 0 steps
     print0(f"data: {args.dataset} train={len(train_set)} val={len(val_set)} classes={num_classes} "
            f"steps_per_epoch={len(train_loader)}")
 

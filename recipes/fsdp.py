@@ -63,8 +63,16 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
-from common.checkpoint import CheckpointError, SaveError, dcp_failure, find_resume, load_checkpoint, save_atomic
-from common.data import DEFAULT_IMAGE_SIZE, DataError, build_datasets, default_workers, prepare_dataset
+from common.checkpoint import (
+    CheckpointError,
+    SaveError,
+    check_epochs_left,
+    dcp_failure,
+    find_resume,
+    load_checkpoint,
+    save_atomic,
+)
+from common.data import DEFAULT_IMAGE_SIZE, build_datasets, check_full_batch, default_workers, prepare_dataset
 from common.models import build_model, check_arch, recomputed_batchnorm
 from common.outputs import check_out_dir, held_state_bytes, state_bytes
 from common.schedule import default_lr, warmup_cosine
@@ -273,15 +281,12 @@ def main():
            f"workers={workers_per_process} per process")
 
     # ------------------------------------------------------------------------------------ data
-    try:
-        if local_rank == 0:  # one per node (in turn on a shared folder: one download); the others wait at the barrier
-            prepare_dataset(args.dataset, args.data_root)
-        dist.barrier()
-        train_set, val_set, num_classes = build_datasets(
-            args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val,
-            flip=not args.no_flip)
-    except DataError as exc:  # may differ per node (a missing folder): each rank says what it saw
-        die(str(exc), all_ranks=True)
+    if local_rank == 0:  # one per node (in turn on a shared folder: one download); the others wait at the barrier
+        prepare_dataset(args.dataset, args.data_root)
+    dist.barrier()
+    train_set, val_set, num_classes = build_datasets(  # a DataError: one line on each rank, exit 2
+        args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val,
+        flip=not args.no_flip)
     # Same seed on every rank: each process sees a different shard of one shared permutation.
     train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     # Not persistent: workers are re-seeded from the (checkpointed) RNG each epoch, so resume is exact.
@@ -291,8 +296,7 @@ def main():
     val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=batch_per_process,
                             num_workers=workers_per_process, pin_memory=device.type == "cuda",
                             persistent_workers=workers_per_process > 0)
-    if len(train_loader) == 0:
-        die(f"{len(train_set)} training samples make no full batch of {args.batch_size}; lower --batch-size")
+    check_full_batch(len(train_loader), len(train_set), args.batch_size)  # drop_last: else 0 steps
     print0(f"data: {args.dataset} train={len(train_set)} val={len(val_set)} classes={num_classes} "
            f"steps_per_epoch={len(train_loader)}")
 
@@ -354,8 +358,7 @@ def main():
     tb = TensorBoard(args.tb_dir, args.tb_every, is_main, device, vars(args), start_step=step)
     diverged = DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
     diverged.last_good = resume  # what the stop message names; each save below updates it
-    if start_epoch >= args.epochs:
-        die(f"{resume} already finished all {args.epochs} epochs; nothing to resume")
+    check_epochs_left(resume, start_epoch, args.epochs)
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
         model.train()
@@ -418,7 +421,8 @@ def main():
         try:
             dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=os.path.join(checkpoints, shards))
         except dcp.CheckpointException as exc:  # a full disk, on any rank: every rank gets it
-            raise SaveError(f"cannot write the shards in {os.path.join(checkpoints, shards)} ({dcp_failure(exc)}): "
+            raise SaveError(f"cannot write the shards in {os.path.join(checkpoints, shards)} "
+                            f"({dcp_failure(exc, checkpoints)}): "
                             f"{latest}, if any, still points at the previous ones; free some space, then "
                             "--resume") from exc
         if is_main:  # dcp.save returned on every rank: all shards are written. Now point latest.pt at them.

@@ -37,9 +37,9 @@ from torchvision import transforms as T
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
-from common.data import NameFailingSamples, build_datasets, default_workers
+from common.data import NameFailingSamples, build_datasets, check_full_batch, default_workers
 from common.loader import DataLoaderX
-from common.models import build_model, check_arch, recomputed_batchnorm, unused_parameters_error
+from common.models import build_model, check_arch, recomputed_batchnorm, unused_parameters_named
 from common.outputs import check_out_dir, state_bytes
 from common.recordio import MXFaceDataset, RecordIOError
 from common.schedule import default_lr, warmup_cosine
@@ -245,8 +245,7 @@ def main():
     val_loader = DataLoaderX(device, Subset(val_set, range(rank, len(val_set), world_size)),
                              batch_size=batch_per_process, num_workers=workers_per_process,
                              pin_memory=device.type == "cuda", persistent_workers=workers_per_process > 0)
-    if len(train_loader) == 0:
-        die(f"{len(train_set)} training samples make no full batch of {args.batch_size}; lower --batch-size")
+    check_full_batch(len(train_loader), len(train_set), args.batch_size)  # drop_last: else 0 steps
     print0(f"data: {args.rec} reader={args.reader} train={len(train_set)} val={len(val_set)} classes={num_classes} "
            f"steps_per_epoch={len(train_loader)}")
 
@@ -279,13 +278,8 @@ def main():
         for images, targets in bar:
             images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             recent.append((images, targets))
-            try:
+            with unused_parameters_named(model.module):  # DDP's error for them: one line naming them
                 output = model(images, targets)  # the margin needs the labels; DDP checks the last backward
-            except RuntimeError as exc:
-                hint = unused_parameters_error(exc, model.module)
-                if hint is None:
-                    raise
-                die(hint, code=1)
             loss = criterion(output, targets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP averages gradients across ranks during backward

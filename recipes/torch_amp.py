@@ -42,9 +42,9 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
-from common.checkpoint import find_resume, load_checkpoint, load_weights, save_atomic
-from common.data import DEFAULT_IMAGE_SIZE, DataError, build_datasets, default_workers, prepare_dataset
-from common.models import build_model, check_arch, recomputed_batchnorm, unused_parameters_error
+from common.checkpoint import check_epochs_left, find_resume, load_checkpoint, load_weights, save_atomic
+from common.data import DEFAULT_IMAGE_SIZE, build_datasets, check_full_batch, default_workers, prepare_dataset
+from common.models import build_model, check_arch, recomputed_batchnorm, unused_parameters_named
 from common.outputs import check_out_dir, state_bytes
 from common.schedule import default_lr, warmup_cosine
 from common.tensorboard_log import TensorBoard
@@ -197,15 +197,12 @@ def main():
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
 
     # ------------------------------------------------------------------------------------ data
-    try:
-        if local_rank == 0:  # one per node (in turn on a shared folder: one download); the others wait at the barrier
-            prepare_dataset(args.dataset, args.data_root)
-        dist.barrier()
-        train_set, val_set, num_classes = build_datasets(
-            args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val,
-            flip=not args.no_flip)
-    except DataError as exc:  # may differ per node (a missing folder): each rank says what it saw
-        die(str(exc), all_ranks=True)
+    if local_rank == 0:  # one per node (in turn on a shared folder: one download); the others wait at the barrier
+        prepare_dataset(args.dataset, args.data_root)
+    dist.barrier()
+    train_set, val_set, num_classes = build_datasets(  # a DataError: one line on each rank, exit 2
+        args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val,
+        flip=not args.no_flip)
     # Same seed on every rank: each process sees a different shard of one shared permutation.
     train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     train_loader = DataLoader(train_set, batch_size=micro_batch, sampler=train_sampler,
@@ -216,8 +213,7 @@ def main():
                             num_workers=workers_per_process, pin_memory=device.type == "cuda",
                             persistent_workers=workers_per_process > 0)
     steps_per_epoch = len(train_loader) // args.accum_steps  # a partial accumulation at the end is dropped
-    if steps_per_epoch == 0:
-        die(f"{len(train_set)} training samples make no full batch of {args.batch_size}; lower --batch-size")
+    check_full_batch(steps_per_epoch, len(train_set), args.batch_size)  # drop_last: else 0 steps
     print0(f"data: {args.dataset} train={len(train_set)} val={len(val_set)} classes={num_classes} "
            f"steps_per_epoch={steps_per_epoch}")
 
@@ -276,8 +272,7 @@ def main():
     tb = TensorBoard(args.tb_dir, args.tb_every, is_main, device, vars(args), start_step=step)
     diverged = DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
     diverged.last_good = resume  # what the stop message names; each save below updates it
-    if start_epoch >= args.epochs:
-        die(f"{resume} already finished all {args.epochs} epochs; nothing to resume")
+    check_epochs_left(resume, start_epoch, args.epochs)
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
         model.train()
@@ -295,13 +290,8 @@ def main():
             # no_sync: gradients accumulate locally; the boundary micro-step's backward all-reduces the sum.
             with contextlib.nullcontext() if boundary else model.no_sync():
                 with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
-                    try:
+                    with unused_parameters_named(model.module):  # DDP's error for them: one line naming them
                         output = model(images)  # DDP checks here that the last backward reduced every gradient
-                    except RuntimeError as exc:
-                        hint = unused_parameters_error(exc, model.module)
-                        if hint is None:
-                            raise
-                        die(hint, code=1)
                     loss = criterion(output, targets)
                 # Backward outside autocast. /K: the K micro-losses add up to the mean over the full batch.
                 scaler.scale(loss / args.accum_steps).backward()

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import (
+    REPO,
     epoch_lines,
     epoch_losses,
     launch,
@@ -22,6 +23,7 @@ from conftest import (
     run_direct,
     spawn_gloo,
 )
+from jobs import error_lines
 from reference import Plain, evaluate
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -138,6 +140,25 @@ def test_a_checkpoint_of_another_arch_or_with_a_truncated_shard_is_refused(runs)
     assert cut.stderr.endswith("): a shard file is missing or truncated, or they hold another model\n")
     assert len(cut.stderr.splitlines()) == 1 and "Traceback" not in cut.stdout + cut.stderr
     assert files_of(tmp / "truncated") == before
+
+
+def test_a_disk_that_fills_while_the_shards_are_written_keeps_the_previous_ones(tmp_path):
+    # FAULT_DISK_FULL: the second time rank 0 opens its shard file (epoch 2's save), the disk takes 1 kB and refuses
+    # the rest with ENOSPC. dcp.save hands the failure to every rank (a CheckpointException). torch's zip writer
+    # reports it as "enforce fail at inline_container.cc" only: the line says what that can be, and the space left.
+    out = tmp_path / "out"
+    proc = launch("recipes/fsdp.py", "cpu:2", *ARGS, "--out-dir", out, timeout=120,
+                  env={"PYTHONPATH": str(REPO / "tests/faults"), "FAULT_DISK_FULL": "__0_0.distcp:2:1024"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    latest = torch.load(out / "checkpoint/latest.pt", weights_only=True)
+    said = [line for line in error_lines(proc.stderr) if "lost the connection" not in line]
+    assert said and all(re.fullmatch(
+        rf"\[rank [01]\] error: cannot write the shards in {re.escape(str(out / 'checkpoint'))}/epoch_2-\S+ \(a write "
+        r"failed: a full disk, a quota or an I/O error \(RuntimeError: \[enforce fail at inline_container\.cc:\d+\]\); "
+        r"[\d.]+ [kMG]B free "
+        rf"there\): {re.escape(str(out / 'checkpoint/latest.pt'))}, if any, still points at the previous ones; free "
+        r"some space, then --resume", line) for line in said), said
+    assert latest["epoch"] == 1 and (out / "checkpoint" / latest["shards"] / "__0_0.distcp").is_file()  # epoch 1's
 
 
 def test_bf16_trains_with_batchnorm_and_keeps_fp32_weights(tmp_path):

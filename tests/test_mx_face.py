@@ -45,6 +45,7 @@ def test_synthetic_needs_no_data(tmp_path):
 @pytest.mark.parametrize(("damage", "message"), [
     ("idx", "train.idx: idx line 3 malformed: 'garbage' (expected 'key<TAB>offset')"),
     ("rec", "is outside"),  # a .rec cut short: the idx points past its end
+    ("header", "/train.rec has no header record 0 giving the identity count; pass --num-classes"),
 ])
 @pytest.mark.slow
 def test_a_damaged_file_fails_at_start_with_one_line(faces_rec, tmp_path, damage, message):
@@ -53,6 +54,9 @@ def test_a_damaged_file_fails_at_start_with_one_line(faces_rec, tmp_path, damage
     if damage == "idx":
         lines = (bad / "train.idx").read_text().splitlines()
         (bad / "train.idx").write_text("\n".join(lines[:2] + ["garbage"] + lines[3:]) + "\n")
+    elif damage == "header":  # an idx that does not list record 0: every record is an image, of no stated count
+        lines = (bad / "train.idx").read_text().splitlines()
+        (bad / "train.idx").write_text("\n".join(line for line in lines if not line.startswith("0\t")) + "\n")
     else:
         data = (bad / "train.rec").read_bytes()
         (bad / "train.rec").write_bytes(data[: len(data) // 2])

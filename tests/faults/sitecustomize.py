@@ -47,10 +47,12 @@ if os.environ.get("FAULT_DISK_FREE"):
     shutil.disk_usage = _nearly_full
 
 # FAULT_DISK_FULL="NAME:N:BYTES": in rank 0 (or a process without RANK), the N-th time a file named NAME is
-# opened for writing, it takes BYTES and then every write fails with ENOSPC, as on a disk that filled up.
+# opened for writing (by open(), or io.open() as pathlib and torch.distributed.checkpoint's writer do), it takes
+# BYTES and then every write fails with ENOSPC, as on a disk that filled up.
 if os.environ.get("FAULT_DISK_FULL") and os.environ.get("RANK", "0") == "0":
     import builtins
     import errno
+    import io
 
     _name, _nth, _room = os.environ["FAULT_DISK_FULL"].split(":")
     _opened, _open = [0], builtins.open
@@ -86,7 +88,7 @@ if os.environ.get("FAULT_DISK_FULL") and os.environ.get("RANK", "0") == "0":
                 return _FillingFile(f, int(_room))
         return f
 
-    builtins.open = _open_filling
+    builtins.open = io.open = _open_filling
 
 # FAULT_NAN_BATCH="RANK:N": in the process whose RANK is RANK (a process without RANK counts as rank 0), the N-th
 # training batch (from a loader whose sampler has an epoch: DistributedSampler) has NaN images, as a corrupt

@@ -1,0 +1,243 @@
+"""The error branches of common/ that no recipe run takes, run here in-process, each on the real thing it guards
+(torch.save, torchvision's CIFAR-100, the RecordIO reader, a real gloo process group), and each recipe's start-up
+checks (check_args, which every rank runs before any collective). docs/gpu_only_lines.md lists what no CPU test
+runs; these were CPU lines in that list."""
+
+import errno
+import importlib
+import struct
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import load_recipe, spawn_gloo
+from torch.utils.data import TensorDataset
+
+from common import apex_compat, checkpoint, data, loader, recordio, utils
+from common.apex_compat import ApexUnavailable, load_apex
+from common.checkpoint import CheckpointError, check_epochs_left, load_checkpoint, save_atomic
+from common.data import (
+    DataError,
+    NameFailingSamples,
+    SyntheticImages,
+    build_datasets,
+    check_full_batch,
+    exclusive_lock,
+)
+from common.loader import DataLoaderX
+from common.recordio import (
+    IndexedRecordReader,
+    IRHeader,
+    MXFaceDataset,
+    RecordIOError,
+    RecordWriter,
+    encode_record,
+    pack,
+)
+
+
+# --------------------------------------------------------------------------------- checkpoints
+class Unpicklable:
+    def __reduce__(self):
+        raise RuntimeError("this object refuses to be pickled")
+
+
+def test_save_atomic_lets_an_error_that_is_not_the_disks_through_and_keeps_the_previous_file(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    save_atomic({"epoch": 1}, path)
+    with pytest.raises(RuntimeError, match="refuses to be pickled"):  # torch.save's own error, not a SaveError
+        save_atomic({"epoch": 2, "bad": Unpicklable()}, path)
+    assert torch.load(path, weights_only=True) == {"epoch": 1} and [p.name for p in tmp_path.iterdir()] == [path.name]
+    assert checkpoint._free(tmp_path / "no" / "such" / "folder" / "x.pt") == "unknown"  # the free space, if it can
+
+
+def test_load_checkpoint_names_a_missing_file_and_one_of_another_recipe(tmp_path):
+    with pytest.raises(CheckpointError, match=r"^cannot load \S+/absent\.pt \(FileNotFoundError: .*No such file"):
+        load_checkpoint(tmp_path / "absent.pt", "cpu")
+    torch.save({"model": {}}, tmp_path / "weights.pt")
+    with pytest.raises(CheckpointError) as why:
+        load_checkpoint(tmp_path / "weights.pt", "cpu", require=("model", "optimizer", "epoch"))
+    assert str(why.value).endswith("is not a checkpoint of this recipe: it has no ['optimizer', 'epoch'] (bare "
+                                   "weights? start from them with ddp_checkpoint.py --init-from)")
+    assert why.value.code == 2
+
+
+def test_a_finished_checkpoint_leaves_nothing_to_resume():
+    check_epochs_left("ckpt.pt", 2, 3)  # one epoch left: goes on
+    with pytest.raises(CheckpointError, match=r"^ckpt\.pt already finished all 3 epochs; nothing to resume$") as why:
+        check_epochs_left("ckpt.pt", 3, 3)
+    assert why.value.code == 2 and not why.value.all_ranks  # the same on every rank: said once per node
+
+
+# --------------------------------------------------------------------------------------- data
+def test_a_plain_for_loop_over_a_named_dataset_stops_at_its_end():
+    images = SyntheticImages(5, image_size=4, split="val")
+    named = NameFailingSamples(images, "val")
+    assert [label for _, label in named] == [label for _, label in images]  # IndexError past the end ends the loop
+    with pytest.raises(IndexError):
+        named[5]
+
+
+def test_a_folder_that_cannot_be_locked_is_used_unlocked_after_a_warning(tmp_path, monkeypatch, capsys):
+    def no_locks(*_):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(data.fcntl, "flock", no_locks)  # NFS mounted without its lock service fails flock() so
+    ran = []
+    with exclusive_lock(tmp_path / "cifar"):
+        ran.append(True)
+    assert ran and capsys.readouterr().err == (
+        f"warning: cannot lock {tmp_path / 'cifar' / '.download.lock'} (No locks available): nodes sharing this "
+        "folder may download into it at once; download once on one node first\n")
+
+
+def test_the_data_errors_say_what_to_do(tmp_path, monkeypatch):
+    with pytest.raises(DataError, match=rf"^no CIFAR-100 in '{tmp_path}' \(Dataset not found or corrupted.*\); run "
+                                        "once online to download it$"):
+        build_datasets("cifar100", str(tmp_path), 32)  # torchvision's own check of the folder
+    with pytest.raises(DataError, match=r"^unknown dataset 'imagenet'; use synthetic, cifar100 or imagefolder$"):
+        build_datasets("imagenet", str(tmp_path))
+    for split in ("train", "val"):
+        (tmp_path / split / "a").mkdir(parents=True)
+    # Tests run as root here, which reads any folder: the permission check is given a folder it may not read.
+    monkeypatch.setattr(data.os, "access", lambda path, mode: not str(path).endswith("train"))
+    with pytest.raises(DataError, match=rf"^cannot read '{tmp_path}/train' \(permissions\); expected ROOT/train/"):
+        build_datasets("imagefolder", str(tmp_path), 16)
+    assert issubclass(DataError, utils.OneLineError) and DataError.code == 2 and DataError.all_ranks
+
+
+def test_a_training_set_without_one_full_batch_is_refused():
+    check_full_batch(1, 126, 126)
+    with pytest.raises(DataError, match=r"^125 training samples make no full batch of 126; lower --batch-size$") as why:
+        check_full_batch(0, 125, 126)
+    assert why.value.code == 2 and not why.value.all_ranks  # every rank counts the same steps: said once per node
+
+
+# ----------------------------------------------------------------------------------- recordio
+def test_recordio_refuses_what_dmlc_cannot_hold_or_would_read_wrong(tmp_path, monkeypatch):
+    monkeypatch.setattr(recordio, "MAX_RECORD_BYTES", 16)  # 2**29 bytes for real: half a GB to build
+    with pytest.raises(ValueError, match="^record of 17 bytes: RecordIO records must be smaller than 2"):
+        encode_record(bytes(17))
+    monkeypatch.undo()
+    with RecordWriter(tmp_path / "a.idx", tmp_path / "a.rec") as writer:
+        writer.write_idx(0, b"first")
+        with pytest.raises(ValueError, match=r"a\.idx: key 0 written twice$"):
+            writer.write_idx(0, b"again")
+    # A record holding the aligned magic is split in two chunks (first, last); make the last one a whole record's.
+    magic = struct.pack("<I", recordio.MAGIC)
+    split = bytearray(encode_record(b"head" + magic + b"tail"))
+    first_length = struct.unpack_from("<I", split, 4)[0] & ((1 << 29) - 1)
+    second = 8 + first_length
+    assert struct.unpack_from("<I", split, second + 4)[0] >> 29 == 3  # the last part
+    struct.pack_into("<I", split, second + 4, 4)  # cflag 0 (whole), 4 bytes
+    (tmp_path / "b.rec").write_bytes(bytes(split))
+    (tmp_path / "b.idx").write_text("\n7\t0\n\n")  # blank lines are skipped, as mxnet skips them
+    with IndexedRecordReader(tmp_path / "b.idx", tmp_path / "b.rec") as reader:  # closed on leaving the block
+        assert reader.keys == [7]
+        with pytest.raises(RecordIOError, match=r"b\.rec: key 7: multi-part record broken: the chunk at offset 12 "
+                                                r"has cflag 0, expected a middle \(2\) or last \(3\) part$"):
+            reader.read_idx(7)
+    assert reader._fd is None
+
+
+def test_mx_face_dataset_names_a_record_that_is_no_image_and_a_reader_it_lacks(tmp_path, monkeypatch):
+    with RecordWriter(tmp_path / "train.idx", tmp_path / "train.rec") as writer:
+        writer.write_idx(1, pack(IRHeader(0, 3.0, 1, 0), b"not an image"))
+    faces = MXFaceDataset(tmp_path)  # no header record 0: every key is an image
+    with pytest.raises(RecordIOError, match=r"train\.rec: key 1: payload is not a readable image \(cannot identify"):
+        faces[0]
+    with pytest.raises(ValueError, match="^reader must be 'python' or 'mxnet', not 'pil'$"):
+        MXFaceDataset(tmp_path, reader="pil")
+    monkeypatch.setitem(sys.modules, "mxnet", None)  # as where mxnet is not installed: its import fails
+    with pytest.raises(RecordIOError, match=r"^MXFaceDataset\(reader='mxnet'\): mxnet does not import "
+                                            r"\(ModuleNotFoundError: "):
+        MXFaceDataset(tmp_path, reader="mxnet")
+
+
+# ----------------------------------------------------------------------------------- loader
+class Slow(TensorDataset):
+    def __getitem__(self, index):
+        time.sleep(1.3)  # longer than DataLoaderX's 1 s wait for the next batch
+        return super().__getitem__(index)
+
+
+def test_dataloaderx_waits_for_a_slow_batch_and_stops_after_close(monkeypatch):
+    batches = iter(DataLoaderX("cpu", Slow(torch.arange(2.0)), batch_size=1))
+    assert iter(batches) is batches
+    assert next(batches)[0].tolist() == [0.0]  # waited past one 1 s timeout, still there
+    batches.close()
+    with pytest.raises(StopIteration):
+        next(batches)
+    # A producer that ended without its end marker (it cannot, short of a bug): an error, not a hang.
+    monkeypatch.setattr(loader, "_produce", lambda *args: None)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="^DataLoaderX: the prefetch thread ended without a batch or an error$"):
+        next(iter(DataLoaderX("cpu", TensorDataset(torch.arange(4.0)), batch_size=2)))
+    assert time.monotonic() - start < 5
+
+
+# ------------------------------------------------------------------------------------ utils
+def test_result_line_writes_a_non_finite_value_as_null():
+    assert utils.result_line(loss=float("nan"), values=[1.0, float("inf")]) == \
+        'RESULT {"loss": null, "values": [1.0, null]}'
+
+
+def _die_worker(rank, port, results):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.barrier()  # both reach die() together: rank 0 says it and exits, rank 1 waits its grace quietly
+    utils.die("the same verdict on every rank")
+
+
+def test_die_says_a_shared_error_once_and_the_other_ranks_wait_quietly(capfd):
+    with pytest.raises(mp.ProcessExitedException) as ended:
+        spawn_gloo(_die_worker)
+    assert ended.value.exit_code == 2 and ended.value.error_index == 0  # rank 0 left first; rank 1 was still waiting
+    err = capfd.readouterr().err
+    assert err.count("error: the same verdict on every rank\n") == 1 and "[rank" not in err, err
+
+
+# ----------------------------------------------------------------------------------- apex
+def test_an_apex_that_does_not_import_is_one_line_with_the_build_command(tmp_path, monkeypatch):
+    for name in ("amp", "parallel", "optimizers"):  # NVIDIA's layout; its amp fails as a build for another CUDA does
+        (tmp_path / "apex" / name).mkdir(parents=True)
+        (tmp_path / "apex" / name / "__init__.py").write_text("")
+    (tmp_path / "apex" / "__init__.py").write_text("")
+    (tmp_path / "apex" / "amp" / "__init__.py").write_text("raise ImportError('libcudart.so.11.0: cannot open')")
+    before = {n: m for n, m in sys.modules.items() if n == "apex" or n.startswith("apex.")}
+    for name in before:
+        del sys.modules[name]
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    try:
+        with pytest.raises(ApexUnavailable) as why:
+            load_apex(cuda=True)
+    finally:  # the broken apex leaves this process; the real one (if it was imported) comes back
+        for name in [n for n in sys.modules if n == "apex" or n.startswith("apex.")]:
+            del sys.modules[name]
+        sys.modules.update(before)
+    assert str(why.value) == ("apex is installed but does not import (ImportError: libcudart.so.11.0: cannot open); "
+                              f"{apex_compat.BUILD_HINT}")
+
+
+# ------------------------------------------------------------------------- recipes' start-up
+@pytest.mark.parametrize(("recipe", "flags", "line"), [
+    ("torch_amp", ["--accum-steps", "0"], "error: --accum-steps 0 must be >= 1"),
+    ("torch_amp", ["--resume", "/no/such.pt"], "[rank 0] error: --resume /no/such.pt: no such file"),
+    ("apex_amp", ["--resume", "/no/such.pt"], "[rank 0] error: --resume /no/such.pt: no such file"),
+    ("fsdp", ["--resume", "/no/such.pt"], "[rank 0] error: --resume /no/such.pt: no such file"),
+    ("ddp_checkpoint", ["--resume", "/no/such.pt"], "[rank 0] error: --resume /no/such.pt: no such file"),
+    ("ddp_checkpoint", ["--init-from", "/no/model.pt"], "[rank 0] error: --init-from /no/model.pt: no such file"),
+    ("ddp_spawn", ["--model-parallel", "--arch", "resnet18"],
+     "error: --model-parallel splits the tiny CNN (features | fc); use --arch tiny, or split your model likewise"),
+    ("mx_face_prefetch", ["--rec", "/no/faces"],
+     "[rank 0] error: --rec /no/faces: no such folder (expected train.rec + train.idx there, or --rec synthetic)"),
+])
+def test_each_recipe_refuses_a_bad_flag_before_any_collective(recipe, flags, line, capsys):
+    module = load_recipe(recipe)
+    with pytest.raises(SystemExit) as leaving:
+        module.check_args(module.parse_args(flags), 1)
+    assert leaving.value.code == 2 and capsys.readouterr().err == f"{line}\n"
