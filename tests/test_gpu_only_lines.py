@@ -23,23 +23,44 @@ SOURCE = textwrap.dedent('''\
     class ApexAmp:
         def step(self):
             return 1
+
+
+    def _to_device(batch):
+        return batch
+
+
+    def produce(stream, num_gpus):
+        if stream is not None:
+            x = 2
+        if num_gpus:
+            x = 3
     ''')
 
 
 def test_each_line_is_filed_under_its_gpu_guard_or_listed_without_one(tmp_path):
-    path = tmp_path / "recipe.py"
+    path = tmp_path / "apex_amp.py"
     path.write_text(SOURCE)
-    statements = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 14]
-    missing = [4, 5, 6, 8, 9, 14]  # what a CPU run would leave out, and line 9 (a test gap, no guard)
+    statements = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 14, 17, 18, 21, 22, 23, 24, 25]
+    missing = [4, 5, 6, 8, 9, 14, 18, 23, 25]  # what a CPU run would leave out, and line 9 (a test gap, no guard)
     assert classify(path, statements, missing) == [
         (4, 5, 3, "if torch.cuda.is_available()", "torch.cuda.set_device(0)"),
         (6, 6, 6, 'if device.type == "cuda"', 'w = 4 if device.type == "cuda" else 5'),
         (8, 8, 7, "while gpus", "gpus -= 1"),
         (9, 9, None, None, "return x"),
         (14, 14, 12, "ApexAmp: real apex's amp: amp.initialize refuses CPU parameters", "return 1"),
+        (18, 18, None, None, "return batch"),  # loader.py's _to_device is GPU-only, not apex_amp.py's
+        (23, 23, 22, "if stream is not None", "x = 2"),  # DataLoaderX makes a stream only on CUDA
+        (25, 25, 24, "if num_gpus", "x = 3"),
     ]
     # Two missing lines under one guard with a line that ran between them stay apart.
     assert [c[:2] for c in classify(path, statements, [4, 8])] == [(4, 4), (8, 8)]
+    # A whole function or class is GPU-only in the file named for it, not wherever its name recurs.
+    elsewhere = tmp_path / "loader.py"
+    elsewhere.write_text(SOURCE)
+    assert classify(elsewhere, statements, [14, 18]) == [
+        (14, 14, None, None, "return 1"),
+        (18, 18, 17, "_to_device: DataLoaderX's copy on its CUDA side stream: called only where there is one",
+         "return batch")]
 
 
 def test_the_committed_list_and_readme_agree():

@@ -6,8 +6,8 @@ It runs `python -m pytest` (or --pytest-args) under coverage.py, every recipe pr
 worker included (`[run] patch = subprocess, _exit`: the recipes leave with os._exit after an error), and writes
 docs/gpu_only_lines.md: each line that never ran, grouped by file, under the closest enclosing guard that only a GPU
 or a real apex passes (an `if` / ternary / `while` whose condition names CUDA, NCCL, GPUs, pinned memory or apex,
-or a function or class named in GPU_ONLY_DEFS). A line that never ran and has no such guard is listed apart: no
-GPU is needed for it, so a CPU test should run it (the tool exits 1 while there is one).
+or a function or class of a file named in GPU_ONLY_DEFS). A line that never ran and has no such guard is listed
+apart: no GPU is needed for it, so a CPU test should run it (the tool exits 1 while there is one).
 """
 
 import argparse
@@ -25,15 +25,21 @@ sys.path.insert(0, str(REPO))  # tools/ run as a script
 
 OUT = REPO / "docs" / "gpu_only_lines.md"
 # A condition that only a GPU (or a real apex on one) makes take the branch the CPU never takes.
-GPU_CONDITION = re.compile(r"cuda|nccl|\bgpus?\b|ranks_per_gpu|pin_memory|impl == \"apex\"|\bapex\b|channels_last")
-# Whole functions and classes that run only on a GPU, with the reason.
+# DataLoaderX makes its copy stream (and with it each batch's event) only for a CUDA device.
+GPU_CONDITION = re.compile(r"cuda|nccl|\bgpus?\b|num_gpus|ranks_per_gpu|pin_memory|impl == \"apex\"|\bapex\b|"
+                           r"channels_last|\b(stream|event) is not None")
+# Whole functions and classes that run only on a GPU, by file and name, with the reason.
 GPU_ONLY_DEFS = {
-    "ApexAmp": "real apex's amp: amp.initialize refuses CPU parameters",
+    "apex_amp.py:ApexAmp": "real apex's amp: amp.initialize refuses CPU parameters",
+    "loader.py:_to_device": "DataLoaderX's copy on its CUDA side stream: called only where there is one",
+    "loader.py:_record_stream": "DataLoaderX's hand-over of a batch from its CUDA side stream: called only where there "
+                                "is one",
 }
 
 
-def guard_of(tree, source, line):
-    """The closest enclosing node of `line` that keeps the CPU out: (its line, its text), or None."""
+def guard_of(tree, source, line, filename=""):
+    """The closest enclosing node of `line` that keeps the CPU out: (its line, its text), or None. filename: the
+    file's name, for GPU_ONLY_DEFS."""
     best = None
     for node in ast.walk(tree):
         if not (getattr(node, "lineno", None) and node.lineno <= line <= (node.end_lineno or node.lineno)):
@@ -44,8 +50,8 @@ def guard_of(tree, source, line):
             condition = " ".join((ast.get_source_segment(source, node.test) or "").split())
             if GPU_CONDITION.search(condition):
                 text = f"{'while' if isinstance(node, ast.While) else 'if'} {condition}"
-        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in GPU_ONLY_DEFS:
-            text = f"{node.name}: {GPU_ONLY_DEFS[node.name]}"
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)) and f"{filename}:{node.name}" in GPU_ONLY_DEFS:
+            text = f"{node.name}: {GPU_ONLY_DEFS[f'{filename}:{node.name}']}"
         # The closest guard; a conditional expression only where no statement guards the line.
         rank = (not isinstance(node, ast.IfExp), node.lineno)
         if text and (best is None or rank >= best[0]):
@@ -61,7 +67,7 @@ def classify(path, statements, missing):
     ran = set(statements) - set(missing)
     out = []
     for line in sorted(missing):
-        where, text = guard_of(tree, source, line) or (None, None)
+        where, text = guard_of(tree, source, line, path.name) or (None, None)
         if out and out[-1][2:4] == (where, text) and not any(out[-1][1] < k < line for k in ran):
             out[-1] = (out[-1][0], line, where, text, out[-1][4])
         else:
@@ -74,7 +80,8 @@ def measure(pytest_args, data_dir):
     import coverage
 
     rc = data_dir / "coveragerc"
-    rc.write_text("[run]\npatch = subprocess\n    _exit\nparallel = true\n"
+    # sigterm: a rank the launcher stops (SIGTERM) once another has exited still saves what it ran.
+    rc.write_text("[run]\npatch = subprocess\n    _exit\nparallel = true\nsigterm = true\n"
                   f"source =\n    {REPO / 'recipes'}\n    {REPO / 'common'}\ndata_file = {data_dir / '.coverage'}\n")
     code = subprocess.call([sys.executable, "-m", "coverage", "run", f"--rcfile={rc}", "-m", "pytest",
                             "-p", "no:cacheprovider", *pytest_args], cwd=REPO)
