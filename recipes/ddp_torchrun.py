@@ -1,7 +1,7 @@
 """DistributedDataParallel launched by torchrun: one process per GPU, gradients all-reduced.
 
     ./launch.sh recipes/ddp_torchrun.py 0,1,3 --dataset cifar100 --epochs 30       # GPUs 0, 1 and 3
-    ./launch.sh recipes/ddp_torchrun.py 0 --dataset imagefolder --data-root ~/data  # one GPU
+    ./launch.sh recipes/ddp_torchrun.py 0 --dataset imagefolder --data-root ~/my_data  # one GPU, your images
     ./launch.sh recipes/ddp_torchrun.py cpu:2 --dataset synthetic --arch tiny       # 2 CPU processes (gloo)
     NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 \
         ./launch.sh recipes/ddp_torchrun.py 0,1,2,3 --dataset cifar100    # node 0; NODE_RANK=1 on node 1

@@ -141,10 +141,10 @@ def signal_all(pids, sig):
             os.kill(pid, sig)
 
 
-def job_mid_epoch(recipe, out_dir, devices="cpu:2", ignored=()):
-    """A 2-rank job with DataLoader workers, a little into epoch 2 (64 steps, several seconds here)."""
+def job_mid_epoch(recipe, out_dir, devices="cpu:2", ignored=(), samples=4096):
+    """A 2-rank job with DataLoader workers, a little into epoch 2 (of samples / 64 steps: 64, several seconds here)."""
     job = Job(f"recipes/{recipe}.py", devices, "--arch", "tiny", "--workers", "1", "--epochs", "20",
-              "--synthetic-train", "4096", "--batch-size", "64", "--out-dir", out_dir, ignored=ignored)
+              "--synthetic-train", str(samples), "--batch-size", "64", "--out-dir", out_dir, ignored=ignored)
     job.wait_for("epoch=1/")
     time.sleep(0.5)
     return job

@@ -5,9 +5,11 @@ recipe's opening docstring; a line that starts with ./launch.sh, python recipes/
 environment assignments before one of those is a command (a trailing backslash continues it). Each runs on a
 CPU stand-in with the same process count (0,1,3 -> cpu:3, 0 -> cpu:1, G:N -> cpu:N, CUDA_VISIBLE_DEVICES=0,1,3 ->
 3 processes), changing only what a CPU box cannot have:
-- data that needs a download or the user's folder: CIFAR-100 becomes 256 + 64 synthetic images of 8 px (two steps an
-  epoch at the default batch), a user's ImageFolder or .rec becomes 250 of scikit-learn's real digits in that format;
-- the length: --max-steps 2; the output: a fresh folder as the working directory (runs/... lands there);
+- data that needs a download or the user's folder: CIFAR-100 becomes 128 + 64 synthetic images of 8 px (one step an
+  epoch at the default batch), a user's ImageFolder or .rec becomes 250 of scikit-learn's real digits in that format
+  (also one step an epoch);
+- the length: --max-steps 1, one whole epoch (a checkpoint to --resume from); tools/tune_loader.py: --batches 2,
+  --rounds 1; the output: a fresh folder as the working directory (runs/... lands there);
 - two nodes (NNODES=2, MASTER_ADDR of node 0): both nodes on this machine, over 127.0.0.1.
 A recipe must exit 0 with its RESULT line; a documented failure (--impl apex without a GPU) its documented line.
 A command that --resume's or --init-from's an earlier one runs in a copy of that one's folder, after it. What
@@ -37,7 +39,7 @@ ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=\S*$")
 TEMPLATES = {"./launch.sh [--dry-run] RECIPE [DEVICES] [recipe args...]", "python recipes/R.py",
              "python -m torch.distributed.launch"}
 SUITE = "the test suite itself (.ci/run runs it)"
-FP16 = "fp16 (apex_amp O2 is fp16 weights) on the CPU: minutes for resnet18's two steps; its flags run small elsewhere"
+FP16 = "fp16 (apex_amp O2 is fp16 weights) on the CPU: minutes for a step of resnet18; its flags run small elsewhere"
 SLURM = "SLURM is not installed; tests/test_cluster.py runs the script's node part with SLURM's variables"
 NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsewhere, as said)
     "DEVICES=cpu:4 sbatch --nodes 2 --gpus-per-node 0 slurm/train.sbatch recipes/ddp_torchrun.py --arch tiny": SLURM,
@@ -58,7 +60,7 @@ NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsew
         "25 minutes of test runs; its edits are listed in README and run by hand (python tools/mutation_check.py)",
     "python tools/tune_loader.py --dataset imagefolder --data-root ~/my_data --batch-size 256 --processes 4 "
     "--device cuda": "--device cuda needs a GPU; tests/test_tune_loader.py runs the tool on the CPU",
-    # fp16 on a CPU runs, 10-50x slower than fp32: resnet18's two steps take minutes. The same flags run at small
+    # fp16 on a CPU runs, 10-50x slower than fp32: a step of resnet18 takes minutes. The same flags run at small
     # scale in test_conformance (torch_amp:fp16, apex_amp:O1-O3) and test_divergence (fp16's scale rule).
     "./launch.sh recipes/torch_amp.py 0,1,3 --amp-dtype fp16": FP16,
     "./launch.sh recipes/torch_amp.py 0,1,3 --dataset cifar100 --amp-dtype fp16 --channels-last": FP16,
@@ -195,14 +197,14 @@ def stand_in(command, data):
             if script == "tools/pack_rec.py":  # the user's identity folders: the digits, one folder per class
                 rest = [str(data / "train"), "packed", *rest[2:]]
             if script == "tools/tune_loader.py":
-                rest = [data_word(w, data) for w in rest] + ["--rounds", "1"]
+                rest = [data_word(w, data) for w in rest] + ["--rounds", "1", "--batches", "2"]
     if recipe is None:
         return argv + rest, env, nodes
     name = recipe.split("/")[-1][:-3]
     # Data a CPU box cannot have, replaced by data it can.
     if _flag(rest, "--dataset") == "cifar100" or (name != "mx_face_prefetch" and "--dataset" not in rest):
         rest = [("synthetic" if w == "cifar100" else w) for w in rest]
-        rest += ["--synthetic-train", "256", "--synthetic-val", "64"]
+        rest += ["--synthetic-train", "128", "--synthetic-val", "64"]
         if "--image-size" not in rest:  # small in every way: 8 px (still below 64: the same stem and transforms)
             rest += ["--image-size", "8"]
     if _flag(rest, "--dataset") == "imagefolder":
@@ -211,7 +213,7 @@ def stand_in(command, data):
         rest[rest.index("--rec") + 1] = str(data / "rec")
         if "--num-classes" in rest:
             rest[rest.index("--num-classes") + 1] = "10"
-    return argv + rest + ["--max-steps", "2"], env, nodes
+    return argv + rest + ["--max-steps", "1"], env, nodes
 
 
 def data_word(word, data):

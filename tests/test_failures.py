@@ -55,7 +55,7 @@ def test_a_rank_killed_mid_epoch_ends_the_job_naming_it(tmp_path, recipe, messag
 def test_killed_while_writing_a_checkpoint_resumes_from_the_previous_one_exactly(tmp_path):
     # resnet18's checkpoint is 90 MB: its write takes ~100 ms, long enough to be caught in the act.
     args = ["recipes/ddp_checkpoint.py", "cpu:2", "--arch", "resnet18", "--image-size", "16", "--workers", "0",
-            "--synthetic-train", "128", "--synthetic-val", "32", "--batch-size", "32", "--epochs", "4"]
+            "--synthetic-train", "64", "--synthetic-val", "32", "--batch-size", "32", "--epochs", "4"]
     straight = launch(*args, "--out-dir", tmp_path / "straight")
     assert straight.returncode == 0, straight.stderr[-3000:]
 
@@ -299,7 +299,8 @@ def test_a_job_started_with_sigint_ignored(tmp_path, recipe, stops):
     """A script's `cmd &` starts cmd with SIGINT ignored. torchrun installs its own SIGINT handler, so its job
     still stops; a `python` recipe inherits the ignore (Python installs no KeyboardInterrupt handler then) and
     trains on, as Unix intends for a background job; SIGTERM stops it. README's failure section says both."""
-    job = job_mid_epoch(recipe, tmp_path, ignored=(signal.SIGINT, signal.SIGQUIT))
+    # Epochs of 16 steps: the job that ignores SIGINT shows it by finishing one more, soon.
+    job = job_mid_epoch(recipe, tmp_path, ignored=(signal.SIGINT, signal.SIGQUIT), samples=1024)
     tree = job.tree()
     os.killpg(job.proc.pid, signal.SIGINT)
     if stops:
