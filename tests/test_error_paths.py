@@ -127,9 +127,8 @@ def test_recordio_refuses_what_dmlc_cannot_hold_or_would_read_wrong(tmp_path, mo
         with pytest.raises(ValueError, match=r"a\.idx: key 0 written twice$"):
             writer.write_idx(0, b"again")
     # A record holding the aligned magic is split in two chunks (first, last); make the last one a whole record's.
-    magic = struct.pack("<I", recordio.MAGIC)
-    split = bytearray(encode_record(b"head" + magic + b"tail"))
-    first_length = struct.unpack_from("<I", split, 4)[0] & ((1 << 29) - 1)
+    split = bytearray(encode_record(b"head" + recordio._MAGIC_BYTES + b"tail"))
+    first_length = struct.unpack_from("<I", split, 4)[0] & recordio._LENGTH_MASK
     second = 8 + first_length
     assert struct.unpack_from("<I", split, second + 4)[0] >> 29 == 3  # the last part
     struct.pack_into("<I", split, second + 4, 4)  # cflag 0 (whole), 4 bytes
