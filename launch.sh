@@ -56,10 +56,10 @@ if [[ ! -f $recipe ]]; then
   [[ -f $here/$recipe ]] || fail "recipe '$recipe' not found; try one of: $(cd "$here" && echo recipes/*.py)"
   recipe=$here/$recipe
 fi
-launcher=$(head -n 40 "$recipe" | sed -n 's/^# launcher: *\([A-Za-z._]*\) *$/\1/p' | head -n 1)
+launcher=$(head -n 60 "$recipe" | sed -n 's/^# launcher: *\([A-Za-z._]*\) *$/\1/p' | head -n 1)
 case $launcher in
   torchrun | torch.distributed.launch | python) ;;
-  "") fail "$recipe has no '# launcher: torchrun|torch.distributed.launch|python' line in its first 40 lines; add one" ;;
+  "") fail "$recipe has no '# launcher: torchrun|torch.distributed.launch|python' line in its first 60 lines; add one" ;;
   *) fail "$recipe names launcher '$launcher'; use torchrun, torch.distributed.launch or python" ;;
 esac
 

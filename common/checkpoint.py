@@ -111,6 +111,20 @@ def load_checkpoint(path, map_location, require=(), mmap=False):
     return ckpt
 
 
+def load_same_flags(path, map_location, flags, require=()):
+    """load_checkpoint() of a resume point, which holds "epoch", "step" and "flags" (what a resume must match), besides
+    `require`; unless its flags equal `flags`, a CheckpointError naming each one that differs (exit 2, said once per
+    node: every rank reads the same file)."""
+    ckpt = load_checkpoint(path, map_location, require=(*require, "epoch", "step", "flags"))
+    changed = [f"--{k.replace('_', '-')} {ckpt['flags'].get(k)} (this run: {v})"
+               for k, v in flags.items() if ckpt["flags"].get(k) != v]
+    if changed:
+        error = CheckpointError(f"{path} was written with {', '.join(changed)}; resume with the same flags")
+        error.all_ranks = False
+        raise error
+    return ckpt
+
+
 def dcp_failure(exc, folder=None):
     """One line for torch.distributed.checkpoint's CheckpointException, which holds every rank's exception with its
     traceback (and is a BaseException: `except Exception` lets it through): the first failure that says something.

@@ -185,6 +185,17 @@ def transforms(size, flip, mean, std):
     return T.Compose(train + ([T.RandomHorizontalFlip()] if flip else []) + tail), T.Compose(val + tail)
 
 
+def add_data_flags(parser):
+    """The flags build_datasets() takes (--dataset, --data-root, --image-size, --no-flip, --synthetic-train,
+    --synthetic-val): with your own data, replace this call and build_datasets() by your own flags and datasets."""
+    parser.add_argument("--dataset", choices=["synthetic", "cifar100", "imagefolder"], default="synthetic")
+    parser.add_argument("--data-root", default="./data", help="cifar100: download dir; imagefolder: has train/ val/")
+    parser.add_argument("--image-size", type=int, help="default: 32 (synthetic, cifar100), 224 (imagefolder)")
+    parser.add_argument("--no-flip", action="store_true", help="no random horizontal flip (text, digits)")
+    parser.add_argument("--synthetic-train", type=int, default=2048, help="synthetic: training samples")
+    parser.add_argument("--synthetic-val", type=int, default=500, help="synthetic: validation samples")
+
+
 def build_datasets(name, root=None, image_size=None, synthetic_train=2048, synthetic_val=500, flip=True):
     if name not in DEFAULT_IMAGE_SIZE:
         raise DataError(f"unknown dataset {name!r}; use synthetic, cifar100 or imagefolder")

@@ -7,8 +7,6 @@ import re
 import torch
 import torch.nn as nn
 
-from common.utils import OneLineError
-
 
 class TinyCNN(nn.Module):
     """Two conv layers and no BatchNorm: fast on CPU, and its result does not depend on world size.
@@ -75,32 +73,12 @@ def build_model(arch, num_classes, image_size=None):
     return model
 
 
-class UnusedParameters(OneLineError):
-    """DDP refused parameters that got no gradient; the message names them and the fix."""
-
-    all_ranks = False  # every rank meets the same model: said once per node
-
-
-@contextlib.contextmanager
-def unused_parameters_named(module):
-    """Around a DDP forward pass, where DDP checks that the last backward reduced every gradient: its error for the
-    parameters that got none (a page of text, naming indices) becomes UnusedParameters naming them (exit 1). Any
-    other error goes through as it is."""
-    try:
-        yield
-    except RuntimeError as exc:
-        hint = unused_parameters_error(exc, module)
-        if hint is None:
-            raise
-        raise UnusedParameters(hint) from None
-
-
 def unused_parameters_error(exc, module):
     """One line for DDP's unused-parameter RuntimeError (naming the parameters), or None for other errors."""
     text = str(exc)
     if "find_unused_parameters" not in text:
         return None
-    names = [name for name, _ in module.named_parameters()]
+    names = [name for name, p in module.named_parameters() if p.requires_grad]  # DDP counts only these
     found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", text)
     indices = [int(i) for i in found.group(1).split()] if found else []
     which = ", ".join(names[i] for i in indices if i < len(names)) or "some parameters"

@@ -1,6 +1,7 @@
 """Fail before training, never after: prove at start-up that the run can write what it will write.
 
-check_out_dir() runs on every rank before the first step. Rank 0, which writes, creates --out-dir, writes and
+broadcast_out_dir_check() runs on every rank before the first step: it is a collective (rank 0 broadcasts its verdict),
+as its name says, so it must not go under `if is_main:`. Rank 0, which writes, creates --out-dir, writes and
 deletes a small file there (a real write, not a guess from permission bits) and compares the free space with
 what the run will hold there; with shared=True every node must also see a file rank 0 wrote there (recipes
 whose ranks load what rank 0 saved). Every rank learns the outcome, so all stop together with one line and
@@ -77,12 +78,17 @@ def _clean(out_dir, marker, created):
             os.rmdir(folder)
 
 
-def check_out_dir(out_dir, is_main, files, shared=False, flag="--out-dir"):
+def broadcast_out_dir_check(out_dir, is_main, files, shared=False, flag="--out-dir", tb_dir=None):
     """files: {name: bytes} the run writes into out_dir (state_bytes() of what goes in each); flag: the option that
-    named the folder, for the messages. Call it on every rank, after the process group is up: it is a collective."""
+    named the folder, for the messages; tb_dir: --tb-dir, checked the same way (its event file). A collective: call
+    it on every rank, after the process group is up; rank 0 checks and broadcasts the verdict."""
     grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     marker = f".write-test-{secrets.token_hex(4)}"
-    error, created = _probe(out_dir, files, marker, flag) if is_main else (None, [])
+    error, created, tb_created = None, [], []
+    if is_main:
+        error, created = _probe(out_dir, files, marker, flag)
+        if error is None and tb_dir is not None:
+            error, tb_created = _probe(tb_dir, {"events.out.tfevents": 2**20}, marker, "--tb-dir")
     if grouped:
         box = [error, marker]
         dist.broadcast_object_list(box, src=0)  # rank 0's outcome, and the name of the file it wrote
@@ -97,8 +103,9 @@ def check_out_dir(out_dir, is_main, files, shared=False, flag="--out-dir"):
             error = (f"{flag} {out_dir} must be on storage that every node shares: {', '.join(blind[:3])} "
                      "cannot see the file rank 0 wrote there, and would not see its checkpoints; use a shared "
                      "folder (NFS, Lustre, a cluster file system)")
-    if is_main:
+    if is_main:  # --tb-dir first: it may be inside --out-dir, whose folders go only if empty
+        if tb_dir is not None:
+            _clean(tb_dir, marker, tb_created if error else [])
         _clean(out_dir, marker, created if error else [])
     if error:
         die(error)
-

@@ -1,39 +1,34 @@
 """TensorBoard curves for the recipes (--tb-dir): the same tags in every recipe, written by rank 0 alone.
 
-    tb = TensorBoard(args.tb_dir, args.tb_every, is_main, device, flags=vars(args), start_step=step)
+    tb = TensorBoard(args.tb_dir, args.tb_every, is_main, flags=vars(args), start_step=step)
     ...  # after each optimizer step, with the epoch's meters:
     tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"])
-    ...  # after each epoch's line:
-    tb.epoch(step, train_loss=..., val_acc1=..., ...)
+    ...  # after each epoch's line, with the values the recipe all-reduced for it:
+    tb.epoch(step, device, train_loss=..., val_acc1=..., ...)
 
-Tags (x axis: the optimizer step, which a resumed run continues):
-  train/loss, train/acc1      mean over the last --tb-every steps, over every rank's samples
+Local: no method here is a collective, so any of these lines can go under `if is_main:` (on the other ranks the
+object is off anyway). Tags (x axis: the optimizer step, which a resumed run continues):
+  train/loss, train/acc1      mean over the last --tb-every steps of rank 0's own samples (no all-reduce per log;
+                              the epoch/ tags are over every rank's)
   train/lr, train/loss_scale  the learning rate; the AMP recipes' loss scale (fp16)
-  epoch/...                   each epoch's printed numbers: train_loss, train_acc1, val_loss, val_acc1, val_acc5,
-                              images_per_sec; and peak_mem_mb, the largest over the ranks
+  epoch/...                   each epoch's printed numbers, as the recipe reduced them: train_loss, train_acc1,
+                              val_loss, val_acc1, val_acc5, images_per_sec; and peak_mem_mb, rank 0's own peak
   text "flags"                the run's flags
 
 A resumed run (--resume) opens a new event file with purge_step just after its checkpoint's step, so the points
 an interrupted run wrote after that checkpoint are dropped and the curves go on without repeats or gaps.
-Without --tb-dir every method is a no-op: no collective, no import of tensorboard.
+Without --tb-dir, and on every rank but 0, every method is a no-op (and tensorboard is not imported).
+--tb-dir is checked at start-up with --out-dir (broadcast_out_dir_check(..., tb_dir=)).
 """
 
-import torch
-import torch.distributed as dist
-
-from common.outputs import check_out_dir
 from common.utils import peak_memory_mb
 
 
 class TensorBoard:
-    def __init__(self, tb_dir, every, is_main, device, flags, start_step=0):
-        self.on, self.every, self.device, self.writer = tb_dir is not None, every, device, None
+    def __init__(self, tb_dir, every, is_main, flags, start_step=0):
+        self.on, self.every, self.writer = tb_dir is not None, every, None
         self._meters, self._last = None, (0.0, 0.0, 0)
-        if not self.on:
-            return
-        # An unwritable --tb-dir fails now, like --out-dir; every rank takes part (the check is a collective).
-        check_out_dir(tb_dir, is_main, {"events.out.tfevents": 2**20}, flag="--tb-dir")
-        if is_main:
+        if self.on and is_main:
             from torch.utils.tensorboard import SummaryWriter  # only with --tb-dir: it costs a second to import
 
             self.writer = SummaryWriter(tb_dir, purge_step=start_step + 1 if start_step else None)
@@ -41,39 +36,32 @@ class TensorBoard:
                                  start_step)
 
     def step(self, step, loss_meter, acc_meter, lr, loss_scale=None):
-        """After each optimizer step, on every rank. Every `every` steps it all-reduces the meters' growth since
-        the last log (a collective) and rank 0 writes it. loss_scale: a function, read only then (a GPU sync)."""
-        if not self.on or step % self.every:
+        """After each optimizer step. Every `every` steps rank 0 writes the mean of its meters' growth since the last
+        log (reading it waits for the device). loss_scale: a function, read only then."""
+        if self.writer is None or step % self.every:
             return
         if self._meters is not loss_meter:  # a new epoch's meters: they count from zero
             self._meters, self._last = loss_meter, (0.0, 0.0, 0)
-        now = (loss_meter.sum, acc_meter.sum, loss_meter.count)
-        window = torch.stack([torch.as_tensor(a, dtype=torch.float64, device=self.device) -
-                              torch.as_tensor(b, dtype=torch.float64, device=self.device)
-                              for a, b in zip(now, self._last, strict=True)])
+        now = (float(loss_meter.sum), float(acc_meter.sum), loss_meter.count)
+        loss_sum, acc_sum, count = (a - b for a, b in zip(now, self._last, strict=True))
         self._last = now
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(window)
-        loss_sum, acc_sum, count = window.tolist()
-        if self.writer is not None and count:
+        if count:
             self.writer.add_scalar("train/loss", loss_sum / count, step)
             self.writer.add_scalar("train/acc1", acc_sum / count, step)
             self.writer.add_scalar("train/lr", lr, step)
             if loss_scale is not None:
                 self.writer.add_scalar("train/loss_scale", loss_scale(), step)
 
-    def epoch(self, step, **scalars):
-        """After each epoch, on every rank (the peak memory is a max over the ranks: a collective)."""
-        if not self.on:
+    def epoch(self, step, device, **scalars):
+        """After each epoch: the scalars as given, and rank 0's peak memory on `device`."""
+        if self.writer is None:
             return
-        peak = torch.tensor(peak_memory_mb(self.device), dtype=torch.float64, device=self.device)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        if self.writer is not None:
-            for name, value in {**scalars, "peak_mem_mb": peak.item()}.items():
-                self.writer.add_scalar(f"epoch/{name}", value, step)
-            self.writer.flush()
+        for name, value in {**scalars, "peak_mem_mb": peak_memory_mb(device)}.items():
+            self.writer.add_scalar(f"epoch/{name}", float(value), step)
+        self.writer.flush()
 
     def close(self):
         if self.writer is not None:
             self.writer.close()
+
+

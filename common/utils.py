@@ -121,6 +121,9 @@ def one_line_errors(ctrl_c=True):
         sys.exit(130)
     except RuntimeError as exc:  # torch.distributed.DistBackendError is one too
         first = first_line(exc)
+        unused = _unused_parameters(exc)
+        if unused:  # the same model on every rank: said once per node, exit 1
+            die(unused, code=1)
         if any(marker in first for marker in TIMEOUT_MARKERS):
             why = "another rank did not join a collective within --dist-timeout: it hangs, or the ranks took different"
             _error_line(f"{why} branches ({first})", all_ranks=True)
@@ -129,6 +132,27 @@ def one_line_errors(ctrl_c=True):
         else:
             raise
         _leave(1)
+
+
+def _unused_parameters(exc):
+    """DDP's error for parameters that got no gradient (a page of text naming indices), as one line naming them, or
+    None. DDP raises it at the start of the next forward, so the DistributedDataParallel whose forward raised it is in
+    the traceback (a frame's `self`): the names come from its module, and the training loop needs no try/except of its
+    own. An error that mentions find_unused_parameters from anywhere else (backward's "mark a variable ready only
+    once") is not this one: None, and it keeps its traceback."""
+    if "find_unused_parameters" not in str(exc):
+        return None
+    from torch.nn.parallel import DistributedDataParallel
+
+    from common.models import unused_parameters_error
+
+    tb = exc.__traceback__
+    while tb is not None:
+        wrapper = tb.tb_frame.f_locals.get("self")
+        if isinstance(wrapper, DistributedDataParallel):
+            return unused_parameters_error(exc, wrapper.module)
+        tb = tb.tb_next
+    return None
 
 
 class AverageMeter:

@@ -13,8 +13,8 @@ model), apex.parallel.DistributedDataParallel(delay_allreduce=True), backward in
 `with amp.scale_loss(loss, optimizer) as scaled_loss`, and amp.state_dict() in the checkpoint,
 restored after amp.initialize. --impl auto uses apex when usable, else torch (the first line says which).
 
-apex removed amp in 25.07. torch.amp replaces it (recipes/torch_amp.py). This recipe's torch mode
-(class TorchAmp) builds each apex opt level from plain torch:
+apex removed amp in 25.07. torch.amp replaces it (recipes/torch_amp.py). This recipe's torch mode,
+beside each apex call in the loop, builds each apex opt level from plain torch:
 
     level  apex                                           torch equivalent here
     O0     fp32                                           fp32, no loss scaling
@@ -29,12 +29,14 @@ that wrote it: --resume refuses another --impl, --opt-level, --keep-batchnorm-fp
 O2's fp32 masters are re-made from the loaded model, then the optimizer state goes into them. apex needs a GPU
 (on the CPU --impl auto runs torch); CPU fp16 is 10-50x slower than fp32, so there the default level is O0:
 give O1-O3 with --arch tiny / tiny_bn.
+
+`harness.` lines are plumbing, not the lesson (start-up checks, one-line errors, divergence stop, TensorBoard,
+timing, the RESULT line: common/harness.py). Siblings of ddp_torchrun.py mark the lines they add `# New:`.
 """
 # launcher: torchrun
 
 import argparse
 import collections
-import contextlib
 import datetime
 import os
 import sys
@@ -49,54 +51,31 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
+from common import harness  # plumbing, not the lesson: every line that uses it says so
 from common.apex_compat import ApexUnavailable, apex_build, load_apex
-from common.checkpoint import check_epochs_left, find_resume, load_checkpoint, load_weights, save_atomic
-from common.data import DEFAULT_IMAGE_SIZE, build_datasets, check_full_batch, default_workers, prepare_dataset
-from common.models import build_model, check_arch, recomputed_batchnorm, unused_parameters_named
-from common.outputs import check_out_dir, state_bytes
-from common.schedule import default_lr, warmup_cosine
-from common.tensorboard_log import TensorBoard
-from common.utils import (
-    AverageMeter,
-    DivergenceCheck,
-    Throughput,
-    accuracy,
-    die,
-    gather_values,
-    nonfinite_flags,
-    one_line_errors,
-    peak_memory_mb,
-    print0,
-    result_line,
-)
+from common.checkpoint import find_resume, load_same_flags, load_weights, save_atomic
+from common.data import add_data_flags, build_datasets, prepare_dataset
+from common.models import build_model, recomputed_batchnorm
+from common.schedule import warmup_cosine
+from common.utils import AverageMeter, accuracy, print0
 
 
 # ------------------------------------------------------------------------------------------- args
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dataset", choices=["synthetic", "cifar100", "imagefolder"], default="synthetic")
-    p.add_argument("--data-root", default="./data", help="cifar100: download dir; imagefolder: has train/ val/")
-    p.add_argument("--image-size", type=int, help="default: 32 (synthetic, cifar100), 224 (imagefolder)")
-    p.add_argument("--no-flip", action="store_true", help="no random horizontal flip (text, digits)")
-    p.add_argument("--synthetic-train", type=int, default=2048, help="synthetic: training samples")
-    p.add_argument("--synthetic-val", type=int, default=500, help="synthetic: validation samples")
+    add_data_flags(p)  # --dataset, --data-root, --image-size, ...: build_datasets' flags (common/data.py)
     p.add_argument("--arch", default="resnet18", help="torchvision model name, or tiny / tiny_unused")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, help="GLOBAL batch, split evenly across processes "
                    "(default: 128, rounded down to a multiple of the process count: 126 on 3)")
-    p.add_argument("--workers", type=int,
-                   help="DataLoader workers PER PROCESS (default: cores per process - 1, at most 16)")
+    p.add_argument("--workers", type=int, help="DataLoader workers PER PROCESS (default: its cores - 1, max 16)")
     p.add_argument("--lr", type=float, help="peak learning rate (default: 0.1 x global batch / 128)")
-    p.add_argument("--warmup-epochs", type=float, default=1,
-                   help="linear learning-rate warm-up, then cosine (at most a third of the run)")
+    p.add_argument("--warmup-epochs", type=float, default=1, help="linear warm-up, then cosine (<= 1/3 of the run)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs, benchmarks)")
     p.add_argument("--out-dir", default="runs/apex_amp", help="model.pt and checkpoint.pt go here")
-    p.add_argument("--tb-dir", help="write TensorBoard curves here (rank 0): tensorboard --logdir TB_DIR")
-    p.add_argument("--tb-every", type=int, default=20, help="--tb-dir: the training loss every N optimizer steps")
     p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
-    p.add_argument("--find-unused-parameters", action="store_true",
-                   help="torch DDP only: needed when some parameters get no gradient in a step")
+    p.add_argument("--find-unused-parameters", action="store_true", help="torch DDP only: some get no gradient")
+    # New
     p.add_argument("--impl", choices=["auto", "apex", "torch"], default="auto",
                    help="apex.amp + apex DDP (apex), the torch equivalents (torch), or apex when usable (auto)")
     p.add_argument("--opt-level", choices=["O0", "O1", "O2", "O3"],
@@ -105,166 +84,78 @@ def parse_args(argv=None):
                    help="O3: keep BatchNorm in fp32 (O2 always does; O0 and O1 do not take it)")
     p.add_argument("--resume", help="a checkpoint.pt to continue from (model, optimizer, scheduler, amp), "
                    "or 'auto': OUT_DIR/checkpoint.pt if it exists (for MAX_RESTARTS)")
+    harness.add_flags(p)  # --max-steps, --tb-dir, --tb-every
     args = p.parse_args(argv)
-    args.opt_level = args.opt_level or ("O1" if torch.cuda.is_available() else "O0")  # said on the impl: line
+    args.opt_level = args.opt_level or ("O1" if torch.cuda.is_available() else "O0")  # New: said on the impl: line
     return args
 
 
 def check_args(args, world_size):
-    # Every rank runs this before any collective, so a bad flag fails in seconds, not at a timeout.
-    if nonfinite_flags(args):  # argparse takes nan and inf, and `nan <= 0` is False
-        die(f"{nonfinite_flags(args)[0]} is not a finite number")
+    harness.check_flags(args)  # nan/inf, a count below its minimum, an unknown --arch: one line, before any collective
     if args.batch_size is None:  # the default, rounded down so that it divides: 126 on 3 GPUs, not an error
         args.batch_size = max(1, 128 // world_size) * world_size
     if args.batch_size < world_size or args.batch_size % world_size:
-        die(f"--batch-size {args.batch_size} is the GLOBAL batch and must be a multiple of the "
-            f"{world_size} processes; try --batch-size {max(1, args.batch_size // world_size) * world_size}")
-    for flag, value, low in [("--epochs", args.epochs, 1), ("--workers", args.workers, 0),
-                             ("--max-steps", args.max_steps, 1), ("--image-size", args.image_size, 1),
-                             ("--synthetic-train", args.synthetic_train, 1),
-                             ("--synthetic-val", args.synthetic_val, 1), ("--tb-every", args.tb_every, 1),
-                             ("--warmup-epochs", args.warmup_epochs, 0)]:
-        if value is not None and value < low:
-            die(f"{flag} {value} must be >= {low}")
-    if args.lr is None:  # the linear scaling rule (common/schedule.py): 0.1 at a global batch of 128
-        args.lr = default_lr(args.batch_size)
-    args.image_size = args.image_size or DEFAULT_IMAGE_SIZE[args.dataset]  # below 64 px: small-image stem
-    if args.lr <= 0 or args.dist_timeout <= 0:
-        die("--lr and --dist-timeout must be > 0")
-    if args.keep_batchnorm_fp32 and args.opt_level in ("O0", "O1"):  # apex raises at O1; at O0 it does nothing
-        die(f"--keep-batchnorm-fp32 is for O2 and O3: at {args.opt_level} BatchNorm already runs in fp32; drop it")
-    if args.resume and args.resume != "auto" and not os.path.isfile(args.resume):
-        die(f"--resume {args.resume}: no such file", all_ranks=True)  # files can differ per node
-    try:
-        check_arch(args.arch)
-    except ValueError as exc:
-        die(str(exc))
+        harness.die(f"--batch-size {args.batch_size} is the GLOBAL batch and must be a multiple of the "
+                    f"{world_size} processes; try --batch-size {max(1, args.batch_size // world_size) * world_size}")
+    if args.lr is None:  # the linear scaling rule: a k times larger batch takes a k times larger step
+        args.lr = 0.1 * args.batch_size / 128
+    args.image_size = args.image_size or (224 if args.dataset == "imagefolder" else 32)  # < 64 px: small-image stem
+    if args.keep_batchnorm_fp32 and args.opt_level in ("O0", "O1"):  # New: apex raises at O1; at O0 it does nothing
+        harness.die(f"--keep-batchnorm-fp32 is for O2 and O3: at {args.opt_level} BatchNorm already runs in fp32; "
+                    "drop it")
+    if args.resume and args.resume != "auto" and not os.path.isfile(args.resume):  # New
+        harness.die(f"--resume {args.resume}: no such file", all_ranks=True)  # files can differ per node
 
 
-# ------------------------------------------------------------------------------- mixed precision
-class ApexAmp:
-    """apex.amp. It casts by itself (patched functions, O2/O3 patch the model's forward)."""
-
-    def __init__(self, amp, opt_level, keep_batchnorm_fp32):
-        self.amp, self.opt_level = amp, opt_level
-        self.scales_loss = opt_level in ("O1", "O2")  # dynamic loss scaling: the levels' default
-        self.keep_batchnorm_fp32 = True if keep_batchnorm_fp32 else None  # None: the level's default
-
-    def initialize(self, model, optimizer):
-        return self.amp.initialize(model, optimizer, opt_level=self.opt_level,
-                                   keep_batchnorm_fp32=self.keep_batchnorm_fp32, verbosity=0)
-
-    def autocast(self):
-        return contextlib.nullcontext()
-
-    def cast_input(self, images):
-        return images
-
-    def backward(self, loss, optimizer):
-        with self.amp.scale_loss(loss, optimizer) as scaled_loss:  # unscaled into (master) grads on exit
-            scaled_loss.backward()
-
-    def step(self, optimizer):
-        optimizer.step()  # apex patched step() to skip a step whose gradients overflowed
-
-    def loss_scale(self):
-        return self.amp.state_dict()["loss_scaler0"]["loss_scale"]  # for TensorBoard
-
-    def load_optimizer_state(self, optimizer, state):
-        # O2 makes its fp32 master weights lazily (at the first step): until then the optimizer holds the fp16
-        # model parameters, and loading now would round the saved fp32 momentum to fp16. Make them first (from
-        # the weights just loaded), then load.
-        optimizer._amp_lazy_init()
-        optimizer.load_state_dict(state)
-
-    def state_dict(self):
-        return self.amp.state_dict()
-
-    def load_state_dict(self, state):
-        self.amp.load_state_dict(state)
+# New: ------------------------------------------------ apex's O2 and O3 in plain torch (apex does it itself)
+def half_model(model, keep_batchnorm_fp32):
+    """model.half(), BatchNorm kept fp32 if asked (O2 always): fp32 statistics, its fp16 input cast up, output down."""
+    model.half()
+    for m in model.modules():
+        if keep_batchnorm_fp32 and isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.float()
+            m.register_forward_pre_hook(lambda mod, args: tuple(a.float() for a in args))
+            m.register_forward_hook(lambda mod, args, out: out.half())
 
 
-class TorchAmp:
-    """apex's opt levels from plain torch (the table in the module docstring)."""
+class Fp32Masters:
+    """O2: the optimizer updates fp32 copies of the fp16 weights (small updates vanish in fp16), as apex's O2 does."""
 
-    def __init__(self, opt_level, keep_batchnorm_fp32, device):
-        self.opt_level, self.device_type = opt_level, device.type
-        self.keep_bn_fp32 = opt_level == "O2" or keep_batchnorm_fp32
-        self.scaler = torch.amp.GradScaler(device.type, enabled=opt_level in ("O1", "O2"))
-        self.scales_loss = self.scaler.is_enabled()
-        self.masters = []  # O2: (fp16 model parameter, its fp32 master copy)
+    def __init__(self, optimizer, enabled):
+        self.pairs = []  # (fp16 model parameter, its fp32 master copy)
+        for group in optimizer.param_groups if enabled else []:
+            for i, p in enumerate(group["params"]):
+                if p.dtype == torch.float16:
+                    self.pairs.append((p, p.detach().float().requires_grad_()))
+                    group["params"][i] = self.pairs[-1][1]
 
-    def initialize(self, model, optimizer):
-        if self.opt_level in ("O2", "O3"):
-            model.half()
-            for m in model.modules():
-                if self.keep_bn_fp32 and isinstance(m, nn.modules.batchnorm._BatchNorm):
-                    # fp32 statistics; cast its fp16 input up and its output back down.
-                    m.float()
-                    m.register_forward_pre_hook(lambda mod, args: tuple(a.float() for a in args))
-                    m.register_forward_hook(lambda mod, args, out: out.half())
-        if self.opt_level == "O2":  # the optimizer updates fp32 masters; fp16 weights lose small updates
-            for group in optimizer.param_groups:
-                params = []
-                for p in group["params"]:
-                    if p.dtype == torch.float16:
-                        self.masters.append((p, p.detach().float().requires_grad_()))
-                        p = self.masters[-1][1]
-                    params.append(p)
-                group["params"] = params
-        for group in optimizer.param_groups:  # fused SGD and a skipped first step: see recipes/torch_amp.py
-            for p in group["params"]:
-                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
-        return model, optimizer
-
-    def autocast(self):
-        return torch.autocast(self.device_type, dtype=torch.float16, enabled=self.opt_level == "O1")
-
-    def cast_input(self, images):
-        return images.half() if self.opt_level in ("O2", "O3") else images
-
-    def backward(self, loss, optimizer):
-        self.scaler.scale(loss).backward()  # a no-op scale for O0 and O3
-
-    def step(self, optimizer):
-        for p, master in self.masters:  # fp16 gradients (still scaled) -> fp32 master gradients
+    def take_grads(self):  # after backward: the fp16 gradients (still scaled) become the masters' fp32 ones
+        for p, master in self.pairs:
             master.grad = None if p.grad is None else p.grad.float()
             p.grad = None
-        self.scaler.step(optimizer)  # unscale; skip the step if any gradient is inf/nan
-        self.scaler.update()
-        with torch.no_grad():
-            for p, master in self.masters:
-                p.copy_(master)
 
-    def loss_scale(self):
-        return self.scaler.get_scale() if self.scaler.is_enabled() else 1.0  # O0, O3: no scaling (apex: 1.0)
+    @torch.no_grad()
+    def copy_back(self):  # after the step: the updated masters into the fp16 model
+        for p, master in self.pairs:
+            p.copy_(master)
 
-    def load_optimizer_state(self, optimizer, state):
-        optimizer.load_state_dict(state)  # O2's masters exist from initialize(): the momentum stays fp32
-        for group in optimizer.param_groups:  # a plain SGD's checkpoint would switch fused off (GradScaler then fails)
-            group.update(fused=True, foreach=None)
-
-    def state_dict(self):
-        return self.scaler.state_dict()
-
-    def load_state_dict(self, state):
-        self.scaler.load_state_dict(state)
-        with torch.no_grad():
-            for p, master in self.masters:  # as apex does: masters re-made from the loaded model
-                master.copy_(p)
+    @torch.no_grad()
+    def copy_from_model(self):  # after loading weights: masters re-made from the model, as apex does
+        for p, master in self.pairs:
+            master.copy_(p)
 
 
 # ------------------------------------------------------------------------------------------- eval
 @torch.no_grad()
-def evaluate(model, loader, criterion, device, mixed):
+def evaluate(model, loader, criterion, device, autocast, half_input):
     """Each rank scores its own shard (no padded duplicates); sums are all-reduced, so the result
     equals one process scoring the whole set. Call it on every rank: a collective waits for all."""
     model.eval()
     loss, top1, top5 = AverageMeter(), AverageMeter(), AverageMeter()
     for images, targets in loader:
         images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        with mixed.autocast():
-            output = model(mixed.cast_input(images)).float()
+        with torch.autocast(device.type, dtype=torch.float16, enabled=autocast):  # New: as in training
+            output = model(images.half() if half_input else images).float()
         acc1, acc5 = accuracy(output, targets, topk=(1, 5))
         loss.update(criterion(output, targets), images.size(0))
         top1.update(acc1, images.size(0))
@@ -276,7 +167,7 @@ def evaluate(model, loader, criterion, device, mixed):
 
 def main():
     args = parse_args()
-    # The first thing said is which amp runs: apex only when asked for (or auto) and usable.
+    # New: the first thing said is which amp runs: apex only when asked for (or auto) and usable.
     impl, why = args.impl, ""
     if impl != "torch":
         try:
@@ -284,7 +175,7 @@ def main():
             impl, why = "apex", f" (apex build: {apex_build()})"  # python-only: slow on a GPU, say so
         except ApexUnavailable as exc:
             if impl == "apex":
-                die(str(exc))
+                harness.die(str(exc))
             impl, why = "torch", f" (apex unavailable: {exc.short})"
     print0(f"impl: {impl} {args.opt_level}{why}")
 
@@ -299,15 +190,14 @@ def main():
     if torch.cuda.is_available():
         gpu = local_rank // ranks_per_gpu
         if gpu >= torch.cuda.device_count():
-            die(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
-                "start one process per listed GPU (./launch.sh RECIPE 0,1 does)", all_ranks=True)
+            harness.die(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
+                        "start one process per listed GPU (./launch.sh RECIPE 0,1 does)", all_ranks=True)
         # Before any CUDA work, or every process also puts a context on GPU 0 (write-up 000).
         torch.cuda.set_device(gpu)
         # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"); gloo shares it, through host memory.
         device, backend = torch.device("cuda", gpu), "nccl" if ranks_per_gpu == 1 else "gloo"
         torch.backends.cudnn.benchmark = True  # fixed-size inputs: cuDNN times its kernels once, keeps the fastest
-        # TF32 math for fp32 matmuls and convolutions (Ampere and newer): several times faster; training curves
-        # match fp32's. Set both False for bitwise comparisons.
+        # TF32 matmuls and convolutions (Ampere and newer): several times faster, fp32's curves; False: bitwise runs.
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     else:
         device, backend = torch.device("cpu"), "gloo"
@@ -319,7 +209,7 @@ def main():
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     batch_per_process = args.batch_size // world_size
     # --workers counts per process; unset: one per core this process has beyond its own, at most 16.
-    workers_per_process = default_workers(args.workers, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    workers_per_process = harness.default_workers(args.workers, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     print0(f"setup: world_size={world_size} backend={backend} device={device.type} "
            f"global_batch={args.batch_size} ({batch_per_process} per process x {world_size}), "
            f"workers={workers_per_process} per process")
@@ -328,7 +218,9 @@ def main():
     if local_rank == 0:  # one per node (in turn on a shared folder: one download); the others wait at the barrier
         prepare_dataset(args.dataset, args.data_root)
     dist.barrier()
-    train_set, val_set, num_classes = build_datasets(  # a DataError: one line on each rank, exit 2
+    # YOUR DATA goes here: two map-style Datasets whose items are (image tensor C x H x W, integer label), and the
+    # number of classes. build_datasets fails with one line naming the folder or file that is wrong.
+    train_set, val_set, num_classes = build_datasets(
         args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val,
         flip=not args.no_flip)
     # Same seed on every rank: each process sees a different shard of one shared permutation.
@@ -340,41 +232,67 @@ def main():
     val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=batch_per_process,
                             num_workers=workers_per_process, pin_memory=device.type == "cuda",
                             persistent_workers=workers_per_process > 0)
-    check_full_batch(len(train_loader), len(train_set), args.batch_size)  # drop_last: else 0 steps
+    harness.check_full_batch(len(train_loader), len(train_set), args.batch_size)  # drop_last: else 0 steps
     print0(f"data: {args.dataset} train={len(train_set)} val={len(val_set)} classes={num_classes} "
            f"steps_per_epoch={len(train_loader)}")
 
     # ----------------------------------------------------------------------------------- model
     torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
+    # YOUR MODEL goes here: an nn.Module from a batch (N, C, H, W) to logits (N, num_classes).
     model = build_model(args.arch, num_classes, args.image_size).to(device)
     criterion = torch.nn.CrossEntropyLoss()
-    # Torch mode: fused=True lets GradScaler hand the inf flag to the optimizer on the device; with a plain SGD
+    # New: torch mode, fused=True lets GradScaler hand the inf flag to the optimizer on the device; with a plain SGD
     # scaler.step() reads it on the host every step (a GPU sync). apex's own scaler reads it anyway.
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4, fused=impl == "torch")
     scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs)  # per step
-    mixed = (ApexAmp(amp, args.opt_level, args.keep_batchnorm_fp32) if impl == "apex"
-             else TorchAmp(args.opt_level, args.keep_batchnorm_fp32, device))
-    model, optimizer = mixed.initialize(model, optimizer)  # before the DDP wrap: apex refuses a wrapped model
-    start_epoch, step = 0, 0
+
+    # New: ---------------------------------- mixed precision, before the DDP wrap (apex refuses a wrapped model)
+    scales_loss = args.opt_level in ("O1", "O2")  # dynamic loss scaling, those levels' default; O3's scale is 1
+    autocast = impl == "torch" and args.opt_level == "O1"  # apex's O1 patches torch's functions instead
+    half_input = impl == "torch" and args.opt_level in ("O2", "O3")  # apex's O2 and O3 patch the forward instead
+    if impl == "apex":
+        model, optimizer = amp.initialize(model, optimizer, opt_level=args.opt_level, verbosity=0,
+                                          keep_batchnorm_fp32=True if args.keep_batchnorm_fp32 else None)
+    else:  # the docstring's table, in plain torch
+        scaler = torch.amp.GradScaler(device.type, enabled=scales_loss)
+        if args.opt_level in ("O2", "O3"):
+            half_model(model, keep_batchnorm_fp32=args.opt_level == "O2" or args.keep_batchnorm_fp32)
+        masters = Fp32Masters(optimizer, enabled=args.opt_level == "O2")
+        for p in [p for group in optimizer.param_groups for p in group["params"]]:  # fused SGD after a skipped
+            optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)  # first step: see torch_amp.py
+
+    def loss_scale():  # for TensorBoard and the divergence check; O0 and O3 scale nothing (apex says 1.0)
+        if impl == "apex":
+            return amp.state_dict()["loss_scaler0"]["loss_scale"]
+        return scaler.get_scale() if scaler.is_enabled() else 1.0
+
+    # New: resume, in apex's order: initialize, then model, optimizer, amp. "amp" is in the impl's own format.
     run_flags = {"impl": impl, "opt_level": args.opt_level, "keep_batchnorm_fp32": args.keep_batchnorm_fp32,
-                 "epochs": args.epochs}  # what a resume must match: the "amp" slot is in the impl's own format
+                 "epochs": args.epochs}  # what a resume must match
+    start_epoch, step = 0, 0
     resume = find_resume(args.resume, os.path.join(args.out_dir, "checkpoint.pt"))  # 'auto': the last one, if any
-    if resume:  # apex's order: initialize, then model, optimizer, amp
-        ckpt = load_checkpoint(resume, map_location=device, require=(
-            "model", "optimizer", "scheduler", "amp", "epoch", "step", "flags"))
-        changed = [f"--{k.replace('_', '-')} {ckpt['flags'].get(k)} (this run: {v})"
-                   for k, v in run_flags.items() if ckpt["flags"].get(k) != v]
-        if changed:
-            die(f"{resume} was written with {', '.join(changed)}; resume with the same flags")
+    if resume:
+        ckpt = load_same_flags(resume, map_location=device, flags=run_flags,
+                               require=("model", "optimizer", "scheduler", "amp"))
         load_weights(model, ckpt["model"], resume)  # a wrong --arch: one line naming the keys
-        mixed.load_optimizer_state(optimizer, ckpt["optimizer"])
-        mixed.load_state_dict(ckpt["amp"])
+        if impl == "apex":
+            # O2 makes its fp32 master weights at the first step: until then the optimizer holds the fp16 model
+            # parameters, and loading now would round the saved fp32 momentum. Make them first, then load.
+            optimizer._amp_lazy_init()
+            optimizer.load_state_dict(ckpt["optimizer"])
+            amp.load_state_dict(ckpt["amp"])
+        else:
+            optimizer.load_state_dict(ckpt["optimizer"])  # O2's masters exist already: the momentum stays fp32
+            for group in optimizer.param_groups:  # a plain SGD's checkpoint would switch fused off
+                group.update(fused=True, foreach=None)
+            scaler.load_state_dict(ckpt["amp"])
+            masters.copy_from_model()  # as apex does: the masters re-made from the loaded model
         start_epoch, step = ckpt["epoch"], ckpt["step"]
         # The schedule goes by this run's steps per epoch (another world size or batch counts others).
         scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs,
                                   start_epoch * len(train_loader))
         print0(f"resumed: {resume} epoch={start_epoch} step={step} amp={ckpt['amp']}")
-    if impl == "apex":
+    if impl == "apex":  # New
         model = ApexDDP(model, delay_allreduce=True)  # one all-reduce of all gradients after backward
     else:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -384,17 +302,18 @@ def main():
     torch.manual_seed(args.seed + rank + 10_000 * start_epoch)
 
     # Before the first step: an --out-dir that cannot hold the checkpoints fails now, not after hours of training.
-    check_out_dir(args.out_dir, is_main, {"checkpoint.pt": state_bytes(model.module, optimizer),
-                                          "model.pt": state_bytes(model.module)})
+    harness.broadcast_out_dir_check(args.out_dir, is_main, {
+        "checkpoint.pt": harness.state_bytes(model.module, optimizer), "model.pt": harness.state_bytes(model.module)},
+        tb_dir=args.tb_dir)
 
     # ----------------------------------------------------------------------------------- train
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
-    speed = Throughput(device)
-    # Resumed: the curves go on from `step`; what an interrupted run logged after its checkpoint is dropped.
-    tb = TensorBoard(args.tb_dir, args.tb_every, is_main, device, vars(args), start_step=step)
-    diverged = DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
-    diverged.last_good = resume  # what the stop message names; each save below updates it
-    check_epochs_left(resume, start_epoch, args.epochs)
+    speed = harness.Throughput(device)
+    # New: resumed, the curves go on from `step`; what an interrupted run logged after its checkpoint is dropped.
+    tb = harness.TensorBoard(args.tb_dir, args.tb_every, is_main, vars(args), start_step=step)  # rank 0 alone writes
+    diverged = harness.DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
+    diverged.last_good = resume  # New: what the stop message names; each save below updates it
+    harness.check_epochs_left(resume, start_epoch, args.epochs)  # New
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
         model.train()
@@ -405,78 +324,86 @@ def main():
         for images, targets in bar:
             images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             recent.append(images)
-            with mixed.autocast():
-                with unused_parameters_named(model.module):  # DDP's error for them: one line naming them
-                    output = model(mixed.cast_input(images))  # DDP checks the last backward reduced everything
-                loss = criterion(output.float(), targets)  # the loss in fp32 whatever the model's dtype
-            optimizer.zero_grad()  # no argument: apex O2's replacement takes none (torch's default sets None)
-            mixed.backward(loss, optimizer)
-            mixed.step(optimizer)
+            with torch.autocast(device.type, dtype=torch.float16, enabled=autocast):  # New: torch's O1
+                output = model(images.half() if half_input else images)  # DDP checks here that the last backward
+                loss = criterion(output.float(), targets)  # New: the loss in fp32, whatever the model's dtype
+            optimizer.zero_grad()  # New: no argument, apex O2's replacement takes none (torch's default sets None)
+            if impl == "apex":  # New
+                with amp.scale_loss(loss, optimizer) as scaled_loss:  # unscaled into the (master) grads on exit
+                    scaled_loss.backward()  # DDP averages gradients across ranks during backward
+                optimizer.step()  # apex patched step() to skip a step whose gradients overflowed
+            else:  # New: the same in plain torch
+                scaler.scale(loss).backward()  # a disabled scaler (O0, O3) passes the loss as it is
+                masters.take_grads()  # O2: the fp16 gradients into the fp32 masters the optimizer steps
+                scaler.step(optimizer)  # unscale; skip the step if any gradient is inf/nan
+                scaler.update()
+                masters.copy_back()  # O2: the stepped masters into the fp16 model
             scheduler.step()  # every optimizer step: warm-up, then cosine
             loss_meter.update(loss, images.size(0))  # a tensor: summed on the device, no sync per step
             acc_meter.update(accuracy(output, targets)[0], images.size(0))
             step += 1
-            if not mixed.scales_loss:  # O1/O2: an overflowing step is skipped, which is normal; the scale tells
+            if not scales_loss:  # New: O1/O2 skip an overflowing step, which is normal; the scale tells
                 diverged.update(step, loss)  # on the device: no sync per step
             speed.step(args.batch_size)
-            tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"], loss_scale=mixed.loss_scale)
+            tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"], loss_scale=loss_scale)
             if tb.on and step % args.tb_every == 0:  # values are read here anyway
-                diverged.all_reduce_and_check(epoch, step, mixed.loss_scale() if mixed.scales_loss else None)
+                diverged.all_reduce_and_check(epoch, step, loss_scale() if scales_loss else None)
             if step >= total_steps:
                 break
         epoch_time = speed.stop()  # waits for the device: the host clock runs ahead of queued GPU work
         loss_meter.all_reduce(device)
         acc_meter.all_reduce(device)
         # Before eval and any save: no file from NaN weights. O1/O2: a scale below 1 is divergence (a collective).
-        diverged.all_reduce_and_check(epoch, step, mixed.loss_scale() if mixed.scales_loss else None, model)
+        diverged.all_reduce_and_check(epoch, step, loss_scale() if scales_loss else None, model)
         # BatchNorm's running statistics trail the weights (momentum 0.1: each keeps 0.9^k of the batch k steps ago),
         # so after a short or fast-moving epoch they no longer fit and eval's loss explodes: recompute them from
         # this epoch's last batches through the final weights. Local, no collective; rank 0's are kept below.
-        with recomputed_batchnorm(model.module), mixed.autocast():
+        with recomputed_batchnorm(model.module), torch.autocast(device.type, dtype=torch.float16, enabled=autocast):
             while recent:  # popped: each batch leaves GPU memory once used
-                model.module(mixed.cast_input(recent.popleft()))
+                model.module(recent.popleft().half() if half_input else recent.popleft())
 
         # -------------------------------------------------------------------------------- eval
-        # Buffers (BatchNorm statistics): torch's DDP copies rank 0's to the others at the start of each forward;
+        # New: buffers (BatchNorm statistics): torch's DDP copies rank 0's to the others at the start of each forward;
         # apex's never does (it broadcasts the parameters once, when it wraps the model). Either way, after the last
         # step every rank holds its own: evaluate everywhere with rank 0's, which model.pt gets.
         for buffer in model.module.buffers():
             dist.broadcast(buffer, 0)
         # model.module, not the DDP wrapper: torch's first forward after training broadcasts buffers, a collective
         # that hangs when a rank's shard has no batch, or when rank 0 evaluates alone. Every rank evaluates.
-        val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device, mixed)
-        eta = speed.eta(total_steps - step)
+        val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device, autocast,
+                                                             half_input)
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
                f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
-               f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={eta}")
-        tb.epoch(step, train_loss=loss_meter.avg, train_acc1=acc_meter.avg, val_loss=val_loss, val_acc1=val_acc1,
-                 val_acc5=val_acc5, images_per_sec=loss_meter.count / epoch_time)
-        # After each whole epoch (not one cut short by --max-steps), so an interrupted run can --resume.
+               f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={speed.eta(total_steps - step)}")
+        tb.epoch(step, device, train_loss=loss_meter.avg, train_acc1=acc_meter.avg, val_loss=val_loss,
+                 val_acc1=val_acc1, val_acc5=val_acc5, images_per_sec=loss_meter.count / epoch_time)
+        # New: after each whole epoch (not one cut short by --max-steps), so an interrupted run can --resume.
         if is_main and step % len(train_loader) == 0:  # atomic: a crash mid-write keeps the previous checkpoint
             save_atomic({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                         "scheduler": scheduler.state_dict(), "amp": mixed.state_dict(), "epoch": epoch + 1,
-                         "step": step, "flags": run_flags}, os.path.join(args.out_dir, "checkpoint.pt"))
+                         "scheduler": scheduler.state_dict(), "epoch": epoch + 1, "step": step, "flags": run_flags,
+                         "amp": amp.state_dict() if impl == "apex" else scaler.state_dict()},
+                        os.path.join(args.out_dir, "checkpoint.pt"))
         if step % len(train_loader) == 0:
             diverged.last_good = os.path.join(args.out_dir, "checkpoint.pt")
         if step >= total_steps:
             break
 
     # ------------------------------------------------------------------------------------ save
-    tb.close()
-    peaks = [round(p, 1) for p in gather_values(peak_memory_mb(device), device)]  # every rank's own peak
     if is_main:
         os.makedirs(args.out_dir, exist_ok=True)
         path = os.path.join(args.out_dir, "model.pt")
         torch.save(model.module.state_dict(), path)  # .module: keys without the "module." prefix
         print0(f"saved: {path}")
-    print0(result_line(recipe="apex_amp", impl=impl, opt_level=args.opt_level,
-                       world_size=world_size, device=device.type, steps=step,
-                       train_loss=round(loss_meter.avg, 6), val_acc1=round(val_acc1, 4), val_samples=val_samples,
-                       images_per_sec=round(speed.images_per_sec, 2), peak_mem_mb=max(peaks),
-                       peak_mem_mb_per_rank=peaks, first_step_end_unix=speed.first_step_at))
+
+    # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
+    tb.close()
+    print0(harness.gather_result_line(device, speed, model, optimizer, recipe="apex_amp", impl=impl,
+                                      opt_level=args.opt_level, world_size=world_size, steps=step,
+                                      train_loss=round(loss_meter.avg, 6), val_acc1=round(val_acc1, 4),
+                                      val_samples=val_samples))
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    with one_line_errors():  # a file that does not load, a lost rank, Ctrl-C: one line each, not a traceback per rank
+    with harness.one_line_errors():  # a bad file, a lost rank, Ctrl-C: one line each, not a traceback per rank
         main()

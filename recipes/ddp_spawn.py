@@ -17,6 +17,9 @@ non-zero exit: one line for a file that does not load or a lost peer, its traceb
 --model-parallel (write-up 003): each worker owns one model split across two devices, the
 convolutions on cuda:2r and the classifier on cuda:2r+1 (both "cpu" on CPU), and DDP wraps it
 without device_ids, which is how DDP takes a module that spans devices.
+
+`harness.` lines are plumbing, not the lesson (start-up checks, one-line errors, divergence stop, TensorBoard,
+timing, the RESULT line: common/harness.py). Siblings of ddp_torchrun.py mark the lines they add `# New:`.
 """
 # launcher: python
 
@@ -38,90 +41,53 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
-from common.data import DEFAULT_IMAGE_SIZE, build_datasets, check_full_batch, default_workers, prepare_dataset
-from common.models import build_model, check_arch, recomputed_batchnorm, unused_parameters_named
-from common.outputs import check_out_dir, state_bytes
-from common.schedule import default_lr, warmup_cosine
-from common.tensorboard_log import TensorBoard
-from common.utils import (
-    AverageMeter,
-    DivergenceCheck,
-    Throughput,
-    accuracy,
-    die,
-    gather_values,
-    nonfinite_flags,
-    one_line_errors,
-    peak_memory_mb,
-    print0,
-    result_line,
-)
+from common import harness  # plumbing, not the lesson: every line that uses it says so
+from common.data import add_data_flags, build_datasets, prepare_dataset
+from common.models import build_model, recomputed_batchnorm
+from common.schedule import warmup_cosine
+from common.utils import AverageMeter, accuracy, print0
 
 
 # ------------------------------------------------------------------------------------------- args
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dataset", choices=["synthetic", "cifar100", "imagefolder"], default="synthetic")
-    p.add_argument("--data-root", default="./data", help="cifar100: download dir; imagefolder: has train/ val/")
-    p.add_argument("--image-size", type=int, help="default: 32 (synthetic, cifar100), 224 (imagefolder)")
-    p.add_argument("--no-flip", action="store_true", help="no random horizontal flip (text, digits)")
-    p.add_argument("--synthetic-train", type=int, default=2048, help="synthetic: training samples")
-    p.add_argument("--synthetic-val", type=int, default=500, help="synthetic: validation samples")
+    add_data_flags(p)  # --dataset, --data-root, --image-size, ...: build_datasets' flags (common/data.py)
     p.add_argument("--arch", default="resnet18", help="torchvision model name, or tiny / tiny_unused")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, help="GLOBAL batch, split evenly across processes "
                    "(default: 128, rounded down to a multiple of the process count: 126 on 3)")
-    p.add_argument("--workers", type=int,
-                   help="DataLoader workers PER PROCESS (default: cores per process - 1, at most 16)")
+    p.add_argument("--workers", type=int, help="DataLoader workers PER PROCESS (default: its cores - 1, max 16)")
     p.add_argument("--lr", type=float, help="peak learning rate (default: 0.1 x global batch / 128)")
-    p.add_argument("--warmup-epochs", type=float, default=1,
-                   help="linear learning-rate warm-up, then cosine (at most a third of the run)")
+    p.add_argument("--warmup-epochs", type=float, default=1, help="linear warm-up, then cosine (<= 1/3 of the run)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs, benchmarks)")
     p.add_argument("--out-dir", default="runs/ddp_spawn", help="model.pt is written here")
-    p.add_argument("--tb-dir", help="write TensorBoard curves here (rank 0): tensorboard --logdir TB_DIR")
-    p.add_argument("--tb-every", type=int, default=20, help="--tb-dir: the training loss every N optimizer steps")
     p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
-    p.add_argument("--find-unused-parameters", action="store_true",
-                   help="needed when some parameters get no gradient in a step")
+    p.add_argument("--find-unused-parameters", action="store_true", help="parameters may get no gradient")
+    # New: no launcher counts the processes: this one starts them
     p.add_argument("--nproc", type=int, default=int(os.environ.get("NPROC_PER_NODE", 2)),
                    help="CPU workers (default: launch.sh's cpu:N, else 2); on GPUs one per visible GPU")
     p.add_argument("--model-parallel", action="store_true", help="split each worker's model over two devices")
+    harness.add_flags(p)  # --max-steps, --tb-dir, --tb-every
     return p.parse_args(argv)
 
 
 def check_args(args, world_size):
-    # Every rank runs this before any collective, so a bad flag fails in seconds, not at a timeout.
-    if nonfinite_flags(args):  # argparse takes nan and inf, and `nan <= 0` is False
-        die(f"{nonfinite_flags(args)[0]} is not a finite number")
+    harness.check_flags(args)  # nan/inf, a count below its minimum, an unknown --arch: one line, before any collective
     if args.batch_size is None:  # the default, rounded down so that it divides: 126 on 3 GPUs, not an error
         args.batch_size = max(1, 128 // world_size) * world_size
     if args.batch_size < world_size or args.batch_size % world_size:
-        die(f"--batch-size {args.batch_size} is the GLOBAL batch and must be a multiple of the "
-            f"{world_size} processes; try --batch-size {max(1, args.batch_size // world_size) * world_size}")
-    for flag, value, low in [("--epochs", args.epochs, 1), ("--workers", args.workers, 0),
-                             ("--max-steps", args.max_steps, 1), ("--image-size", args.image_size, 1),
-                             ("--synthetic-train", args.synthetic_train, 1),
-                             ("--synthetic-val", args.synthetic_val, 1), ("--tb-every", args.tb_every, 1),
-                             ("--warmup-epochs", args.warmup_epochs, 0)]:
-        if value is not None and value < low:
-            die(f"{flag} {value} must be >= {low}")
-    if args.lr is None:  # the linear scaling rule (common/schedule.py): 0.1 at a global batch of 128
-        args.lr = default_lr(args.batch_size)
-    args.image_size = args.image_size or DEFAULT_IMAGE_SIZE[args.dataset]  # below 64 px: small-image stem
-    if args.lr <= 0 or args.dist_timeout <= 0:
-        die("--lr and --dist-timeout must be > 0")
-    try:
-        check_arch(args.arch)
-    except ValueError as exc:
-        die(str(exc))
-    if args.model_parallel and args.arch not in ("tiny", "tiny_bn", "tiny_unused"):
-        die("--model-parallel splits the tiny CNN (features | fc); use --arch tiny, or split your model likewise")
+        harness.die(f"--batch-size {args.batch_size} is the GLOBAL batch and must be a multiple of the "
+                    f"{world_size} processes; try --batch-size {max(1, args.batch_size // world_size) * world_size}")
+    if args.lr is None:  # the linear scaling rule: a k times larger batch takes a k times larger step
+        args.lr = 0.1 * args.batch_size / 128
+    args.image_size = args.image_size or (224 if args.dataset == "imagefolder" else 32)  # < 64 px: small-image stem
+    if args.model_parallel and args.arch not in ("tiny", "tiny_bn", "tiny_unused"):  # New
+        harness.die("--model-parallel splits the tiny CNN (features | fc); use --arch tiny, or split your model "
+                    "likewise")
 
 
+# New: model parallelism inside one process, the feature layers on dev0, the classifier on dev1.
 class TwoDeviceModel(nn.Module):
-    """Model parallelism inside one process: the feature layers on dev0, the classifier on dev1."""
-
     def __init__(self, model, dev0, dev1):
         super().__init__()
         self.dev0, self.dev1 = dev0, dev1
@@ -132,7 +98,7 @@ class TwoDeviceModel(nn.Module):
         return self.fc(self.features(x.to(self.dev0)).to(self.dev1))  # activations hop between devices
 
 
-def free_port():
+def free_port():  # New
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
@@ -159,14 +125,15 @@ def evaluate(model, loader, criterion, device):
 
 def main():
     args = parse_args()
-    # One worker per visible GPU (two GPUs each with --model-parallel), or --nproc on CPU.
+    # New: this process starts the workers. One per visible GPU (two GPUs each with --model-parallel), or --nproc
+    # on CPU.
     gpus = torch.cuda.device_count()
     ranks_per_gpu = int(os.environ.get("RANKS_PER_GPU", 1))  # launch.sh G:N: N workers share GPU G (debugging)
     nprocs = (gpus // 2 if args.model_parallel else gpus * ranks_per_gpu) if gpus else args.nproc
     # An odd GPU count (0,1,3) would start gpus // 2 workers and leave one GPU idle without a word: refuse it.
     if nprocs < 1 or (gpus and args.model_parallel and (ranks_per_gpu > 1 or gpus % 2)):
-        die(f"--model-parallel needs 2 whole GPUs per worker, {gpus} visible: list an even number of GPUs"
-            if gpus else "--nproc must be >= 1")
+        harness.die(f"--model-parallel needs 2 whole GPUs per worker, {gpus} visible: list an even number of GPUs"
+                    if gpus else "--nproc must be >= 1")
     nnodes, node_rank = int(os.environ.get("NNODES", 1)), int(os.environ.get("NODE_RANK", 0))
     check_args(args, nnodes * nprocs)  # here, before any worker starts: a bad flag exits 2 in seconds
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
@@ -186,13 +153,13 @@ def main():
 def run_worker(*args):
     # A bad file, a lost peer or a timeout in a worker: one line, as in the other recipes, then the exit code
     # reaches main() above. Ctrl-C is left to spawn, which ends a worker quietly (the parent gets it too).
-    with one_line_errors(ctrl_c=False):
+    with harness.one_line_errors(ctrl_c=False):
         worker(*args)
 
 
 def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
     # ------------------------------------------------------------------------ distributed setup
-    # spawn passes the local rank; the rest follows from the node's place and its worker count.
+    # New: spawn passes the local rank; the rest follows from the node's place and its worker count.
     rank = node_rank * nprocs + local_rank
     world_size = nnodes * nprocs
     is_main = rank == 0
@@ -203,21 +170,20 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
         torch.cuda.set_device(first)
         # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"); gloo shares it, through host memory.
         device, backend = torch.device("cuda", first), "nccl" if ranks_per_gpu == 1 else "gloo"
-        out_device = torch.device("cuda", first + 1) if args.model_parallel else device
+        out_device = torch.device("cuda", first + 1) if args.model_parallel else device  # New: the fc's
         torch.backends.cudnn.benchmark = True  # fixed-size inputs: cuDNN times its kernels once, keeps the fastest
-        # TF32 math for fp32 matmuls and convolutions (Ampere and newer): several times faster; training curves
-        # match fp32's. Set both False for bitwise comparisons.
+        # TF32 matmuls and convolutions (Ampere and newer): several times faster, fp32's curves; False: bitwise runs.
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))  # New: torchrun would set OMP_NUM_THREADS
         device, out_device, backend = torch.device("cpu"), torch.device("cpu"), "gloo"
     # torch's default timeout is 30 min: a rank that died would leave the others hanging that long.
     timeout = datetime.timedelta(seconds=args.dist_timeout)
-    # device_id binds NCCL to one GPU; a model split over two GPUs all-reduces on both, so leave it unbound.
+    # New: device_id binds NCCL to one GPU; a model split over two GPUs all-reduces on both, so leave it unbound.
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout,
                             device_id=device if backend == "nccl" and not args.model_parallel else None)
     batch_per_process = args.batch_size // world_size
-    workers_per_process = default_workers(args.workers, processes_per_node=nprocs)  # --workers: per process
+    workers_per_process = harness.default_workers(args.workers, processes_per_node=nprocs)  # New: nprocs, no env
     print0(f"setup: world_size={world_size} backend={backend} device={device.type} "
            f"global_batch={args.batch_size} ({batch_per_process} per process x {world_size}), "
            f"workers={workers_per_process} per process")
@@ -225,9 +191,11 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
     # ------------------------------------------------------------------------------------ data
     if local_rank == 0:  # one per node (in turn on a shared folder: one download); the others wait at the barrier
         prepare_dataset(args.dataset, args.data_root)
-    # Unbound NCCL (--model-parallel) must be told the GPU, or it guesses rank % GPU count: another worker's.
+    # New: unbound NCCL (--model-parallel) must be told the GPU, or it guesses rank % GPU count: another worker's.
     dist.barrier(device_ids=[device.index] if backend == "nccl" else None)
-    train_set, val_set, num_classes = build_datasets(  # a DataError: one line on each rank, exit 2
+    # YOUR DATA goes here: two map-style Datasets whose items are (image tensor C x H x W, integer label), and the
+    # number of classes. build_datasets fails with one line naming the folder or file that is wrong.
+    train_set, val_set, num_classes = build_datasets(
         args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val,
         flip=not args.no_flip)
     # Same seed on every rank: each process sees a different shard of one shared permutation.
@@ -239,14 +207,15 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
     val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=batch_per_process,
                             num_workers=workers_per_process, pin_memory=device.type == "cuda",
                             persistent_workers=workers_per_process > 0)
-    check_full_batch(len(train_loader), len(train_set), args.batch_size)  # drop_last: else 0 steps
+    harness.check_full_batch(len(train_loader), len(train_set), args.batch_size)  # drop_last: else 0 steps
     print0(f"data: {args.dataset} train={len(train_set)} val={len(val_set)} classes={num_classes} "
            f"steps_per_epoch={len(train_loader)}")
 
     # ----------------------------------------------------------------------------------- model
     torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
+    # YOUR MODEL goes here: an nn.Module from a batch (N, C, H, W) to logits (N, num_classes).
     model = build_model(args.arch, num_classes, args.image_size).to(device)
-    if args.model_parallel:
+    if args.model_parallel:  # New
         model = TwoDeviceModel(model, device, out_device)
         print0(f"model-parallel: features on {device}, fc on {out_device} in every worker")
     # device_ids only for a single-device module; a model spanning devices must leave it None.
@@ -258,13 +227,14 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
     scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs)  # per step
 
     # Before the first step: an --out-dir that cannot hold model.pt fails now, not after hours of training.
-    check_out_dir(args.out_dir, is_main, {"model.pt": state_bytes(model.module)})
+    harness.broadcast_out_dir_check(args.out_dir, is_main, {"model.pt": harness.state_bytes(model.module)},
+                                    tb_dir=args.tb_dir)
 
     # ----------------------------------------------------------------------------------- train
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
-    step, speed = 0, Throughput(device)
-    tb = TensorBoard(args.tb_dir, args.tb_every, is_main, device, vars(args), start_step=step)  # off without --tb-dir
-    diverged = DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
+    step, speed = 0, harness.Throughput(device)
+    tb = harness.TensorBoard(args.tb_dir, args.tb_every, is_main, vars(args))  # rank 0 alone writes
+    diverged = harness.DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
     for epoch in range(args.epochs):
         train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
         model.train()
@@ -275,8 +245,7 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
         for images, targets in bar:
             images, targets = images.to(device, non_blocking=True), targets.to(out_device, non_blocking=True)
             recent.append(images)
-            with unused_parameters_named(model.module):  # DDP's error for them: one line naming them
-                output = model(images)  # DDP checks here that the last backward reduced every gradient
+            output = model(images)  # DDP checks here that the last backward reduced every gradient
             loss = criterion(output, targets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP averages gradients across ranks during backward
@@ -287,7 +256,7 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
             step += 1
             diverged.update(step, loss)  # on the device: no sync per step
             speed.step(args.batch_size)
-            tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"])
+            tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"])  # rank 0's own samples
             if tb.on and step % args.tb_every == 0:  # values are read here anyway
                 diverged.all_reduce_and_check(epoch, step)  # a collective: one verdict everywhere
             if step >= total_steps:
@@ -311,30 +280,29 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
         # model.module, not the DDP wrapper: its first forward after training broadcasts buffers, a collective
         # that hangs when a rank's shard has no batch, or when rank 0 evaluates alone. Every rank evaluates.
         val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device)
-        eta = speed.eta(total_steps - step)
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
                f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
-               f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={eta}")
-        tb.epoch(step, train_loss=loss_meter.avg, train_acc1=acc_meter.avg, val_loss=val_loss, val_acc1=val_acc1,
-                 val_acc5=val_acc5, images_per_sec=loss_meter.count / epoch_time)
+               f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={speed.eta(total_steps - step)}")
+        tb.epoch(step, device, train_loss=loss_meter.avg, train_acc1=acc_meter.avg, val_loss=val_loss,
+                 val_acc1=val_acc1, val_acc5=val_acc5, images_per_sec=loss_meter.count / epoch_time)
         if step >= total_steps:
             break
 
     # ------------------------------------------------------------------------------------ save
-    tb.close()
-    peaks = [round(p, 1) for p in gather_values(peak_memory_mb(device), device)]  # every rank's own peak
     if is_main:
         os.makedirs(args.out_dir, exist_ok=True)
         path = os.path.join(args.out_dir, "model.pt")
         torch.save(model.module.state_dict(), path)  # .module: keys without the "module." prefix
         print0(f"saved: {path}")
-    print0(result_line(recipe="ddp_spawn", world_size=world_size, device=device.type, steps=step,
-                       train_loss=round(loss_meter.avg, 6), val_acc1=round(val_acc1, 4), val_samples=val_samples,
-                       images_per_sec=round(speed.images_per_sec, 2), peak_mem_mb=max(peaks),
-                       peak_mem_mb_per_rank=peaks, first_step_end_unix=speed.first_step_at))
+
+    # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
+    tb.close()
+    print0(harness.gather_result_line(device, speed, model, optimizer, recipe="ddp_spawn", world_size=world_size,
+                                      steps=step, train_loss=round(loss_meter.avg, 6), val_acc1=round(val_acc1, 4),
+                                      val_samples=val_samples))
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    with one_line_errors():  # a file that does not load, a lost rank, Ctrl-C: one line each, not a traceback per rank
+    with harness.one_line_errors():  # a bad file, a lost rank, Ctrl-C: one line each, not a traceback per rank
         main()

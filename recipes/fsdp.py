@@ -35,6 +35,9 @@ What it shows (the rest is recipes/ddp_checkpoint.py):
 - Evaluation: every forward all-gathers, so every rank must run the same number of them; a rank whose
   shard of the validation set has fewer batches runs empty ones. BatchNorm buffers are not sharded and
   not synchronized: rank 0's are broadcast before each evaluation, as in ddp_checkpoint.py.
+
+`harness.` lines are plumbing, not the lesson (start-up checks, one-line errors, divergence stop, TensorBoard,
+timing, the RESULT line: common/harness.py). Siblings of ddp_torchrun.py mark the lines they add `# New:`.
 """
 # launcher: torchrun
 
@@ -63,97 +66,52 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
-from common.checkpoint import (
-    CheckpointError,
-    SaveError,
-    check_epochs_left,
-    dcp_failure,
-    find_resume,
-    load_checkpoint,
-    save_atomic,
-)
-from common.data import DEFAULT_IMAGE_SIZE, build_datasets, check_full_batch, default_workers, prepare_dataset
-from common.models import build_model, check_arch, recomputed_batchnorm
-from common.outputs import check_out_dir, held_state_bytes, state_bytes
-from common.schedule import default_lr, warmup_cosine
-from common.tensorboard_log import TensorBoard
-from common.utils import (
-    AverageMeter,
-    DivergenceCheck,
-    Throughput,
-    accuracy,
-    die,
-    gather_values,
-    nonfinite_flags,
-    one_line_errors,
-    peak_memory_mb,
-    print0,
-    result_line,
-)
+from common import harness  # plumbing, not the lesson: every line that uses it says so
+from common.checkpoint import CheckpointError, SaveError, dcp_failure, find_resume, load_checkpoint, save_atomic
+from common.data import add_data_flags, build_datasets, prepare_dataset
+from common.models import build_model, recomputed_batchnorm
+from common.schedule import warmup_cosine
+from common.utils import AverageMeter, accuracy, print0
 
 
 # ------------------------------------------------------------------------------------------- args
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dataset", choices=["synthetic", "cifar100", "imagefolder"], default="synthetic")
-    p.add_argument("--data-root", default="./data", help="cifar100: download dir; imagefolder: has train/ val/")
-    p.add_argument("--image-size", type=int, help="default: 32 (synthetic, cifar100), 224 (imagefolder)")
-    p.add_argument("--no-flip", action="store_true", help="no random horizontal flip (text, digits)")
-    p.add_argument("--synthetic-train", type=int, default=2048, help="synthetic: training samples")
-    p.add_argument("--synthetic-val", type=int, default=500, help="synthetic: validation samples")
+    add_data_flags(p)  # --dataset, --data-root, --image-size, ...: build_datasets' flags (common/data.py)
     p.add_argument("--arch", default="resnet18", help="torchvision model name, or tiny / tiny_bn")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, help="GLOBAL batch, split evenly across processes "
                    "(default: 128, rounded down to a multiple of the process count: 126 on 3)")
-    p.add_argument("--workers", type=int,
-                   help="DataLoader workers PER PROCESS (default: cores per process - 1, at most 16)")
+    p.add_argument("--workers", type=int, help="DataLoader workers PER PROCESS (default: its cores - 1, max 16)")
     p.add_argument("--lr", type=float, help="peak learning rate (default: 0.1 x global batch / 128)")
-    p.add_argument("--warmup-epochs", type=float, default=1,
-                   help="linear learning-rate warm-up, then cosine (at most a third of the run)")
+    p.add_argument("--warmup-epochs", type=float, default=1, help="linear warm-up, then cosine (<= 1/3 of the run)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs, benchmarks)")
     p.add_argument("--out-dir", default="runs/fsdp", help="checkpoint/ (sharded), model.pt")
-    p.add_argument("--tb-dir", help="write TensorBoard curves here (rank 0): tensorboard --logdir TB_DIR")
-    p.add_argument("--tb-every", type=int, default=20, help="--tb-dir: the training loss every N optimizer steps")
     p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
-    p.add_argument("--amp-dtype", choices=["fp32", "bf16"], default="fp32",
+    p.add_argument("--amp-dtype", choices=["fp32", "bf16"], default="fp32",  # New
                    help="bf16: compute and all-gather in bf16, reduce gradients in fp32 (MixedPrecisionPolicy)")
-    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,  # New
                    help="free each block's gathered parameters after its forward (default); --no-...: keep them "
                         "until backward, one all-gather less per block and step, more memory (and during "
                         "evaluation, which has no backward, the whole model stays gathered)")
     p.add_argument("--resume", help="a checkpoint/latest.pt to continue from, or 'auto': OUT_DIR/checkpoint/latest.pt "
                                     "if it exists; any number of ranks")
+    harness.add_flags(p)  # --max-steps, --tb-dir, --tb-every
     return p.parse_args(argv)
 
 
 def check_args(args, world_size):
-    # Every rank runs this before any collective, so a bad flag fails in seconds, not at a timeout.
-    if nonfinite_flags(args):  # argparse takes nan and inf, and `nan <= 0` is False
-        die(f"{nonfinite_flags(args)[0]} is not a finite number")
+    harness.check_flags(args)  # nan/inf, a count below its minimum, an unknown --arch: one line, before any collective
     if args.batch_size is None:  # the default, rounded down so that it divides: 126 on 3 GPUs, not an error
         args.batch_size = max(1, 128 // world_size) * world_size
     if args.batch_size < world_size or args.batch_size % world_size:
-        die(f"--batch-size {args.batch_size} is the GLOBAL batch and must be a multiple of the "
-            f"{world_size} processes; try --batch-size {max(1, args.batch_size // world_size) * world_size}")
-    for flag, value, low in [("--epochs", args.epochs, 1), ("--workers", args.workers, 0),
-                             ("--max-steps", args.max_steps, 1), ("--image-size", args.image_size, 1),
-                             ("--synthetic-train", args.synthetic_train, 1),
-                             ("--synthetic-val", args.synthetic_val, 1), ("--tb-every", args.tb_every, 1),
-                             ("--warmup-epochs", args.warmup_epochs, 0)]:
-        if value is not None and value < low:
-            die(f"{flag} {value} must be >= {low}")
-    if args.lr is None:  # the linear scaling rule (common/schedule.py): 0.1 at a global batch of 128
-        args.lr = default_lr(args.batch_size)
-    args.image_size = args.image_size or DEFAULT_IMAGE_SIZE[args.dataset]  # below 64 px: small-image stem
-    if args.lr <= 0 or args.dist_timeout <= 0:
-        die("--lr and --dist-timeout must be > 0")
-    try:
-        check_arch(args.arch)
-    except ValueError as exc:
-        die(str(exc))
+        harness.die(f"--batch-size {args.batch_size} is the GLOBAL batch and must be a multiple of the "
+                    f"{world_size} processes; try --batch-size {max(1, args.batch_size // world_size) * world_size}")
+    if args.lr is None:  # the linear scaling rule: a k times larger batch takes a k times larger step
+        args.lr = 0.1 * args.batch_size / 128
+    args.image_size = args.image_size or (224 if args.dataset == "imagefolder" else 32)  # < 64 px: small-image stem
     if args.resume and args.resume != "auto" and not os.path.isfile(args.resume):
-        die(f"--resume {args.resume}: no such file", all_ranks=True)  # files can differ per node
+        harness.die(f"--resume {args.resume}: no such file", all_ranks=True)  # files can differ per node
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -197,7 +155,7 @@ def shard(model, mesh, amp_dtype, reshard_after_forward):
 
 
 # ------------------------------------------------------------------------------------ checkpoints
-def rng_state(device):
+def rng_state(device):  # New
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
 
 
@@ -255,15 +213,14 @@ def main():
     if torch.cuda.is_available():
         gpu = local_rank // ranks_per_gpu
         if gpu >= torch.cuda.device_count():
-            die(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
-                "start one process per listed GPU (./launch.sh RECIPE 0,1 does)", all_ranks=True)
+            harness.die(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
+                        "start one process per listed GPU (./launch.sh RECIPE 0,1 does)", all_ranks=True)
         # Before any CUDA work, or every process also puts a context on GPU 0 (write-up 000).
         torch.cuda.set_device(gpu)
         # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"); gloo shares it, through host memory.
         device, backend = torch.device("cuda", gpu), "nccl" if ranks_per_gpu == 1 else "gloo"
         torch.backends.cudnn.benchmark = True  # fixed-size inputs: cuDNN times its kernels once, keeps the fastest
-        # TF32 math for fp32 matmuls and convolutions (Ampere and newer): several times faster; training curves
-        # match fp32's. Set both False for bitwise comparisons.
+        # TF32 matmuls and convolutions (Ampere and newer): several times faster, fp32's curves; False: bitwise runs.
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     else:
         device, backend = torch.device("cpu"), "gloo"
@@ -275,7 +232,7 @@ def main():
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     batch_per_process = args.batch_size // world_size
     # --workers counts per process; unset: one per core this process has beyond its own, at most 16.
-    workers_per_process = default_workers(args.workers, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    workers_per_process = harness.default_workers(args.workers, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     print0(f"setup: world_size={world_size} backend={backend} device={device.type} "
            f"global_batch={args.batch_size} ({batch_per_process} per process x {world_size}), "
            f"workers={workers_per_process} per process")
@@ -284,28 +241,31 @@ def main():
     if local_rank == 0:  # one per node (in turn on a shared folder: one download); the others wait at the barrier
         prepare_dataset(args.dataset, args.data_root)
     dist.barrier()
-    train_set, val_set, num_classes = build_datasets(  # a DataError: one line on each rank, exit 2
+    # YOUR DATA goes here: two map-style Datasets whose items are (image tensor C x H x W, integer label), and the
+    # number of classes. build_datasets fails with one line naming the folder or file that is wrong.
+    train_set, val_set, num_classes = build_datasets(
         args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val,
         flip=not args.no_flip)
     # Same seed on every rank: each process sees a different shard of one shared permutation.
     train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
-    # Not persistent: workers are re-seeded from the (checkpointed) RNG each epoch, so resume is exact.
+    # New: not persistent, workers are re-seeded from the (checkpointed) RNG each epoch, so resume is exact.
     train_loader = DataLoader(train_set, batch_size=batch_per_process, sampler=train_sampler,
                               num_workers=workers_per_process, pin_memory=device.type == "cuda", drop_last=True)
     # DistributedSampler pads val with repeated samples; a strided shard counts each sample once.
     val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=batch_per_process,
                             num_workers=workers_per_process, pin_memory=device.type == "cuda",
                             persistent_workers=workers_per_process > 0)
-    check_full_batch(len(train_loader), len(train_set), args.batch_size)  # drop_last: else 0 steps
+    harness.check_full_batch(len(train_loader), len(train_set), args.batch_size)  # drop_last: else 0 steps
     print0(f"data: {args.dataset} train={len(train_set)} val={len(val_set)} classes={num_classes} "
            f"steps_per_epoch={len(train_loader)}")
 
-    # Start the validation workers now. The training workers are forked again every epoch, and on
+    # New: start the validation workers now. The training workers are forked again every epoch, and on
     # Python <= 3.11 a fork just after another loader shut down can deadlock the child (CPython gh-112275).
     iter(val_loader)
 
     # ----------------------------------------------------------------------------------- model
     torch.manual_seed(args.seed)  # same initial weights everywhere: each rank keeps its slice of them
+    # YOUR MODEL goes here: an nn.Module from a batch (N, C, H, W) to logits (N, num_classes).
     model = build_model(args.arch, num_classes, args.image_size).to(device)
     # One mesh for every fully_shard call: without mesh= each builds its own (under G:N a new gloo group each).
     shard(model, init_device_mesh(device.type, (world_size,)), args.amp_dtype, args.reshard_after_forward)
@@ -328,7 +288,7 @@ def main():
             "shards", "scheduler", "epoch", "step", "best_acc1", "rng", "args"))
         for flag in ("arch", "epochs"):  # another model does not fit the shards; the cosine schedule was laid out
             if ckpt["args"][flag] != getattr(args, flag):  # for that many epochs
-                die(f"{resume} was trained with --{flag} {ckpt['args'][flag]}; resume with the same --{flag}")
+                harness.die(f"{resume} was trained with --{flag} {ckpt['args'][flag]}; resume with the same --{flag}")
         load_shards(model, optimizer, os.path.join(os.path.dirname(resume), ckpt["shards"]))
         start_epoch, step, best_acc1 = ckpt["epoch"], ckpt["step"], ckpt["best_acc1"]
         # The schedule goes by this run's steps per epoch (another world size or batch counts others).
@@ -345,20 +305,22 @@ def main():
             print0(f"resume: saved with {len(ckpt['rng'])} ranks, now {world_size}: random streams reseeded "
                    f"after epoch {start_epoch} (the shards are resharded)")
         print0(f"resume: {resume} at epoch {start_epoch} step {step} best_acc1={best_acc1:.2f}")
+
     # Before the first step: an --out-dir that cannot hold the checkpoints, or that another node cannot see (every
     # rank writes its shard there and reads latest.pt), fails now, not after hours of training. state_bytes counts
     # the whole (unsharded) model and optimizer: all the shards together.
-    check_out_dir(args.out_dir, is_main, {"checkpoint": state_bytes(model, optimizer), "model.pt": state_bytes(model)},
-                  shared=True)
+    harness.broadcast_out_dir_check(args.out_dir, is_main, {"checkpoint": harness.state_bytes(model, optimizer),
+                                                            "model.pt": harness.state_bytes(model)},
+                                    shared=True, tb_dir=args.tb_dir)
 
     # ----------------------------------------------------------------------------------- train
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
-    speed = Throughput(device)
-    # Resumed: the curves go on from `step`; what an interrupted run logged after its checkpoint is dropped.
-    tb = TensorBoard(args.tb_dir, args.tb_every, is_main, device, vars(args), start_step=step)
-    diverged = DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
-    diverged.last_good = resume  # what the stop message names; each save below updates it
-    check_epochs_left(resume, start_epoch, args.epochs)
+    speed = harness.Throughput(device)
+    # New: resumed, the curves go on from `step`; what an interrupted run logged after its checkpoint is dropped.
+    tb = harness.TensorBoard(args.tb_dir, args.tb_every, is_main, vars(args), start_step=step)  # rank 0 alone writes
+    diverged = harness.DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
+    diverged.last_good = resume  # New: what the stop message names; each save below updates it
+    harness.check_epochs_left(resume, start_epoch, args.epochs)  # New
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
         model.train()
@@ -380,7 +342,7 @@ def main():
             step += 1
             diverged.update(step, loss)  # on the device: no sync per step
             speed.step(args.batch_size)
-            tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"])
+            tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"])  # rank 0's own samples
             if tb.on and step % args.tb_every == 0:  # values are read here anyway
                 diverged.all_reduce_and_check(epoch, step)  # a collective: one verdict everywhere
             if step >= total_steps:
@@ -403,14 +365,13 @@ def main():
         for buffer in model.buffers():
             dist.broadcast(buffer, 0)
         val_loss, val_acc1, val_acc5, val_samples = evaluate(model, val_loader, criterion, device)
-        eta = speed.eta(total_steps - step)
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
                f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
-               f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={eta}")
-        tb.epoch(step, train_loss=loss_meter.avg, train_acc1=acc_meter.avg, val_loss=val_loss, val_acc1=val_acc1,
-                 val_acc5=val_acc5, images_per_sec=loss_meter.count / epoch_time)
+               f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={speed.eta(total_steps - step)}")
+        tb.epoch(step, device, train_loss=loss_meter.avg, train_acc1=acc_meter.avg, val_loss=val_loss,
+                 val_acc1=val_acc1, val_acc5=val_acc5, images_per_sec=loss_meter.count / epoch_time)
 
-        # ----------------------------------------------- checkpoint: every rank saves its shard, rank 0 last
+        # New: --------------------------------------- checkpoint: every rank saves its shard, rank 0 last
         if step % len(train_loader):  # an epoch cut short by --max-steps is not a resume point
             break
         rngs = [None] * world_size
@@ -436,26 +397,24 @@ def main():
             break
 
     # ------------------------------------------------------------------------------------ save
-    tb.close()
     # The full weights, gathered shard by shard onto rank 0's CPU (a collective: every rank calls it; the others
     # get an empty dict). Plain tensors, no prefix: they load into build_model(arch, classes, image_size) anywhere.
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    peaks = [round(p, 1) for p in gather_values(peak_memory_mb(device), device)]  # every rank's own peak
-    # Parameters + gradients + optimizer state in each rank's memory: its shards (ddp_torchrun.py: a full copy).
-    held = [int(b) for b in gather_values(held_state_bytes(model, optimizer), device)]
     if is_main:
         os.makedirs(args.out_dir, exist_ok=True)
         path = os.path.join(args.out_dir, "model.pt")
         torch.save(full, path)
         print0(f"saved: {path}")
-    print0(result_line(recipe="fsdp", world_size=world_size, device=device.type, steps=step,
-                       train_loss=round(loss_meter.avg, 6), val_acc1=round(val_acc1, 4), val_samples=val_samples,
-                       images_per_sec=round(speed.images_per_sec, 2), peak_mem_mb=max(peaks),
-                       peak_mem_mb_per_rank=peaks, state_bytes_per_rank=held,
-                       first_step_end_unix=speed.first_step_at))
+
+    # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
+    tb.close()
+    # state_bytes_per_rank: parameters + gradients + optimizer state in each rank's memory, its shards only.
+    print0(harness.gather_result_line(device, speed, model, optimizer, recipe="fsdp", world_size=world_size,
+                                      steps=step, train_loss=round(loss_meter.avg, 6), val_acc1=round(val_acc1, 4),
+                                      val_samples=val_samples))
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    with one_line_errors():  # a file that does not load, a lost rank, Ctrl-C: one line each, not a traceback per rank
+    with harness.one_line_errors():  # a bad file, a lost rank, Ctrl-C: one line each, not a traceback per rank
         main()

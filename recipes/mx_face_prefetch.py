@@ -16,6 +16,9 @@ What it shows (the rest is recipes/ddp_torchrun.py):
 - A margin-based softmax head: CosFace s*(cos(theta_y) - m) or ArcFace s*cos(theta_y + m) for the true
   identity, s*cos(theta) for the others, on L2-normalised embeddings and class weights. Validation
   scores held-out images of the same identities (every 10th image) by plain cosine logits.
+
+`harness.` lines are plumbing, not the lesson (start-up checks, one-line errors, divergence stop, TensorBoard,
+timing, the RESULT line: common/harness.py). Siblings of ddp_torchrun.py mark the lines they add `# New:`.
 """
 # launcher: torchrun
 
@@ -37,26 +40,13 @@ from torchvision import transforms as T
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
-from common.data import NameFailingSamples, build_datasets, check_full_batch, default_workers
+from common import harness  # plumbing, not the lesson: every line that uses it says so
+from common.data import NameFailingSamples, build_datasets
 from common.loader import DataLoaderX
-from common.models import build_model, check_arch, recomputed_batchnorm, unused_parameters_named
-from common.outputs import check_out_dir, state_bytes
+from common.models import build_model, recomputed_batchnorm
 from common.recordio import MXFaceDataset, RecordIOError
-from common.schedule import default_lr, warmup_cosine
-from common.tensorboard_log import TensorBoard
-from common.utils import (
-    AverageMeter,
-    DivergenceCheck,
-    Throughput,
-    accuracy,
-    die,
-    gather_values,
-    nonfinite_flags,
-    one_line_errors,
-    peak_memory_mb,
-    print0,
-    result_line,
-)
+from common.schedule import warmup_cosine
+from common.utils import AverageMeter, accuracy, print0
 
 
 # ------------------------------------------------------------------------------------------- args
@@ -70,7 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--synthetic-train", type=int, default=2048, help="synthetic: training samples")
     p.add_argument("--synthetic-val", type=int, default=500, help="synthetic: validation samples")
     p.add_argument("--arch", default="resnet18", help="backbone: torchvision model name, or tiny")
-    p.add_argument("--embedding-size", type=int, default=128)
+    p.add_argument("--embedding-size", type=int, default=128)  # New
     p.add_argument("--head", choices=["cosface", "arcface"], default="cosface")
     # Defaults for small sets; insightface trains millions of images with s=64, m=0.4 (CosFace) / 0.5 (ArcFace).
     p.add_argument("--scale", type=float, default=16.0, help="s: logits are s * cosine")
@@ -79,54 +69,33 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, help="GLOBAL batch, split evenly across processes "
                    "(default: 128, rounded down to a multiple of the process count: 126 on 3)")
-    p.add_argument("--workers", type=int,
-                   help="DataLoader workers PER PROCESS (default: cores per process - 1, at most 16)")
+    p.add_argument("--workers", type=int, help="DataLoader workers PER PROCESS (default: its cores - 1, max 16)")
     p.add_argument("--lr", type=float, help="peak learning rate (default: 0.1 x global batch / 128)")
-    p.add_argument("--warmup-epochs", type=float, default=1,
-                   help="linear learning-rate warm-up, then cosine (at most a third of the run)")
+    p.add_argument("--warmup-epochs", type=float, default=1, help="linear warm-up, then cosine (<= 1/3 of the run)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs, benchmarks)")
     p.add_argument("--out-dir", default="runs/mx_face_prefetch", help="model.pt is written here")
-    p.add_argument("--tb-dir", help="write TensorBoard curves here (rank 0): tensorboard --logdir TB_DIR")
-    p.add_argument("--tb-every", type=int, default=20, help="--tb-dir: the training loss every N optimizer steps")
     p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
-    p.add_argument("--find-unused-parameters", action="store_true",
-                   help="needed when some parameters get no gradient in a step")
+    p.add_argument("--find-unused-parameters", action="store_true", help="parameters may get no gradient")
+    harness.add_flags(p)  # --max-steps, --tb-dir, --tb-every
     return p.parse_args(argv)
 
 
 def check_args(args, world_size):
-    # Every rank runs this before any collective, so a bad flag fails in seconds, not at a timeout.
-    if nonfinite_flags(args):  # argparse takes nan and inf, and `nan <= 0` is False
-        die(f"{nonfinite_flags(args)[0]} is not a finite number")
+    harness.check_flags(args)  # nan/inf, a count below its minimum, an unknown --arch: one line, before any collective
     if args.batch_size is None:  # the default, rounded down so that it divides: 126 on 3 GPUs, not an error
         args.batch_size = max(1, 128 // world_size) * world_size
     if args.batch_size < world_size or args.batch_size % world_size:
-        die(f"--batch-size {args.batch_size} is the GLOBAL batch and must be a multiple of the "
-            f"{world_size} processes; try --batch-size {max(1, args.batch_size // world_size) * world_size}")
-    for flag, value, low in [("--epochs", args.epochs, 1), ("--workers", args.workers, 0),
-                             ("--prefetch", args.prefetch, 1), ("--embedding-size", args.embedding_size, 1),
-                             ("--max-steps", args.max_steps, 1), ("--image-size", args.image_size, 1),
-                             ("--synthetic-train", args.synthetic_train, 1),
-                             ("--synthetic-val", args.synthetic_val, 1), ("--tb-every", args.tb_every, 1),
-                             ("--warmup-epochs", args.warmup_epochs, 0)]:
-        if value is not None and value < low:
-            die(f"{flag} {value} must be >= {low}")
-    if args.lr is None:  # the linear scaling rule (common/schedule.py): 0.1 at a global batch of 128
-        args.lr = default_lr(args.batch_size)
-    if args.lr <= 0 or args.dist_timeout <= 0:
-        die("--lr and --dist-timeout must be > 0")
-    try:
-        check_arch(args.arch)
-    except ValueError as exc:
-        die(str(exc))
-    if args.rec != "synthetic" and not os.path.isdir(args.rec):
-        die(f"--rec {args.rec}: no such folder (expected train.rec + train.idx there, or --rec synthetic)",
-            all_ranks=True)
+        harness.die(f"--batch-size {args.batch_size} is the GLOBAL batch and must be a multiple of the "
+                    f"{world_size} processes; try --batch-size {max(1, args.batch_size // world_size) * world_size}")
+    if args.lr is None:  # the linear scaling rule: a k times larger batch takes a k times larger step
+        args.lr = 0.1 * args.batch_size / 128
+    if args.rec != "synthetic" and not os.path.isdir(args.rec):  # New
+        harness.die(f"--rec {args.rec}: no such folder (expected train.rec + train.idx there, or --rec synthetic)",
+                    all_ranks=True)
 
 
 # ------------------------------------------------------------------------------------------ model
-class MarginHead(nn.Module):
+class MarginHead(nn.Module):  # New: the face model, a backbone's embedding and this head
     """Cosine logits with a margin on the true class: CosFace cos(t) - m, ArcFace cos(t + m), times s."""
 
     def __init__(self, embedding_size, num_classes, kind, scale, margin):
@@ -187,15 +156,14 @@ def main():
     if torch.cuda.is_available():
         gpu = local_rank // ranks_per_gpu
         if gpu >= torch.cuda.device_count():
-            die(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
-                "start one process per listed GPU (./launch.sh RECIPE 0,1 does)", all_ranks=True)
+            harness.die(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
+                        "start one process per listed GPU (./launch.sh RECIPE 0,1 does)", all_ranks=True)
         # Before any CUDA work, or every process also puts a context on GPU 0 (write-up 000).
         torch.cuda.set_device(gpu)
         # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"); gloo shares it, through host memory.
         device, backend = torch.device("cuda", gpu), "nccl" if ranks_per_gpu == 1 else "gloo"
         torch.backends.cudnn.benchmark = True  # fixed-size inputs: cuDNN times its kernels once, keeps the fastest
-        # TF32 math for fp32 matmuls and convolutions (Ampere and newer): several times faster; training curves
-        # match fp32's. Set both False for bitwise comparisons.
+        # TF32 matmuls and convolutions (Ampere and newer): several times faster, fp32's curves; False: bitwise runs.
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     else:
         device, backend = torch.device("cpu"), "gloo"
@@ -207,12 +175,14 @@ def main():
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     batch_per_process = args.batch_size // world_size
     # --workers counts per process; unset: one per core this process has beyond its own, at most 16.
-    workers_per_process = default_workers(args.workers, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    workers_per_process = harness.default_workers(args.workers, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     print0(f"setup: world_size={world_size} backend={backend} device={device.type} "
            f"global_batch={args.batch_size} ({batch_per_process} per process x {world_size}), "
            f"workers={workers_per_process} per process")
 
     # ------------------------------------------------------------------------------------ data
+    # YOUR DATA goes here: two map-style Datasets whose items are (image tensor C x H x W, integer label), and the
+    # number of classes. build_datasets fails with one line naming the folder or file that is wrong.
     flip = [] if args.no_flip else [T.RandomHorizontalFlip()]  # aligned faces: flipping is insightface's only one
     train_tf = T.Compose([T.Resize(args.image_size), *flip, T.ToTensor(),
                           T.Normalize([0.5] * 3, [0.5] * 3)])
@@ -227,10 +197,10 @@ def main():
             faces = MXFaceDataset(args.rec, train_tf, reader=reader)
             faces_val = MXFaceDataset(args.rec, val_tf, reader=reader)
         except (RecordIOError, OSError) as exc:
-            die(str(exc), all_ranks=True)
+            harness.die(str(exc), all_ranks=True)
         num_classes = args.num_classes or (faces.identity_range and faces.identity_range[1] - faces.identity_range[0])
         if not num_classes:
-            die(f"{args.rec}/train.rec has no header record 0 giving the identity count; pass --num-classes")
+            harness.die(f"{args.rec}/train.rec has no header record 0 giving the identity count; pass --num-classes")
         # Every 10th image is held out: the same identities, unseen images.
         # NameFailingSamples: a record that does not decode stops training with its index and key, on its rank.
         train_set = Subset(NameFailingSamples(faces, "train"), [i for i in range(len(faces)) if i % 10])
@@ -245,12 +215,13 @@ def main():
     val_loader = DataLoaderX(device, Subset(val_set, range(rank, len(val_set), world_size)),
                              batch_size=batch_per_process, num_workers=workers_per_process,
                              pin_memory=device.type == "cuda", persistent_workers=workers_per_process > 0)
-    check_full_batch(len(train_loader), len(train_set), args.batch_size)  # drop_last: else 0 steps
+    harness.check_full_batch(len(train_loader), len(train_set), args.batch_size)  # drop_last: else 0 steps
     print0(f"data: {args.rec} reader={args.reader} train={len(train_set)} val={len(val_set)} classes={num_classes} "
            f"steps_per_epoch={len(train_loader)}")
 
     # ----------------------------------------------------------------------------------- model
     torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
+    # YOUR MODEL goes here: an nn.Module from a batch (N, C, H, W) to logits (N, num_classes).
     model = FaceModel(args.arch, args.embedding_size, num_classes, args.head, args.scale, args.margin,
                       args.image_size).to(device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -261,13 +232,14 @@ def main():
     scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs)  # per step
 
     # Before the first step: an --out-dir that cannot hold model.pt fails now, not after hours of training.
-    check_out_dir(args.out_dir, is_main, {"model.pt": state_bytes(model.module)})
+    harness.broadcast_out_dir_check(args.out_dir, is_main, {"model.pt": harness.state_bytes(model.module)},
+                                    tb_dir=args.tb_dir)
 
     # ----------------------------------------------------------------------------------- train
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
-    step, speed = 0, Throughput(device)
-    tb = TensorBoard(args.tb_dir, args.tb_every, is_main, device, vars(args), start_step=step)  # off without --tb-dir
-    diverged = DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
+    step, speed = 0, harness.Throughput(device)
+    tb = harness.TensorBoard(args.tb_dir, args.tb_every, is_main, vars(args))  # rank 0 alone writes
+    diverged = harness.DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
     for epoch in range(args.epochs):
         train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
         model.train()
@@ -278,8 +250,7 @@ def main():
         for images, targets in bar:
             images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             recent.append((images, targets))
-            with unused_parameters_named(model.module):  # DDP's error for them: one line naming them
-                output = model(images, targets)  # the margin needs the labels; DDP checks the last backward
+            output = model(images, targets)  # New: the margin needs the labels; DDP checks the last backward
             loss = criterion(output, targets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP averages gradients across ranks during backward
@@ -290,7 +261,7 @@ def main():
             step += 1
             diverged.update(step, loss)  # on the device: no sync per step
             speed.step(args.batch_size)
-            tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"])
+            tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"])  # rank 0's own samples
             if tb.on and step % args.tb_every == 0:  # values are read here anyway
                 diverged.all_reduce_and_check(epoch, step)  # a collective: one verdict everywhere
             if step >= total_steps:
@@ -314,30 +285,29 @@ def main():
         # model.module, not the DDP wrapper: its first forward after training broadcasts buffers, a collective
         # that hangs when a rank's shard has no batch, or when rank 0 evaluates alone. Every rank evaluates.
         val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device)
-        eta = speed.eta(total_steps - step)
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
                f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
-               f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={eta}")
-        tb.epoch(step, train_loss=loss_meter.avg, train_acc1=acc_meter.avg, val_loss=val_loss, val_acc1=val_acc1,
-                 val_acc5=val_acc5, images_per_sec=loss_meter.count / epoch_time)
+               f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={speed.eta(total_steps - step)}")
+        tb.epoch(step, device, train_loss=loss_meter.avg, train_acc1=acc_meter.avg, val_loss=val_loss,
+                 val_acc1=val_acc1, val_acc5=val_acc5, images_per_sec=loss_meter.count / epoch_time)
         if step >= total_steps:
             break
 
     # ------------------------------------------------------------------------------------ save
-    tb.close()
-    peaks = [round(p, 1) for p in gather_values(peak_memory_mb(device), device)]  # every rank's own peak
     if is_main:
         os.makedirs(args.out_dir, exist_ok=True)
         path = os.path.join(args.out_dir, "model.pt")
         torch.save(model.module.state_dict(), path)  # .module: keys without the "module." prefix
         print0(f"saved: {path}")
-    print0(result_line(recipe="mx_face_prefetch", world_size=world_size, device=device.type, steps=step,
-                       train_loss=round(loss_meter.avg, 6), val_acc1=round(val_acc1, 4), val_samples=val_samples,
-                       images_per_sec=round(speed.images_per_sec, 2), peak_mem_mb=max(peaks),
-                       peak_mem_mb_per_rank=peaks, first_step_end_unix=speed.first_step_at))
+
+    # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
+    tb.close()
+    print0(harness.gather_result_line(device, speed, model, optimizer, recipe="mx_face_prefetch",
+                                      world_size=world_size, steps=step, train_loss=round(loss_meter.avg, 6),
+                                      val_acc1=round(val_acc1, 4), val_samples=val_samples))
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    with one_line_errors():  # a file that does not load, a lost rank, Ctrl-C: one line each, not a traceback per rank
+    with harness.one_line_errors():  # a bad file, a lost rank, Ctrl-C: one line each, not a traceback per rank
         main()

@@ -22,6 +22,9 @@ What it shows (the rest is recipes/ddp_torchrun.py):
 - The scaler's state (current scale, growth tracker) is saved in checkpoint.pt each epoch and restored
   by --resume, which refuses a checkpoint written with another --amp-dtype or --epochs (a bf16 run's
   disabled scaler saves nothing an fp16 scaler could load). recipes/ddp_checkpoint.py does checkpoints in full.
+
+`harness.` lines are plumbing, not the lesson (start-up checks, one-line errors, divergence stop, TensorBoard,
+timing, the RESULT line: common/harness.py). Siblings of ddp_torchrun.py mark the lines they add `# New:`.
 """
 # launcher: torchrun
 
@@ -42,53 +45,30 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
-from common.checkpoint import check_epochs_left, find_resume, load_checkpoint, load_weights, save_atomic
-from common.data import DEFAULT_IMAGE_SIZE, build_datasets, check_full_batch, default_workers, prepare_dataset
-from common.models import build_model, check_arch, recomputed_batchnorm, unused_parameters_named
-from common.outputs import check_out_dir, state_bytes
-from common.schedule import default_lr, warmup_cosine
-from common.tensorboard_log import TensorBoard
-from common.utils import (
-    AverageMeter,
-    DivergenceCheck,
-    Throughput,
-    accuracy,
-    die,
-    gather_values,
-    nonfinite_flags,
-    one_line_errors,
-    peak_memory_mb,
-    print0,
-    result_line,
-)
+from common import harness  # plumbing, not the lesson: every line that uses it says so
+from common.checkpoint import find_resume, load_same_flags, load_weights, save_atomic
+from common.data import add_data_flags, build_datasets, prepare_dataset
+from common.models import build_model, recomputed_batchnorm
+from common.schedule import warmup_cosine
+from common.utils import AverageMeter, accuracy, print0
 
 
 # ------------------------------------------------------------------------------------------- args
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dataset", choices=["synthetic", "cifar100", "imagefolder"], default="synthetic")
-    p.add_argument("--data-root", default="./data", help="cifar100: download dir; imagefolder: has train/ val/")
-    p.add_argument("--image-size", type=int, help="default: 32 (synthetic, cifar100), 224 (imagefolder)")
-    p.add_argument("--no-flip", action="store_true", help="no random horizontal flip (text, digits)")
-    p.add_argument("--synthetic-train", type=int, default=2048, help="synthetic: training samples")
-    p.add_argument("--synthetic-val", type=int, default=500, help="synthetic: validation samples")
+    add_data_flags(p)  # --dataset, --data-root, --image-size, ...: build_datasets' flags (common/data.py)
     p.add_argument("--arch", default="resnet18", help="torchvision model name, or tiny / tiny_unused")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, help="GLOBAL batch per optimizer step, split evenly across "
                    "processes and --accum-steps (default: 128, rounded down to a multiple of processes x accum-steps)")
-    p.add_argument("--workers", type=int,
-                   help="DataLoader workers PER PROCESS (default: cores per process - 1, at most 16)")
+    p.add_argument("--workers", type=int, help="DataLoader workers PER PROCESS (default: its cores - 1, max 16)")
     p.add_argument("--lr", type=float, help="peak learning rate (default: 0.1 x global batch / 128)")
-    p.add_argument("--warmup-epochs", type=float, default=1,
-                   help="linear learning-rate warm-up, then cosine (at most a third of the run)")
+    p.add_argument("--warmup-epochs", type=float, default=1, help="linear warm-up, then cosine (<= 1/3 of the run)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs, benchmarks)")
     p.add_argument("--out-dir", default="runs/torch_amp", help="model.pt and checkpoint.pt go here")
-    p.add_argument("--tb-dir", help="write TensorBoard curves here (rank 0): tensorboard --logdir TB_DIR")
-    p.add_argument("--tb-every", type=int, default=20, help="--tb-dir: the training loss every N optimizer steps")
     p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
-    p.add_argument("--find-unused-parameters", action="store_true",
-                   help="needed when some parameters get no gradient in a step")
+    p.add_argument("--find-unused-parameters", action="store_true", help="parameters may get no gradient")
+    # New
     p.add_argument("--amp-dtype", choices=["fp16", "bf16", "tf32", "fp32"],
                    help="default: fp16 on GPU, bf16 on CPU. tf32: no autocast, TF32 matmuls and convolutions on GPUs "
                         "(the other recipes' setting); fp32: no autocast and no TF32")
@@ -97,39 +77,24 @@ def parse_args(argv=None):
     p.add_argument("--channels-last", action="store_true", help="NHWC layout for model and inputs")
     p.add_argument("--resume", help="a checkpoint.pt to continue from (model, optimizer, scheduler, scaler), "
                    "or 'auto': OUT_DIR/checkpoint.pt if it exists (for MAX_RESTARTS)")
+    harness.add_flags(p)  # --max-steps, --tb-dir, --tb-every
     return p.parse_args(argv)
 
 
 def check_args(args, world_size):
-    # Every rank runs this before any collective, so a bad flag fails in seconds, not at a timeout.
-    if nonfinite_flags(args):  # argparse takes nan and inf, and `nan <= 0` is False
-        die(f"{nonfinite_flags(args)[0]} is not a finite number")
-    if args.accum_steps < 1:
-        die(f"--accum-steps {args.accum_steps} must be >= 1")
-    parts = world_size * args.accum_steps
+    harness.check_flags(args)  # nan/inf, a count below its minimum, an unknown --arch: one line, before any collective
+    parts = world_size * args.accum_steps  # New: the global batch splits over processes and micro-batches
     if args.batch_size is None:  # the default, rounded down so that it divides: 126 on 3 GPUs, not an error
         args.batch_size = max(1, 128 // parts) * parts
     if args.batch_size < parts or args.batch_size % parts:
-        die(f"--batch-size {args.batch_size} is the GLOBAL batch and must be a multiple of {world_size} processes "
-            f"x {args.accum_steps} accumulation steps; try --batch-size {max(1, args.batch_size // parts) * parts}")
-    for flag, value, low in [("--epochs", args.epochs, 1), ("--workers", args.workers, 0),
-                             ("--max-steps", args.max_steps, 1), ("--image-size", args.image_size, 1),
-                             ("--synthetic-train", args.synthetic_train, 1),
-                             ("--synthetic-val", args.synthetic_val, 1), ("--tb-every", args.tb_every, 1),
-                             ("--warmup-epochs", args.warmup_epochs, 0)]:
-        if value is not None and value < low:
-            die(f"{flag} {value} must be >= {low}")
-    if args.lr is None:  # the linear scaling rule (common/schedule.py): 0.1 at a global batch of 128
-        args.lr = default_lr(args.batch_size)
-    args.image_size = args.image_size or DEFAULT_IMAGE_SIZE[args.dataset]  # below 64 px: small-image stem
-    if args.lr <= 0 or args.dist_timeout <= 0 or (args.clip_grad is not None and args.clip_grad <= 0):
-        die("--lr, --dist-timeout and --clip-grad must be > 0")
-    if args.resume and args.resume != "auto" and not os.path.isfile(args.resume):
-        die(f"--resume {args.resume}: no such file", all_ranks=True)  # files can differ per node
-    try:
-        check_arch(args.arch)
-    except ValueError as exc:
-        die(str(exc))
+        harness.die(f"--batch-size {args.batch_size} is the GLOBAL batch and must be a multiple of {world_size} "
+                    f"processes x {args.accum_steps} accumulation steps; try --batch-size "
+                    f"{max(1, args.batch_size // parts) * parts}")
+    if args.lr is None:  # the linear scaling rule: a k times larger batch takes a k times larger step
+        args.lr = 0.1 * args.batch_size / 128
+    args.image_size = args.image_size or (224 if args.dataset == "imagefolder" else 32)  # < 64 px: small-image stem
+    if args.resume and args.resume != "auto" and not os.path.isfile(args.resume):  # New
+        harness.die(f"--resume {args.resume}: no such file", all_ranks=True)  # files can differ per node
 
 
 # ------------------------------------------------------------------------------------------- eval
@@ -165,15 +130,14 @@ def main():
     if torch.cuda.is_available():
         gpu = local_rank // ranks_per_gpu
         if gpu >= torch.cuda.device_count():
-            die(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
-                "start one process per listed GPU (./launch.sh RECIPE 0,1 does)", all_ranks=True)
+            harness.die(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
+                        "start one process per listed GPU (./launch.sh RECIPE 0,1 does)", all_ranks=True)
         # Before any CUDA work, or every process also puts a context on GPU 0 (write-up 000).
         torch.cuda.set_device(gpu)
         # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"); gloo shares it, through host memory.
         device, backend = torch.device("cuda", gpu), "nccl" if ranks_per_gpu == 1 else "gloo"
         torch.backends.cudnn.benchmark = True  # fixed-size inputs: cuDNN times its kernels once, keeps the fastest
-        # TF32 math for fp32 matmuls and convolutions (Ampere and newer): several times faster; training curves
-        # match fp32's. Set both False for bitwise comparisons.
+        # TF32 matmuls and convolutions (Ampere and newer): several times faster, fp32's curves; False: bitwise runs.
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     else:
         device, backend = torch.device("cpu"), "gloo"
@@ -184,13 +148,13 @@ def main():
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     batch_per_process = args.batch_size // world_size
-    micro_batch = batch_per_process // args.accum_steps
+    micro_batch = batch_per_process // args.accum_steps  # New: --accum-steps micro-batches per process and step
     # --workers counts per process; unset: one per core this process has beyond its own, at most 16.
-    workers_per_process = default_workers(args.workers, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    workers_per_process = harness.default_workers(args.workers, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     print0(f"setup: world_size={world_size} backend={backend} device={device.type} "
            f"global_batch={args.batch_size} ({batch_per_process} per process x {world_size}, "
            f"micro_batch={micro_batch} x {args.accum_steps} accum_steps), workers={workers_per_process} per process")
-    amp_name = args.amp_dtype or ("fp16" if device.type == "cuda" else "bf16")
+    amp_name = args.amp_dtype or ("fp16" if device.type == "cuda" else "bf16")  # New
     amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "tf32": torch.float32, "fp32": torch.float32}[amp_name]
     if amp_name == "fp32":  # strict fp32: TF32 off too (set on above); a no-op on the CPU, which has no TF32
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -200,7 +164,9 @@ def main():
     if local_rank == 0:  # one per node (in turn on a shared folder: one download); the others wait at the barrier
         prepare_dataset(args.dataset, args.data_root)
     dist.barrier()
-    train_set, val_set, num_classes = build_datasets(  # a DataError: one line on each rank, exit 2
+    # YOUR DATA goes here: two map-style Datasets whose items are (image tensor C x H x W, integer label), and the
+    # number of classes. build_datasets fails with one line naming the folder or file that is wrong.
+    train_set, val_set, num_classes = build_datasets(
         args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val,
         flip=not args.no_flip)
     # Same seed on every rank: each process sees a different shard of one shared permutation.
@@ -212,67 +178,64 @@ def main():
     val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=batch_per_process,
                             num_workers=workers_per_process, pin_memory=device.type == "cuda",
                             persistent_workers=workers_per_process > 0)
-    steps_per_epoch = len(train_loader) // args.accum_steps  # a partial accumulation at the end is dropped
-    check_full_batch(steps_per_epoch, len(train_set), args.batch_size)  # drop_last: else 0 steps
+    steps_per_epoch = len(train_loader) // args.accum_steps  # New: a partial accumulation at the end is dropped
+    harness.check_full_batch(steps_per_epoch, len(train_set), args.batch_size)  # drop_last: else 0 steps
     print0(f"data: {args.dataset} train={len(train_set)} val={len(val_set)} classes={num_classes} "
            f"steps_per_epoch={steps_per_epoch}")
 
     # ----------------------------------------------------------------------------------- model
     torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
+    # YOUR MODEL goes here: an nn.Module from a batch (N, C, H, W) to logits (N, num_classes).
     model = build_model(args.arch, num_classes, args.image_size).to(device, memory_format=memory_format)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                 find_unused_parameters=args.find_unused_parameters)
     torch.manual_seed(args.seed + rank)  # from here on, augmentation and dropout differ per rank
     criterion = torch.nn.CrossEntropyLoss()
-    # fused=True: one kernel for every parameter, and GradScaler hands it the inf flag on the device; with a plain
+    # New: fused=True, one kernel for every parameter, and GradScaler hands it the inf flag on the device; with a plain
     # SGD, scaler.step() reads that flag on the host every step, and the CPU waits for the GPU.
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4, fused=True)
-    # Fused SGD makes its momentum buffers with empty_like at its first step() even when GradScaler skips that step
+    # New: fused SGD makes its momentum buffers with empty_like at its first step() even when GradScaler skips that step
     # (an fp16 overflow, common at first), so they hold whatever memory held: start them at 0 (0.9 x 0 + g = g).
     for p in model.parameters():
         optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
     scheduler = warmup_cosine(optimizer, args.epochs, steps_per_epoch, args.warmup_epochs)  # per step
-    # Enabled for fp16 only: with bf16 or fp32 its calls pass straight through.
+    # New: enabled for fp16 only, with bf16 or fp32 its calls pass straight through.
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
-    start_epoch, step = 0, 0
-    # What a resume must match: the cosine schedule is laid out for --epochs, and a bf16/fp32 run's disabled
-    # scaler saves {}, which an fp16 scaler cannot load.
-    run_flags = {"amp_dtype": amp_name, "epochs": args.epochs}
+    # New: ----------------------------------------- resume: AMP's checkpoint also holds the scaler's state
+    # fp16's scaler keeps the loss scale it settled on; restarted at 65536 it skips steps until it finds it again. A
+    # bf16/fp32 run's disabled scaler saves {}, which an fp16 scaler cannot load: the flags must match (and --epochs:
+    # the cosine schedule is laid out for them). Checkpoints in full, RNG states included: ddp_checkpoint.py.
+    run_flags, start_epoch, step = {"amp_dtype": amp_name, "epochs": args.epochs}, 0, 0
     resume = find_resume(args.resume, os.path.join(args.out_dir, "checkpoint.pt"))  # 'auto': the last one, if any
     if resume:
-        ckpt = load_checkpoint(resume, map_location=device, require=(
-            "model", "optimizer", "scheduler", "scaler", "epoch", "step", "flags"))
-        changed = [f"--{k.replace('_', '-')} {ckpt['flags'].get(k)} (this run: {v})"
-                   for k, v in run_flags.items() if ckpt["flags"].get(k) != v]
-        if changed:
-            die(f"{resume} was written with {', '.join(changed)}; resume with the same flags")
+        ckpt = load_same_flags(resume, map_location=device, flags=run_flags,
+                               require=("model", "optimizer", "scheduler", "scaler"))
         load_weights(model.module, ckpt["model"], resume)  # a wrong --arch: one line naming the keys
         optimizer.load_state_dict(ckpt["optimizer"])
         for group in optimizer.param_groups:  # a plain SGD's checkpoint would switch fused off (GradScaler then fails)
             group.update(fused=True, foreach=None)
         scaler.load_state_dict(ckpt["scaler"])  # without it fp16 restarts at scale 65536 and skips steps
         start_epoch, step = ckpt["epoch"], ckpt["step"]
-        # The schedule goes by this run's steps per epoch (another world size or batch counts others).
         scheduler = warmup_cosine(optimizer, args.epochs, steps_per_epoch, args.warmup_epochs,
-                                  start_epoch * steps_per_epoch)
-        # No RNG state saved (ddp_checkpoint.py restores it): seed + rank again would replay epoch 0's random draws.
-        torch.manual_seed(args.seed + rank + 10_000 * start_epoch)
+                                  start_epoch * steps_per_epoch)  # this run's steps per epoch
+        torch.manual_seed(args.seed + rank + 10_000 * start_epoch)  # no RNG state saved: not epoch 0's draws again
         print0(f"resumed: {resume} epoch={start_epoch} step={step} scaler={scaler.state_dict()}")
     print0(f"amp: {amp_name} autocast={amp_dtype != torch.float32} grad_scaler={scaler.is_enabled()}"
            + (" (bf16 is the CPU default: fp16 is 10-50x slower on CPU)" if args.amp_dtype is None
               and device.type == "cpu" else ""))
     # Before the first step: an --out-dir that cannot hold the checkpoints fails now, not after hours of training.
-    check_out_dir(args.out_dir, is_main, {"checkpoint.pt": state_bytes(model.module, optimizer),
-                                          "model.pt": state_bytes(model.module)})
+    harness.broadcast_out_dir_check(args.out_dir, is_main, {
+        "checkpoint.pt": harness.state_bytes(model.module, optimizer), "model.pt": harness.state_bytes(model.module)},
+        tb_dir=args.tb_dir)
 
     # ----------------------------------------------------------------------------------- train
     total_steps = min(args.epochs * steps_per_epoch, args.max_steps or float("inf"))
-    speed = Throughput(device)
-    # Resumed: the curves go on from `step`; what an interrupted run logged after its checkpoint is dropped.
-    tb = TensorBoard(args.tb_dir, args.tb_every, is_main, device, vars(args), start_step=step)
-    diverged = DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
-    diverged.last_good = resume  # what the stop message names; each save below updates it
-    check_epochs_left(resume, start_epoch, args.epochs)
+    speed = harness.Throughput(device)
+    # New: resumed, the curves go on from `step`; what an interrupted run logged after its checkpoint is dropped.
+    tb = harness.TensorBoard(args.tb_dir, args.tb_every, is_main, vars(args), start_step=step)  # rank 0 alone writes
+    diverged = harness.DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
+    diverged.last_good = resume  # New: what the stop message names; each save below updates it
+    harness.check_epochs_left(resume, start_epoch, args.epochs)  # New
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
         model.train()
@@ -286,14 +249,13 @@ def main():
             images = images.to(device, non_blocking=True, memory_format=memory_format)
             targets = targets.to(device, non_blocking=True)
             recent.append(images)
-            boundary = (i + 1) % args.accum_steps == 0
-            # no_sync: gradients accumulate locally; the boundary micro-step's backward all-reduces the sum.
+            boundary = (i + 1) % args.accum_steps == 0  # New: the step's last micro-batch
+            # New: no_sync, gradients accumulate locally; the boundary micro-step's backward all-reduces the sum.
             with contextlib.nullcontext() if boundary else model.no_sync():
                 with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
-                    with unused_parameters_named(model.module):  # DDP's error for them: one line naming them
-                        output = model(images)  # DDP checks here that the last backward reduced every gradient
+                    output = model(images)  # DDP checks here that the last backward reduced every gradient
                     loss = criterion(output, targets)
-                # Backward outside autocast. /K: the K micro-losses add up to the mean over the full batch.
+                # New: backward outside autocast. /K: the K micro-losses add up to the mean over the full batch.
                 scaler.scale(loss / args.accum_steps).backward()
             loss_meter.update(loss, images.size(0))  # a tensor: summed on the device, no sync per step
             acc_meter.update(accuracy(output, targets)[0], images.size(0))
@@ -301,10 +263,10 @@ def main():
                 diverged.update(step + 1, loss)  # the step this micro-batch belongs to; on the device, no sync
             if not boundary:
                 continue
-            if args.clip_grad:
+            if args.clip_grad:  # New
                 scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
-            scaler.step(optimizer)  # skipped if fp16 gradients overflowed (inf/nan)
+            scaler.step(optimizer)  # New: skipped if fp16 gradients overflowed (inf/nan)
             scaler.update()
             scheduler.step()  # every optimizer step: warm-up, then cosine
             optimizer.zero_grad(set_to_none=True)
@@ -336,15 +298,14 @@ def main():
             dist.broadcast(buffer, 0)
         # model.module, not the DDP wrapper: its first forward after training broadcasts buffers, a collective
         # that hangs when a rank's shard has no batch, or when rank 0 evaluates alone. Every rank evaluates.
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):  # New
             val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device)
-        eta = speed.eta(total_steps - step)
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
                f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
-               f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={eta}")
-        tb.epoch(step, train_loss=loss_meter.avg, train_acc1=acc_meter.avg, val_loss=val_loss, val_acc1=val_acc1,
-                 val_acc5=val_acc5, images_per_sec=loss_meter.count / epoch_time)
-        # After each whole epoch (not one cut short by --max-steps), so an interrupted run can --resume.
+               f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={speed.eta(total_steps - step)}")
+        tb.epoch(step, device, train_loss=loss_meter.avg, train_acc1=acc_meter.avg, val_loss=val_loss,
+                 val_acc1=val_acc1, val_acc5=val_acc5, images_per_sec=loss_meter.count / epoch_time)
+        # New: after each whole epoch (not one cut short by --max-steps), so an interrupted run can --resume.
         if is_main and step % steps_per_epoch == 0:  # atomic: a crash mid-write keeps the previous checkpoint
             save_atomic({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                          "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
@@ -356,20 +317,20 @@ def main():
             break
 
     # ------------------------------------------------------------------------------------ save
-    tb.close()
-    peaks = [round(p, 1) for p in gather_values(peak_memory_mb(device), device)]  # every rank's own peak
     if is_main:
         os.makedirs(args.out_dir, exist_ok=True)
         path = os.path.join(args.out_dir, "model.pt")
         torch.save(model.module.state_dict(), path)  # .module: keys without the "module." prefix
         print0(f"saved: {path} and checkpoint.pt, scaler={scaler.state_dict()}")
-    print0(result_line(recipe="torch_amp", world_size=world_size, device=device.type, steps=step,
-                       train_loss=round(loss_meter.avg, 6), val_acc1=round(val_acc1, 4), val_samples=val_samples,
-                       images_per_sec=round(speed.images_per_sec, 2), peak_mem_mb=max(peaks),
-                       peak_mem_mb_per_rank=peaks, first_step_end_unix=speed.first_step_at))
+
+    # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
+    tb.close()
+    print0(harness.gather_result_line(device, speed, model, optimizer, recipe="torch_amp", world_size=world_size,
+                                      steps=step, train_loss=round(loss_meter.avg, 6), val_acc1=round(val_acc1, 4),
+                                      val_samples=val_samples))
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    with one_line_errors():  # a file that does not load, a lost rank, Ctrl-C: one line each, not a traceback per rank
+    with harness.one_line_errors():  # a bad file, a lost rank, Ctrl-C: one line each, not a traceback per rank
         main()

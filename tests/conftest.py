@@ -52,9 +52,9 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if not item.get_closest_marker("gpu")]
 
 
-def spawn_gloo(worker, nprocs=2):
+def spawn_gloo(worker, nprocs=2, results=None):
     """Run worker(rank, port, results) in `nprocs` spawned processes that meet on a free local port; each puts what
-    it saw in results[rank]. Returns that dict."""
+    it saw in results[rank] (results: a Manager dict, a new one if None). Returns that dict."""
     import socket
 
     import torch.multiprocessing as mp
@@ -62,7 +62,7 @@ def spawn_gloo(worker, nprocs=2):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    results = mp.Manager().dict()
+    results = mp.Manager().dict() if results is None else results
     mp.spawn(worker, args=(port, results), nprocs=nprocs)
     return results
 

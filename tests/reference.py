@@ -21,7 +21,7 @@ from common.schedule import warmup_cosine
 
 
 class Plain:
-    """fp32: no autocast, no loss scaling (the same methods as apex_amp.py's TorchAmp)."""
+    """fp32: no autocast, no loss scaling."""
 
     def __init__(self, clip=None):
         self.clip = clip
@@ -66,6 +66,77 @@ class Autocast(Plain):
         self.scaler.update()
 
 
+class ApexLevels:
+    """apex.amp's opt levels O0-O3 from plain torch, the table in apex_amp.py's docstring, written as an object (the
+    recipe writes the same steps inline in its loop, so this checks them: the conformance suite compares the two)."""
+
+    def __init__(self, opt_level, keep_batchnorm_fp32, device):
+        self.opt_level, self.device_type = opt_level, device.type
+        self.keep_bn_fp32 = opt_level == "O2" or keep_batchnorm_fp32
+        self.scaler = torch.amp.GradScaler(device.type, enabled=opt_level in ("O1", "O2"))
+        self.scales_loss = self.scaler.is_enabled()
+        self.masters = []  # O2: (fp16 model parameter, its fp32 master copy)
+
+    def initialize(self, model, optimizer):
+        if self.opt_level in ("O2", "O3"):
+            model.half()
+            for m in model.modules():
+                if self.keep_bn_fp32 and isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                    # fp32 statistics; cast its fp16 input up and its output back down.
+                    m.float()
+                    m.register_forward_pre_hook(lambda mod, args: tuple(a.float() for a in args))
+                    m.register_forward_hook(lambda mod, args, out: out.half())
+        if self.opt_level == "O2":  # the optimizer updates fp32 masters; fp16 weights lose small updates
+            for group in optimizer.param_groups:
+                params = []
+                for p in group["params"]:
+                    if p.dtype == torch.float16:
+                        self.masters.append((p, p.detach().float().requires_grad_()))
+                        p = self.masters[-1][1]
+                    params.append(p)
+                group["params"] = params
+        for group in optimizer.param_groups:  # fused SGD and a skipped first step: see recipes/torch_amp.py
+            for p in group["params"]:
+                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        return model, optimizer
+
+    def autocast(self):
+        return torch.autocast(self.device_type, dtype=torch.float16, enabled=self.opt_level == "O1")
+
+    def cast_input(self, images):
+        return images.half() if self.opt_level in ("O2", "O3") else images
+
+    def backward(self, loss, optimizer):
+        self.scaler.scale(loss).backward()  # a no-op scale for O0 and O3
+
+    def step(self, optimizer):
+        for p, master in self.masters:  # fp16 gradients (still scaled) -> fp32 master gradients
+            master.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+        self.scaler.step(optimizer)  # unscale; skip the step if any gradient is inf/nan
+        self.scaler.update()
+        with torch.no_grad():
+            for p, master in self.masters:
+                p.copy_(master)
+
+    def loss_scale(self):
+        return self.scaler.get_scale() if self.scaler.is_enabled() else 1.0  # O0, O3: no scaling (apex: 1.0)
+
+    def load_optimizer_state(self, optimizer, state):
+        optimizer.load_state_dict(state)  # O2's masters exist from initialize(): the momentum stays fp32
+        for group in optimizer.param_groups:  # a plain SGD's checkpoint would switch fused off (GradScaler then fails)
+            group.update(fused=True, foreach=None)
+
+    def state_dict(self):
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state):
+        self.scaler.load_state_dict(state)
+        with torch.no_grad():
+            for p, master in self.masters:  # as apex does: masters re-made from the loaded model
+                master.copy_(p)
+
+
 def _params(optimizer):
     return [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -96,13 +167,14 @@ def train(model, mixed, train_set, **kwargs):
 
 
 def _train(model, mixed, train_set, *, world, epochs, batch, lr, accum=1, seed=0, one_process_shuffle=False,
-           with_labels=False, warmup_epochs=1, fused=False):
+           with_labels=False, warmup_epochs=1, fused=False, rank0_losses=None):
     """Train `model` (built after torch.manual_seed(seed), as the recipes build it) the way a W-rank job would.
-    mixed: Plain, Autocast or apex_amp.py's TorchAmp. fused: SGD(fused=True), as the AMP recipes build it (one kernel;
-    in fp16 its updates round apart from the for-each SGD's). Returns (per-epoch mean training loss, model)."""
+    mixed: Plain, Autocast or ApexLevels. fused: SGD(fused=True), as the AMP recipes build it (one kernel;
+    in fp16 its updates round apart from the for-each SGD's). Returns (per-epoch mean training loss, model); a list
+    passed as rank0_losses gets rank 0's own per-epoch mean (its shard alone: what --tb-dir's train/loss averages)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4, fused=fused)
     model, optimizer = mixed.initialize(model, optimizer)
-    if fused:  # as torch_amp.py: momentum buffers start at zero (apex_amp's TorchAmp does it in initialize)
+    if fused:  # as torch_amp.py: momentum buffers start at zero (ApexLevels does it in initialize)
         for group in optimizer.param_groups:
             for p in group["params"]:
                 optimizer.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
@@ -125,7 +197,7 @@ def _train(model, mixed, train_set, *, world, epochs, batch, lr, accum=1, seed=0
         model.train()
         orders = shard_orders(train_set, world, epoch, seed, sampler)
         steps = min(len(order) // micro for order in orders) // accum
-        total, count = 0.0, 0
+        total, count, total0, count0 = 0.0, 0, 0.0, 0
         for step in range(steps):
             optimizer.zero_grad()
             for rank, order in enumerate(orders):
@@ -137,6 +209,8 @@ def _train(model, mixed, train_set, *, world, epochs, batch, lr, accum=1, seed=0
                         loss = F.cross_entropy(output.float(), labels)
                     mixed.backward(loss / (accum * world), optimizer)  # DDP averages over ranks; /K per micro-step
                     total, count = total + loss.item() * len(labels), count + len(labels)
+                    if rank == 0:
+                        total0, count0 = total0 + loss.item() * len(labels), count0 + len(labels)
                 if rank:
                     with torch.no_grad():
                         for name, buffer in model.named_buffers():
@@ -149,6 +223,8 @@ def _train(model, mixed, train_set, *, world, epochs, batch, lr, accum=1, seed=0
             for start in [(step * accum + m) * micro for step in range(steps) for m in range(accum)][-4:]:
                 forward(*batch(orders[0], start))
         losses.append(total / count)
+        if rank0_losses is not None:
+            rank0_losses.append(total0 / count0)
     return losses, model
 
 

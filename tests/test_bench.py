@@ -334,9 +334,9 @@ def test_table_matches_result_lines(two_recipes):
                                   strict=True):
             assert printed > 0 and close(f"{printed:.1f}", statistics.median(peaks))
         assert row["device"] == results[0]["device"] == "cpu"
-        held = results[0].get("state_bytes_per_rank")  # ddp_torchrun reports it, dp does not
-        assert row["state kB per rank"] == (" / ".join(f"{b / 1024:.1f}" for b in held) if held else "-")
-        assert (held is not None) == (name == "ddp_torchrun")
+        held = results[0]["state_bytes_per_rank"]  # every recipe reports it (harness.gather_result_line)
+        assert len(held) == world_size and row["state kB per rank"] == " / ".join(f"{b / 1024:.1f}" for b in held)
+        medians[name, "held"] = held
         medians[name] = statistics.median(ips)
         ranges = {"ips": (min(ips), max(ips)), "step": (min(step_ms), max(step_ms)), "bare": (min(bare_ms),
                                                                                             max(bare_ms))}
@@ -348,6 +348,8 @@ def test_table_matches_result_lines(two_recipes):
     assert rows[("dp", "-")]["devices"] == "cpu" and rows[("ddp_torchrun", "-")]["devices"] == "cpu:2"
     ddp_vs_dp = comparison_table(md)["ddp_torchrun", "dp"]
     assert close(ddp_vs_dp["ratio of medians"], medians["ddp_torchrun"] / medians["dp"])
+    # The same model and optimizer: dp's one process holds what each DDP rank holds, a full copy.
+    assert medians["dp", "held"] == medians["ddp_torchrun", "held"][:1]
     (lo, hi), (dp_lo, dp_hi) = medians["ddp_torchrun", "ranges"]["ips"], medians["dp", "ranges"]["ips"]
     assert ddp_vs_dp["verdict"] == ("within noise" if lo <= dp_hi and dp_lo <= hi else "faster" if lo > dp_hi
                                     else "slower")

@@ -346,6 +346,7 @@ def test_a_tb_dir_that_is_a_file_is_refused_naming_tb_dir(tmp_path):
     assert error_lines(proc.stderr) == [f"error: --tb-dir {in_the_way} is a file, not a folder; pass a folder to "
                                         "write to"], proc.stderr
     assert not trained(proc.stdout)
+    assert not (tmp_path / "out").exists()  # checked with --out-dir, before either is used: nothing left behind
 
 
 def test_an_out_dir_whose_parent_cannot_be_created_stops_every_rank(tmp_path):

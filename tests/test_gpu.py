@@ -183,38 +183,36 @@ def test_apex_ddp_matches_torch_ddp(tmp_path):
 
 
 O2_RESUME = """
-import copy, importlib.util, json, sys
+import copy, json, sys
 import torch
 import torch.nn.functional as F
 sys.path.insert(0, ".")
 from apex import amp
 from common.checkpoint import load_weights
 from common.models import build_model
-spec = importlib.util.spec_from_file_location("apex_amp", "recipes/apex_amp.py")
-recipe = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(recipe)
 
-def fresh():
+def fresh():  # as recipes/apex_amp.py initializes apex
     torch.manual_seed(1)
     model = build_model("tiny_bn", 10).cuda()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    mixed = recipe.ApexAmp(amp, "O2", False)
-    return (*mixed.initialize(model, optimizer), mixed)
+    return amp.initialize(model, optimizer, opt_level="O2", keep_batchnorm_fp32=None, verbosity=0)
 
-model, optimizer, mixed = fresh()
+model, optimizer = fresh()
 x, y = torch.randn(16, 3, 16, 16, device="cuda"), torch.randint(0, 10, (16,), device="cuda")
 for _ in range(3):
     optimizer.zero_grad()
-    mixed.backward(F.cross_entropy(model(x).float(), y), optimizer)
-    mixed.step(optimizer)
+    with amp.scale_loss(F.cross_entropy(model(x).float(), y), optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()
 weights, state = model.state_dict(), copy.deepcopy(optimizer.state_dict())
 
 def restored(fixed):
-    model, optimizer, mixed = fresh()
+    model, optimizer = fresh()
     load_weights(model, weights, "saved")
-    if fixed:
-        mixed.load_optimizer_state(optimizer, state)
-    else:  # the order before the fix: the state goes into the fp16 parameters, then apex makes its masters
+    if fixed:  # the recipe's order: apex's fp32 masters made first, then the state goes into them
+        optimizer._amp_lazy_init()
+        optimizer.load_state_dict(state)
+    else:  # the other order: the state goes into the fp16 parameters, then apex makes its masters
         optimizer.load_state_dict(state)
         optimizer._amp_lazy_init()
     got = optimizer.state_dict()["state"]
@@ -232,6 +230,9 @@ def test_apex_o2_resume_restores_the_fp32_momentum_exactly():
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     # The old order rounded the momentum to fp16 on the way in: the check can see the bug it guards against.
     assert report == {"dtypes": ["torch.float32"], "fixed order exact": True, "old order exact": False}, report
+    # ...and the recipe resumes in that order.
+    assert ('optimizer._amp_lazy_init()\n            optimizer.load_state_dict(ckpt["optimizer"])'
+            in (REPO / "recipes" / "apex_amp.py").read_text())
 
 
 # -------------------------------------------------------------------------- checkpoints, spawn

@@ -29,8 +29,8 @@ Columns of the first table; each timed cell is "median (lowest-highest)" over th
   s / 20 it         20 * global batch / images/s: seconds for 20 optimizer steps
   peak MB per rank  the recipe's peak_mem_mb_per_rank, the median over the runs of each rank; DataParallel lists
                     one value per GPU, so GPU 0's extra memory (gathered outputs, gradients) shows
-  state kB per rank parameters + gradients + optimizer state held by each rank, from the recipes that report
-                    it (ddp_torchrun: a full copy each; fsdp: a shard each); "-" for the others
+  state kB per rank parameters + gradients + optimizer state held by each rank (DDP: a full copy each; fsdp: a
+                    shard each); "-" for a RESULT line without it
   launch -> step 1  first_step_end_unix (when the first optimizer step ended) minus the wall-clock time just
                     before launch.sh was started: interpreter, launcher, process group, data, model, step 1
   step ms           recipe step time = global batch / images/s. In one step each replica (a DDP process, or

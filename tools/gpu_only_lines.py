@@ -30,7 +30,6 @@ GPU_CONDITION = re.compile(r"cuda|nccl|\bgpus?\b|num_gpus|ranks_per_gpu|pin_memo
                            r"channels_last|\b(stream|event) is not None")
 # Whole functions and classes that run only on a GPU, by file and name, with the reason.
 GPU_ONLY_DEFS = {
-    "apex_amp.py:ApexAmp": "real apex's amp: amp.initialize refuses CPU parameters",
     "loader.py:_to_device": "DataLoaderX's copy on its CUDA side stream: called only where there is one",
     "loader.py:_record_stream": "DataLoaderX's hand-over of a batch from its CUDA side stream: called only where there "
                                 "is one",

@@ -1,0 +1,86 @@
+"""The run's plumbing, not the lesson: what a recipe needs to fail clearly, stop a diverged run, log and be measured,
+and what a researcher may delete or swap for their own tooling when copying a recipe. Recipes import this module
+as one name, so every such line reads `harness.NAME(...)` and shows itself for what it is.
+
+    harness.add_flags(parser)             --max-steps, --tb-dir, --tb-every
+    harness.check_flags(args)             start-up: nan/inf floats, counts below their minimum, an unknown --arch
+    harness.die(message)                  one line on stderr, exit 2 (said once per node)
+    with harness.one_line_errors(): ...   around main(): a lost rank, a timeout, Ctrl-C, DDP's unused-parameter
+                                          error, a bad file: one line each instead of a traceback per rank
+    harness.check_full_batch(...)         a training set smaller than one global batch
+    harness.check_epochs_left(...)        a resumed run that has no epoch left to train
+    harness.default_workers(...)          DataLoader workers per process, from the cores this process may use
+    harness.broadcast_out_dir_check(...)  --out-dir (and --tb-dir) can hold what the run writes: a COLLECTIVE
+    harness.DivergenceCheck(device)       a NaN/inf loss stops the run; its all_reduce_and_check() is a COLLECTIVE
+    harness.TensorBoard(...)              rank 0 writes the curves; local
+    harness.Throughput(device)            epoch seconds, warm-up-free images/s, the ETA; local
+    harness.gather_result_line(...)       the RESULT line tests and benchmarks read: a COLLECTIVE (all-gather)
+
+No function here performs a collective unless its name says so (all_reduce, broadcast, gather): everything else is
+local and safe under `if is_main:` (tests/test_harness.py walks common/ and runs the local ones on rank 0 alone).
+"""
+
+from common.checkpoint import check_epochs_left
+from common.data import check_full_batch, default_workers
+from common.models import check_arch
+from common.outputs import broadcast_out_dir_check, held_state_bytes, state_bytes
+from common.tensorboard_log import TensorBoard
+from common.utils import (
+    DivergenceCheck,
+    Throughput,
+    die,
+    gather_values,
+    nonfinite_flags,
+    one_line_errors,
+    peak_memory_mb,
+    result_line,
+)
+
+# The smallest value each counting flag takes, by argparse dest; check_flags() checks those a recipe has.
+AT_LEAST = {"epochs": 1, "workers": 0, "accum_steps": 1, "prefetch": 1, "embedding_size": 1, "max_steps": 1,
+            "image_size": 1, "synthetic_train": 1, "synthetic_val": 1, "tb_every": 1, "warmup_epochs": 0}
+ABOVE_ZERO = ("lr", "dist_timeout", "clip_grad")  # rates and seconds: 0 is never meant
+
+
+def add_flags(parser):
+    """The harness's own flags: --max-steps (smoke runs, benchmarks), --tb-dir and --tb-every (TensorBoard)."""
+    parser.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs, benchmarks)")
+    parser.add_argument("--tb-dir", help="write TensorBoard curves here (rank 0): tensorboard --logdir TB_DIR")
+    parser.add_argument("--tb-every", type=int, default=20, help="--tb-dir: the training loss every N optimizer steps")
+
+
+def check_flags(args):
+    """The checks every recipe's flags share, on every rank before any collective (a bad flag fails in seconds, not
+    at a timeout): one line, exit 2. Flags left None (a default the recipe fills in) are skipped. Local."""
+    if nonfinite_flags(args):  # argparse's float() takes nan and inf, and `nan <= 0` is False
+        die(f"{nonfinite_flags(args)[0]} is not a finite number")
+    flags = vars(args)
+    for name, low in AT_LEAST.items():
+        if flags.get(name) is not None and flags[name] < low:
+            die(f"--{name.replace('_', '-')} {flags[name]} must be >= {low}")
+    for name in ABOVE_ZERO:
+        if flags.get(name) is not None and flags[name] <= 0:
+            die(f"--{name.replace('_', '-')} {flags[name]} must be > 0")
+    if "arch" in flags:
+        try:
+            check_arch(args.arch)
+        except ValueError as exc:
+            die(str(exc))
+
+
+def gather_result_line(device, speed, model, optimizer, peaks=None, **fields):
+    """The one machine-readable line tests, benchmarks and scripts grep for (RESULT {json}): `fields`, the warm-up-free
+    images/s and the first step's end (from `speed`, a Throughput), and every rank's peak memory and the bytes of
+    parameters, gradients and optimizer state it holds (a sharded tensor counts its local shard: FSDP and DDP
+    compare exactly). A COLLECTIVE: every rank calls it (two all-gathers); rank 0 prints what it returns. peaks: the
+    peaks in MB where one process drives several GPUs (dp.py), instead of gathering each process's own."""
+    peaks = peaks or [round(p, 1) for p in gather_values(peak_memory_mb(device), device)]
+    held = [int(b) for b in gather_values(held_state_bytes(model, optimizer), device)]
+    return result_line(**fields, device=device.type, images_per_sec=round(speed.images_per_sec, 2),
+                       peak_mem_mb=max(peaks), peak_mem_mb_per_rank=peaks, state_bytes_per_rank=held,
+                       first_step_end_unix=speed.first_step_at)
+
+
+__all__ = ["DivergenceCheck", "TensorBoard", "Throughput", "add_flags", "broadcast_out_dir_check", "check_epochs_left",
+           "check_flags", "check_full_batch", "default_workers", "die", "gather_result_line", "one_line_errors",
+           "peak_memory_mb", "state_bytes"]

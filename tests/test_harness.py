@@ -1,0 +1,190 @@
+"""No hidden collective in common/: a helper that performs one says so in its name, and every other helper runs on
+rank 0 alone (under `if is_main:`, a researcher's first edit) without waiting for the other ranks."""
+
+import argparse
+import ast
+import datetime
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import REPO, spawn_gloo
+
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "all_to_all",
+               "all_to_all_single", "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "reduce",
+               "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list", "gather", "gather_object",
+               "send", "recv", "isend", "irecv", "batch_isend_irecv", "new_group", "all_reduce_coalesced"}
+SAYS_SO = ("all_reduce", "all_gather", "gather", "broadcast", "barrier", "reduce", "scatter", "collective")
+
+
+def _called(node):
+    """(module or object name, attribute) of each call inside `node`: dist.all_reduce -> ("dist", "all_reduce")."""
+    for call in ast.walk(node):
+        if isinstance(call, ast.Call):
+            f = call.func
+            if isinstance(f, ast.Attribute):
+                yield ast.unparse(f.value), f.attr
+            elif isinstance(f, ast.Name):
+                yield None, f.id
+
+
+def collective_functions(sources):
+    """{name: file} of the functions in `sources` ({file: text}) that perform a collective: a torch.distributed one,
+    or a call of a function that does, to any depth (methods by their own name)."""
+    functions = {}
+    for file, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                functions[node.name] = (file, node)
+    collective = set()
+    while True:  # to a fixed point: a function calling a collective one is one
+        grown = {name for name, (_, node) in functions.items() if name not in collective and any(
+            (owner in ("dist", "torch.distributed") and attr in COLLECTIVES) or attr in collective
+            for owner, attr in _called(node))}
+        if not grown:
+            return {name: functions[name][0] for name in sorted(collective)}
+        collective |= grown
+
+
+def hidden(collectives):
+    return {name: file for name, file in collectives.items() if not any(word in name for word in SAYS_SO)}
+
+
+def test_no_helper_in_common_hides_a_collective():
+    sources = {p.name: p.read_text() for p in sorted((REPO / "common").glob("*.py"))}
+    found = collective_functions(sources)
+    assert hidden(found) == {}
+    assert found == {"all_reduce": "utils.py", "all_reduce_and_check": "utils.py", "gather_values": "utils.py",
+                     "broadcast_out_dir_check": "outputs.py", "gather_result_line": "harness.py"}
+
+
+def test_the_walk_finds_a_collective_hidden_one_call_deep():
+    text = ("import torch.distributed as dist\n"
+            "def _sum(t):\n    torch.distributed.all_reduce(t)\n"
+            "class TB:\n    def log(self, t):\n        _sum(t)\n"
+            "def all_reduce_loss(t):\n    _sum(t)\n")
+    assert hidden(collective_functions({"tb.py": text})) == {"_sum": "tb.py", "log": "tb.py"}
+
+
+# ------------------------------------------------------------------------------ rank 0 alone
+def _rank0_alone_worker(rank, port, results):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=5))
+    if rank == 0:  # every local helper, as `if is_main:` would run it; rank 1 is in no collective meanwhile
+        from common import harness
+        from common.data import build_datasets, prepare_dataset
+        from common.models import build_model, recomputed_batchnorm
+        from common.outputs import held_state_bytes, state_bytes
+        from common.schedule import warmup_cosine
+        from common.utils import AverageMeter, accuracy, human, peak_memory_mb, print0, result_line
+
+        device = torch.device("cpu")
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--lr", type=float, default=0.1)
+        parser.add_argument("--arch", default="tiny")
+        harness.add_flags(parser)
+        args = parser.parse_args(["--tb-dir", results["tb_dir"], "--tb-every", "1"])
+        harness.check_flags(args)
+        prepare_dataset("synthetic", None)
+        train_set, _, classes = build_datasets("synthetic", synthetic_train=16, synthetic_val=8)
+        harness.check_full_batch(1, len(train_set), 8)
+        model = build_model("tiny_bn", classes)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        scheduler = warmup_cosine(optimizer, 1, 2, 1)
+        images = torch.stack([train_set[i][0] for i in range(8)])
+        targets = torch.tensor([train_set[i][1] for i in range(8)])
+        loss_meter, acc_meter, speed = AverageMeter(), AverageMeter(), harness.Throughput(device)
+        tb = harness.TensorBoard(args.tb_dir, args.tb_every, True, vars(args))
+        check = harness.DivergenceCheck(device)
+        speed.start()
+        for step in (1, 2):
+            output = model(images)
+            loss = torch.nn.functional.cross_entropy(output, targets)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            loss_meter.update(loss, 8)
+            acc_meter.update(accuracy(output, targets)[0], 8)
+            check.update(step, loss)
+            speed.step(8)
+            tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"])
+        seconds = speed.stop()
+        with recomputed_batchnorm(model):
+            model(images)
+        tb.epoch(2, device, train_loss=loss_meter.avg, images_per_sec=16 / seconds)
+        tb.close()
+        print0(result_line(steps=2, eta=str(speed.eta(3)), workers=harness.default_workers(None, 2),
+                           state=state_bytes(model, optimizer), held=held_state_bytes(model, optimizer),
+                           peak=human(peak_memory_mb(device) * 2**20)))
+        results["events"] = len(list(Path(args.tb_dir).glob("events.out.tfevents.*")))
+        results["rank0_done"] = True
+    else:
+        while "rank0_done" not in results:
+            time.sleep(0.05)
+    dist.barrier()
+    if rank == 0:  # the control: a collective on rank 0 alone times out (gloo, 5 s), so the check above could fail
+        try:
+            dist.all_reduce(torch.ones(1))
+            results["control"] = "returned"
+        except RuntimeError as exc:
+            results["control"] = str(exc).splitlines()[0]
+        results["control_done"] = True
+    else:
+        while "control_done" not in results:
+            time.sleep(0.05)
+    # No destroy_process_group: after the control's timeout gloo's group is broken; the process just ends.
+
+
+@pytest.mark.slow  # a 2-process job and gloo's 5 s timeout for the control
+def test_every_local_helper_runs_on_rank_0_alone_and_finishes(tmp_path):
+    import torch.multiprocessing as mp
+
+    manager = mp.Manager()
+    shared = manager.dict(tb_dir=str(tmp_path / "tb"))
+    spawn_gloo(_rank0_alone_worker, results=shared)
+    assert shared["rank0_done"] and shared["events"] == 1
+    assert "Timed out" in shared["control"], shared["control"]
+
+
+# -------------------------------------------------------------------- DDP's unused parameters
+def _unused_worker(rank, port, results):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from common.models import build_model
+    from common.utils import _unused_parameters
+
+    torch.manual_seed(0)
+    model = DDP(build_model("tiny_unused", 10))
+    images = torch.randn(4, 3, 32, 32)
+    try:
+        for _ in range(2):  # the second forward finds the first backward's unreduced gradients
+            model(images).sum().backward()
+        results[rank] = "no error"
+    except RuntimeError as exc:
+        results[rank] = _unused_parameters(exc)
+    dist.destroy_process_group()
+
+
+def test_ddp_unused_parameter_error_becomes_one_line_naming_them():
+    # The recipes' loops have no try/except: one_line_errors finds the DDP wrapper in the traceback.
+    results = spawn_gloo(_unused_worker)
+    assert results[0] == results[1] == (
+        "aux_head.weight, aux_head.bias got no gradient (the forward pass skipped them), which DDP rejects by "
+        "default; rerun with --find-unused-parameters, or remove the unused layers")
+
+
+def test_an_error_naming_find_unused_parameters_outside_a_ddp_forward_keeps_its_traceback():
+    # DDP's "Expected to mark a variable ready only once" (raised in backward) names the flag too, but is not the
+    # unused-parameter error: the handler leaves it alone rather than give the wrong advice.
+    from common.utils import _unused_parameters, one_line_errors
+
+    error = RuntimeError("Expected to mark a variable ready only once ... `find_unused_parameters=False` ...")
+    assert _unused_parameters(error) is None
+    with pytest.raises(RuntimeError, match="mark a variable ready only once"), one_line_errors():
+        raise error
