@@ -87,9 +87,7 @@ def check_epochs_left(path, start_epoch, epochs):
     """A checkpoint that already ran all `epochs` leaves nothing to resume: a CheckpointError (exit 2), said once
     per node, as it is the same on every rank."""
     if start_epoch >= epochs:
-        error = CheckpointError(f"{path} already finished all {epochs} epochs; nothing to resume")
-        error.all_ranks = False
-        raise error
+        raise CheckpointError(f"{path} already finished all {epochs} epochs; nothing to resume", all_ranks=False)
 
 
 def load_checkpoint(path, map_location, require=(), mmap=False):
@@ -119,9 +117,8 @@ def load_same_flags(path, map_location, flags, require=()):
     changed = [f"--{k.replace('_', '-')} {ckpt['flags'].get(k)} (this run: {v})"
                for k, v in flags.items() if ckpt["flags"].get(k) != v]
     if changed:
-        error = CheckpointError(f"{path} was written with {', '.join(changed)}; resume with the same flags")
-        error.all_ranks = False
-        raise error
+        raise CheckpointError(f"{path} was written with {', '.join(changed)}; resume with the same flags",
+                              all_ranks=False)
     return ckpt
 
 

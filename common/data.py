@@ -224,9 +224,8 @@ def check_full_batch(steps, samples, batch_size):
     batch, so an epoch would have `steps` = 0 and train on nothing): a DataError saying so, once per node (every
     rank counts the same steps)."""
     if steps == 0:
-        error = DataError(f"{samples} training samples make no full batch of {batch_size}; lower --batch-size")
-        error.all_ranks = False
-        raise error
+        raise DataError(f"{samples} training samples make no full batch of {batch_size}; lower --batch-size",
+                        all_ranks=False)
 
 
 def _imagefolder(root, size, flip):

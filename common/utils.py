@@ -78,6 +78,11 @@ class OneLineError(Exception):
     code = 1  # the exit code
     all_ranks = True  # each rank says what it saw; False: the same verdict everywhere, said once per node
 
+    def __init__(self, message, all_ranks=None):
+        super().__init__(message)
+        if all_ranks is not None:  # this error's own, where its class's default does not fit
+            self.all_ranks = all_ranks
+
 
 # The first line of the errors a rank meets when a peer hangs or dies, in gloo's words and NCCL's (a
 # DistBackendError; by default NCCL's watchdog aborts the process instead, and launch.sh names the SIGABRT).
