@@ -59,6 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", default="runs/apex_ddp", help="model.pt is written here")
     p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
     p.add_argument("--find-unused-parameters", action="store_true", help="torch DDP only: some get no gradient")
+    p.add_argument("--sync-bn", action="store_true",
+                   help="BatchNorm statistics over the global batch, for small per-GPU batches (GPUs only)")
     p.add_argument("--impl", choices=["auto", "apex", "torch"], default="auto",  # New
                    help="apex.parallel DDP (apex), torch DDP (torch), or apex when usable (auto)")
     harness.add_flags(p)  # --max-steps, --tb-dir, --tb-every
@@ -67,6 +69,8 @@ def parse_args(argv=None):
 
 def check_args(args, world_size):
     harness.check_flags(args)  # nan/inf, a count below its minimum, an unknown --arch: one line, before any collective
+    if args.sync_bn and not torch.cuda.is_available():  # torch's SyncBatchNorm and DDP refuse it on CPU tensors
+        harness.die("--sync-bn needs GPUs: torch's SyncBatchNorm refuses CPU tensors; leave it out on the CPU")
     if args.batch_size is None:  # the default, rounded down so that it divides: 126 on 3 GPUs, not an error
         args.batch_size = max(1, 128 // world_size) * world_size
     if args.batch_size < world_size or args.batch_size % world_size:
@@ -102,7 +106,7 @@ def main():
     impl, why = args.impl, ""
     if impl != "torch":
         try:
-            _, ApexDDP, _ = load_apex(cuda=torch.cuda.is_available())
+            _, ApexDDP, apex = load_apex(cuda=torch.cuda.is_available())
             impl, why = "apex", f" (apex build: {apex_build()})"  # python-only: slow on a GPU, say so
         except ApexUnavailable as exc:
             if impl == "apex":
@@ -171,6 +175,11 @@ def main():
     torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
     # YOUR MODEL goes here: an nn.Module from a batch (N, C, H, W) to logits (N, num_classes).
     model = build_model(args.arch, num_classes, args.image_size).to(device)
+    if args.sync_bn:  # small per-GPU batches (detection, segmentation): BatchNorm over every rank's samples
+        # Before the DDP wrap. Each layer all-reduces its statistics in every training forward (eval: none).
+        # New: with apex's DDP, apex's SyncBatchNorm (CUDA kernels if apex was built with --cuda_ext; python else).
+        model = (apex.parallel.convert_syncbn_model if impl == "apex" else
+                 torch.nn.SyncBatchNorm.convert_sync_batchnorm)(model)
     if impl == "apex":  # New
         model = ApexDDP(model, delay_allreduce=True)  # one all-reduce of all gradients after backward
     else:
@@ -222,7 +231,7 @@ def main():
         diverged.all_reduce_and_check(epoch, step, model=model)  # before eval and any save: no file from NaN weights
         # BatchNorm's running statistics trail the weights (momentum 0.1: each keeps 0.9^k of the batch k steps ago),
         # so after a short or fast-moving epoch they no longer fit and eval's loss explodes: recompute them from
-        # this epoch's last batches through the final weights. Local, no collective; rank 0's are kept below.
+        # this epoch's last batches through the final weights. Local (--sync-bn: each rank runs as many); rank 0's kept.
         with recomputed_batchnorm(model.module):
             while recent:  # popped: each batch leaves GPU memory once used
                 model.module(recent.popleft())

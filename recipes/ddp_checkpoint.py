@@ -74,6 +74,8 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", default="runs/ddp_checkpoint", help="latest.pt, best.pt, model.pt")
     p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
     p.add_argument("--find-unused-parameters", action="store_true", help="parameters may get no gradient")
+    p.add_argument("--sync-bn", action="store_true",
+                   help="BatchNorm statistics over the global batch, for small per-GPU batches (GPUs only)")
     # New
     p.add_argument("--resume", help="a latest.pt to continue from, or 'auto': OUT_DIR/latest.pt if it exists")
     p.add_argument("--init-from", help="weights to start from (a state_dict, with or without 'module.')")
@@ -83,6 +85,8 @@ def parse_args(argv=None):
 
 def check_args(args, world_size):
     harness.check_flags(args)  # nan/inf, a count below its minimum, an unknown --arch: one line, before any collective
+    if args.sync_bn and not torch.cuda.is_available():  # torch's SyncBatchNorm and DDP refuse it on CPU tensors
+        harness.die("--sync-bn needs GPUs: torch's SyncBatchNorm refuses CPU tensors; leave it out on the CPU")
     if args.batch_size is None:  # the default, rounded down so that it divides: 126 on 3 GPUs, not an error
         args.batch_size = max(1, 128 // world_size) * world_size
     if args.batch_size < world_size or args.batch_size % world_size:
@@ -188,6 +192,9 @@ def main():
     torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
     # YOUR MODEL goes here: an nn.Module from a batch (N, C, H, W) to logits (N, num_classes).
     model = build_model(args.arch, num_classes, args.image_size).to(device)
+    if args.sync_bn:  # small per-GPU batches (detection, segmentation): BatchNorm over every rank's samples
+        # Before the DDP wrap. Each layer all-reduces its statistics in every training forward (eval: none).
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                 find_unused_parameters=args.find_unused_parameters)
     torch.manual_seed(args.seed + rank)  # from here on, augmentation and dropout differ per rank
@@ -272,7 +279,7 @@ def main():
         diverged.all_reduce_and_check(epoch, step, model=model)  # before eval and any save: no file from NaN weights
         # BatchNorm's running statistics trail the weights (momentum 0.1: each keeps 0.9^k of the batch k steps ago),
         # so after a short or fast-moving epoch they no longer fit and eval's loss explodes: recompute them from
-        # this epoch's last batches through the final weights. Local, no collective; rank 0's are kept below.
+        # this epoch's last batches through the final weights. Local (--sync-bn: each rank runs as many); rank 0's kept.
         with recomputed_batchnorm(model.module):
             while recent:  # popped: each batch leaves GPU memory once used
                 model.module(recent.popleft())

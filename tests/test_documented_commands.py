@@ -76,7 +76,8 @@ NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsew
 }
 # Documented failures on a CPU box: (exit code, a line the error output must hold).
 APEX_NEEDS_A_GPU = (2, "error: NVIDIA apex needs a GPU and none is visible")
-FAILS_HERE = {"--impl apex": APEX_NEEDS_A_GPU}
+FAILS_HERE = {"--impl apex": APEX_NEEDS_A_GPU,
+              "--sync-bn": (2, "error: --sync-bn needs GPUs: torch's SyncBatchNorm refuses CPU tensors")}
 
 
 # --------------------------------------------------------------------------------------------- reading

@@ -97,6 +97,23 @@ def test_two_ranks_sharing_one_gpu_match_one_rank_on_the_full_batch(tmp_path):
     assert max_diff(params(tmp_path / "two/model.pt"), params(tmp_path / "one/model.pt")) < 1e-5
 
 
+def test_sync_bn_on_two_ranks_matches_batchnorm_on_one_rank_with_the_whole_batch(tmp_path):
+    # Issue 26: --sync-bn (torch's SyncBatchNorm) on 2 ranks x 16 computes what plain BatchNorm on 1 rank x 32 does:
+    # weights and running statistics, from the same 32 images a step. model.pt loads into the plain-BatchNorm model.
+    common = ["--amp-dtype", "fp32", "--arch", "tiny_bn", "--workers", "0", "--batch-size", "32", "--max-steps", "6",
+              "--lr", "0.05"]
+    two = launch("recipes/torch_amp.py", TWO_RANKS, *common, "--sync-bn", "--out-dir", tmp_path / "two")
+    one = launch("recipes/torch_amp.py", "0", *common, "--out-dir", tmp_path / "one")
+    plain = launch("recipes/torch_amp.py", TWO_RANKS, *common, "--out-dir", tmp_path / "plain")
+    assert result_of(two)["world_size"] == result_of(plain)["world_size"] == 2 and result_of(one)["world_size"] == 1
+    synced, whole, unsynced = (params(tmp_path / run / "model.pt")
+                               for run in ("two", "one", "plain"))
+    build_model("tiny_bn", 10).load_state_dict(synced)  # strict: the keys of plain BatchNorm
+    assert max_diff(synced, whole) < 1e-4
+    stats = [k for k in whole if "running_var" in k]
+    assert max_diff({k: unsynced[k] for k in stats}, {k: whole[k] for k in stats}) > 1e-3  # the control
+
+
 def _batches_of_one_rank(rank, results):
     torch.cuda.set_device(0)  # both ranks on GPU 0, as under launch.sh 0:2
     dataset = SyntheticImages(96, image_size=8)

@@ -62,6 +62,8 @@ EDITS = [
          "weight_decay=5e-4, fused=", "weight_decay=5e-4, foreach="),
     Edit("bn_recompute", "eval with BatchNorm statistics that trail the weights (not recomputed from the last batches)",
          "recent.append(", "(lambda *batch: None)("),
+    Edit("compile_result", "torch.compile's result dropped: the model trains eager, and nothing says so",
+         "compiled = torch.compile(model)", "torch.compile(model); compiled = model"),
     Edit("full_state_dict", "FSDP: model.pt saved from the sharded state_dict (rank 0's DTensor shards)",
          "StateDictOptions(full_state_dict=True, cpu_offload=True)", "StateDictOptions(cpu_offload=True)"),
 ]
