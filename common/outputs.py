@@ -15,6 +15,7 @@ import socket
 
 import torch
 import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from common.utils import die, human, local_shard
 
@@ -32,6 +33,8 @@ def held_state_bytes(model, optimizer):
     """Bytes of parameters, gradients and optimizer state in this process's memory. A sharded (DTensor) tensor
     counts its local shard only, so FSDP and DDP compare exactly."""
     tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+    if isinstance(optimizer, ZeroRedundancyOptimizer):  # its state is its shard's, in the optimizer it wraps
+        optimizer = optimizer.optim
     tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     return sum(local_shard(t).numel() * local_shard(t).element_size() for t in tensors)
 

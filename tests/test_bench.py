@@ -165,11 +165,13 @@ def test_median_and_range_of_recorded_runs():
 
 
 def test_against():
-    """DDP entries against dp, fsdp against DDP, AMP modes against their fp32 sibling; references against nothing."""
+    """DDP entries against dp; fsdp, ddp_compile and ddp_zero against DDP; AMP modes against their fp32 sibling;
+    references against nothing."""
     against = {e.name: e.against for e in ENTRIES}
     assert against == {"dp": None, "ddp_torchrun": "dp", "ddp_launch": "dp", "ddp_spawn": "dp", "ddp_checkpoint": "dp",
                        "torch_amp:fp16": "torch_amp:fp32", "torch_amp:bf16": "torch_amp:fp32", "torch_amp:fp32": None,
-                       "apex_ddp": "dp", "fsdp": "ddp_torchrun", "apex_amp:O0": None, "apex_amp:O1": "apex_amp:O0",
+                       "apex_ddp": "dp", "fsdp": "ddp_torchrun", "ddp_compile": "ddp_torchrun",
+                       "ddp_zero": "ddp_torchrun", "apex_amp:O0": None, "apex_amp:O1": "apex_amp:O0",
                        "apex_amp:O2": "apex_amp:O0", "apex_amp:O3": "apex_amp:O0"}
 
 

@@ -80,6 +80,9 @@ CASES = {
     # BatchNorm statistics 7.7e-4 from the reference on 3 processes, 2.4e-7 and 7.2e-6 on 2.
     "ddp_compile": Case("ddp_compile", weights_atol=1e-3, stats_atol=2e-3),
     "ddp_compile:3": Case("ddp_compile", devices="cpu:3", batch=30, weights_atol=1e-3, stats_atol=2e-3),
+    # ZeRO-1: each rank steps its shard of the parameters with SGD and broadcasts it: plain DDP's arithmetic.
+    "ddp_zero": Case("ddp_zero"),
+    "ddp_zero:3": Case("ddp_zero", devices="cpu:3", batch=30),
     "fsdp": Case("fsdp"),  # sharded: the same arithmetic as DDP (its gradients are reduce-scattered, not all-reduced)
     "apex_amp:O0": Case("apex_amp", ("--opt-level", "O0"), precision="O0"),
     "apex_amp:O1": Case("apex_amp", ("--opt-level", "O1"), precision="O1"),
@@ -99,7 +102,7 @@ CASES = {
 # torch.distributed.launch, and mp.spawn.
 QUICK = {"ddp_torchrun", "ddp_launch", "ddp_spawn"}
 DDP = {"ddp_torchrun", "ddp_launch", "ddp_spawn", "ddp_checkpoint", "mx_face_prefetch", "apex_ddp", "apex_amp",
-       "torch_amp", "ddp_compile"}
+       "torch_amp", "ddp_compile", "ddp_zero"}
 
 
 def mixed_for(case):
@@ -257,7 +260,8 @@ def test_plot_tb_refuses_a_folder_without_events(tmp_path, capsys):
                                        "pass a recipe's --tb-dir\n")
 
 
-RESUMABLE = {"ddp_checkpoint": "latest.pt", "torch_amp:fp32": "checkpoint.pt", "apex_amp:O0": "checkpoint.pt"}
+RESUMABLE = {"ddp_checkpoint": "latest.pt", "ddp_zero": "latest.pt", "torch_amp:fp32": "checkpoint.pt",
+             "apex_amp:O0": "checkpoint.pt"}
 
 
 @pytest.mark.parametrize("run", [pytest.param(name, marks=pytest.mark.slow) for name in RESUMABLE], indirect=True)
@@ -276,7 +280,7 @@ def test_a_resumed_run_continues_the_curves_without_repeats_or_gaps(run, tmp_pat
     # the uninterrupted run's did; the others save none, and must not start epoch 2 from epoch 1's state again.
     straight_rng, pieced_rng = rng_streams(run["out"] / "rng"), rng_streams(tmp_path / "rng")
     assert sorted(pieced_rng) == sorted(straight_rng) == [(2, rank, epoch) for rank in (0, 1) for epoch in (0, 1)]
-    if run["name"] == "ddp_checkpoint":
+    if run["name"] in ("ddp_checkpoint", "ddp_zero"):
         assert pieced_rng == straight_rng
     assert replayed(pieced_rng) == {}
     assert result_of(resumed)["steps"] == 2 * per_epoch

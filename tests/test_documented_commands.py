@@ -52,6 +52,10 @@ NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsew
         "resnet101 at a global batch of 384: minutes per step on 2 CPU cores; tests/test_bench.py runs the tool",
     "python tools/bench.py --devices cpu:2":
         "every entry, 5 rounds: about 8 minutes; tests/test_bench.py runs two real rounds of the tool",
+    "python tools/bench.py --devices cpu:2 --arch resnet18 --batch-size 32 --steps 20 --repeats 3 --recipes "
+    "ddp_torchrun,ddp_compile": "README's compile numbers: 3.5 minutes; tests/test_bench.py runs the tool",
+    "python tools/bench.py --devices cpu:2 --arch tiny_bn --steps 50 --repeats 3 --recipes ddp_torchrun,ddp_compile":
+        "README's compile numbers: a minute; tests/test_bench.py runs the tool",
     "python tools/real_data.py": "every recipe, 10 epochs each: about 45 minutes on 2 cores; tests/test_defaults.py "
                                  "trains two recipes on the same digits for 2 epochs",
     "python tools/gpu_only_lines.py": "the whole suite under coverage.py (~45 minutes); tests/test_gpu_only_lines.py "

@@ -26,6 +26,8 @@ from conftest import (
 )
 from jobs import error_lines
 
+from common.models import build_model
+
 TINY = ["--arch", "tiny", "--workers", "0"]
 
 
@@ -41,9 +43,11 @@ TINY = ["--arch", "tiny", "--workers", "0"]
 @pytest.mark.parametrize(("base", "recipe", "max_changed"), [
     ("ddp_torchrun", "dp", 135), ("ddp_torchrun", "ddp_launch", 41), ("ddp_torchrun", "ddp_spawn", 147),
     ("ddp_torchrun", "torch_amp", 201), ("ddp_torchrun", "ddp_checkpoint", 140), ("ddp_torchrun", "apex_ddp", 73),
-    ("ddp_torchrun", "apex_amp", 267), ("ddp_torchrun", "mx_face_prefetch", 159), ("ddp_torchrun", "ddp_compile", 80),
-    # fsdp: its checkpoints are ddp_checkpoint's, sharded: read it against that one.
-    ("ddp_checkpoint", "fsdp", 274)])
+    ("ddp_torchrun", "apex_amp", 267), ("ddp_torchrun", "mx_face_prefetch", 159), ("ddp_torchrun", "ddp_compile", 81),
+    # ddp_uneven: its training loop is indented under `with Join([model]):` (19 lines, counted twice).
+    ("ddp_torchrun", "ddp_uneven", 125),
+    # fsdp and ddp_zero: their checkpoints are ddp_checkpoint's (sharded, consolidated): read them against that one.
+    ("ddp_checkpoint", "fsdp", 274), ("ddp_checkpoint", "ddp_zero", 60)])
 def test_diff_against_its_sibling_stays_small(base, recipe, max_changed):
     diff = subprocess.run(["diff", f"recipes/{base}.py", f"recipes/{recipe}.py"], cwd=REPO,
                           capture_output=True, text=True).stdout
@@ -296,3 +300,39 @@ def test_ddp_compile_stops_when_torch_compile_compiled_nothing_and_without_a_cpp
         "error: torch.compile on the CPU needs a C++ compiler and none works here: install g++ (apt install g++) or "
         "point CXX at one"], proc.stderr
     assert time.time() - started < 60
+
+
+# ----------------------------------------------------------------------------------- ddp_zero
+@pytest.mark.slow
+def test_zero_checkpoint_from_two_ranks_resumes_on_three_as_plain_ddp_resumes_it(tmp_path):
+    # Issue 27: consolidate_state_dict(to=0) on every rank makes rank 0's checkpoint the whole optimizer, a plain
+    # SGD state_dict. Stopped after epoch 1 of 2 on 2 ranks, it resumes on 3: ddp_zero (each rank takes its new shard)
+    # and ddp_checkpoint (plain SGD) from the same file must train alike (both reseed the 3 ranks' streams alike).
+    common = ["--arch", "tiny_bn", "--workers", "0", "--epochs", "2", "--batch-size", "30", "--synthetic-train", "120"]
+    first = launch("recipes/ddp_zero.py", "cpu:2", *common, "--max-steps", "4", "--out-dir", tmp_path / "two")
+    assert result_of(first)["steps"] == 4
+    saved = torch.load(tmp_path / "two" / "latest.pt", weights_only=True)
+    n_params = len(list(build_model("tiny_bn", 10).parameters()))
+    assert saved["epoch"] == 1 and sorted(saved["optimizer"]["state"]) == list(range(n_params))  # every shard
+    shutil.copytree(tmp_path / "two", tmp_path / "plain")
+    zero = launch("recipes/ddp_zero.py", "cpu:3", *common, "--resume", "auto", "--out-dir", tmp_path / "two")
+    plain = launch("recipes/ddp_checkpoint.py", "cpu:3", *common, "--resume", "auto", "--out-dir", tmp_path / "plain")
+    for proc in (zero, plain):
+        assert result_of(proc)["world_size"] == 3 and result_of(proc)["steps"] == 8, proc.stdout
+        assert "resume: saved with 2 ranks, now 3: random streams reseeded after epoch 1" in proc.stdout
+    resumed, reference = params(tmp_path / "two" / "model.pt"), params(tmp_path / "plain" / "model.pt")
+    assert max((resumed[k].float() - reference[k].float()).abs().max().item() for k in resumed) < 1e-6
+
+
+@pytest.mark.slow
+def test_zero_gives_each_of_three_ranks_about_a_third_of_the_optimizer_state(tmp_path):
+    # state_bytes_per_rank = parameters + gradients (whole on every rank) + this rank's momentum shard. resnet18's 62
+    # parameter tensors, assigned greedily by size: every momentum on exactly one rank, each rank about 1/3.
+    proc = launch("recipes/ddp_zero.py", "cpu:3", "--arch", "resnet18", "--workers", "0", "--image-size", "8",
+                  "--batch-size", "6", "--synthetic-train", "24", "--synthetic-val", "6", "--max-steps", "1",
+                  "--out-dir", tmp_path)
+    held = result_of(proc)["state_bytes_per_rank"]
+    weights = sum(p.numel() * 4 for p in build_model("resnet18", 10, 8).parameters())
+    shards = [h - 2 * weights for h in held]
+    assert sum(shards) == weights, (shards, weights)
+    assert max(shards) <= 1.25 * weights / 3 and min(shards) >= 0.75 * weights / 3, [s / weights for s in shards]

@@ -47,8 +47,9 @@ Comparisons (the second table), made only where both sides were selected and hav
   each DDP entry (ddp_torchrun, ddp_launch, ddp_spawn, ddp_checkpoint, apex_ddp) against dp (images/s: the
   speed-up of DDP over DataParallel), fsdp against ddp_torchrun (images/s: what sharding costs), ddp_compile
   against ddp_torchrun (images/s: what torch.compile gains after its first step; its compile is in launch -> step
-  1), each AMP mode against its fp32 sibling (images/s: torch_amp:fp16/bf16 against torch_amp:fp32,
-  apex_amp:O1-O3 against apex_amp:O0), and each entry's step ms against its bare loop's.
+  1), ddp_zero against ddp_torchrun (images/s: what sharding the optimizer state costs), each AMP mode against its
+  fp32 sibling (images/s: torch_amp:fp16/bf16 against torch_amp:fp32, apex_amp:O1-O3 against apex_amp:O0), and each
+  entry's step ms against its bare loop's.
   The ratio is of the medians. The verdict is "within noise" when the two [lowest, highest] ranges overlap
   (touching counts), else "faster" or "slower"; with a single run on either side there is no range to compare,
   and the verdict says so. Two entries that perform alike, each with N runs in random order, get disjoint ranges
@@ -117,6 +118,7 @@ ENTRIES = [
     Entry("apex_ddp", "recipes/apex_ddp.py", against="dp"),
     Entry("fsdp", "recipes/fsdp.py", against="ddp_torchrun"),
     Entry("ddp_compile", "recipes/ddp_compile.py", against="ddp_torchrun"),
+    Entry("ddp_zero", "recipes/ddp_zero.py", against="ddp_torchrun"),
     *(Entry(f"apex_amp:{level}", "recipes/apex_amp.py", ("--opt-level", level),
             against=None if level == "O0" else "apex_amp:O0") for level in ("O0", "O1", "O2", "O3")),
 ]

@@ -64,6 +64,12 @@ EDITS = [
          "recent.append(", "(lambda *batch: None)("),
     Edit("compile_result", "torch.compile's result dropped: the model trains eager, and nothing says so",
          "compiled = torch.compile(model)", "torch.compile(model); compiled = model"),
+    Edit("consolidate", "ZeRO: rank 0 saves its optimizer without consolidate_state_dict on every rank first",
+         "optimizer.consolidate_state_dict(to=0)", "pass"),
+    Edit("join", "uneven inputs without Join: the rank out of batches first leaves the others in an all-reduce",
+         "        with Join([model]):\n", "        if True:\n"),
+    Edit("join_momentum", "Join syncs the weights, not the momentum of the ranks that sat steps out",
+         'dist.broadcast(state["momentum_buffer"], src=longest)', "pass"),
     Edit("full_state_dict", "FSDP: model.pt saved from the sharded state_dict (rank 0's DTensor shards)",
          "StateDictOptions(full_state_dict=True, cpu_offload=True)", "StateDictOptions(cpu_offload=True)"),
 ]
@@ -83,6 +89,8 @@ RESEED_TESTS = {
     "ddp_checkpoint": "tests/test_recipe_variants.py::"
                       "test_resumed_random_streams_continue_on_the_same_world_size_and_replay_no_epoch_on_another",
     "fsdp": "tests/test_fsdp.py::test_a_checkpoint_from_two_ranks_resumes_on_another_world_size",
+    "ddp_zero": "tests/test_recipe_variants.py::"
+                "test_zero_checkpoint_from_two_ranks_resumes_on_three_as_plain_ddp_resumes_it",
 }
 
 # In the conformance run every rank has as many validation batches as the others; tests/test_fsdp.py's runs do not.
@@ -98,6 +106,8 @@ def tests_for(recipe, edit):
         return [RESEED_TESTS[recipe]]
     if edit.name in FSDP_TESTS:
         return ["tests/test_fsdp.py"]
+    if recipe == "ddp_uneven":  # its own reference loop (every rank's batches), not the conformance suite's
+        return ["tests/test_uneven.py", "-k", "equals_the_reference"]
     # The recipe's own cases: "[dp]" but not "[apex_ddp]", "[apex_amp:O0]" to "[apex_amp:O3]".
     return [CONFORMANCE, "-k", f"[{recipe}] or [{recipe}:"]
 
