@@ -1,6 +1,6 @@
 """Find a usable NVIDIA apex (apex.amp + apex.parallel), or say in one line why there is none.
 
-Four ways to not have it, each with its own fix (README, "NVIDIA apex"):
+Four ways to not have it, each with its own fix (docs/apex.md):
 - not installed: apex is not on PyPI and builds only from source;
 - the unrelated PyPI package: `pip install apex` installs a Pyramid toolkit that has no amp;
 - too new: NVIDIA removed apex.amp and apex.parallel in release 25.07 (25.04/25.05 still have them);
@@ -18,7 +18,7 @@ import sys
 from common.utils import first_line
 
 BUILD_HINT = ("install NVIDIA apex 25.04 from source: pip install --no-build-isolation ./vendor/apex-25.04.tar.gz "
-              "(README, section 'NVIDIA apex'), or use --impl torch")
+              "(docs/apex.md), or use --impl torch")
 # Subpackages that only NVIDIA's apex has, with or without amp: tell "too new" from "unrelated".
 NVIDIA_ONLY = ("optimizers", "normalization", "contrib", "transformer", "fused_dense", "mlp")
 
@@ -32,7 +32,7 @@ def apex_build():
     if not missing:
         return "full"
     return (f"python-only (no {' or '.join(missing)}: a host sync per gradient tensor at O1/O2; for the fused "
-            "kernels rebuild with --cpp_ext --cuda_ext, README 'NVIDIA apex')")
+            "kernels rebuild with --cpp_ext --cuda_ext, docs/apex.md)")
 
 
 class ApexUnavailable(Exception):

@@ -89,28 +89,39 @@ def unused_parameters_error(exc, module):
 @contextlib.contextmanager
 def recomputed_batchnorm(model):
     """Inside, BatchNorm layers forget their running statistics and take the plain mean of those of the batches run
-    through `model` (momentum None), in train mode, without gradients. After, they keep those statistics, and their
-    momentum and the model's mode are as before; if no batch ran, the old statistics are put back.
+    through `model`, in train mode, without gradients. After, they keep those statistics, and their momentum and the
+    model's mode are as before; if no batch ran, the old statistics are put back.
 
     Why: with momentum 0.1 the running statistics trail the weights (each keeps 0.9^k of the batch k steps ago, and
     at first of the initial 0 and 1); after a short or fast-moving epoch they no longer fit, and eval, which uses
     them, scores a model that never existed (resnet18, one default epoch on synthetic data: val_loss 132 with the
     trailing statistics, 0.68 with recomputed ones). Local: no collective, unless the forward has one (FSDP's
-    all-gathers: there every rank must run the same number of batches)."""
+    all-gathers, SyncBatchNorm's: there every rank must run the same number of batches).
+
+    The plain mean: the k-th batch gets momentum 1/k, set before each forward. torch's momentum=None does the same
+    sum, but apex's python SyncBatchNorm multiplies by the momentum and fails on None."""
     norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
     saved = [(m.momentum, {k: v.clone() for k, v in m.named_buffers(recurse=False)}) for m in norms]
     training = model.training
+    seen = dict.fromkeys(norms, 0)
+
+    def plain_mean(module, _inputs):
+        seen[module] += 1
+        module.momentum = 1.0 / seen[module]
+
+    hooks = [m.register_forward_pre_hook(plain_mean) for m in norms]
     for m in norms:
         m.reset_running_stats()
-        m.momentum = None
     model.train()
     try:
         with torch.no_grad():
             yield
     finally:
+        for hook in hooks:
+            hook.remove()
         for m, (momentum, buffers) in zip(norms, saved, strict=True):
             m.momentum = momentum
-            if int(m.num_batches_tracked) == 0:  # no batch ran: keep what it had
+            if seen[m] == 0:  # no batch ran: keep what it had
                 with torch.no_grad():
                     for name, value in buffers.items():
                         getattr(m, name).copy_(value)

@@ -293,7 +293,7 @@ def local_shard(t):
 
 
 # ------------------------------------------------------------------------------------------- divergence
-DIVERGED = 3  # the exit code of a run stopped because it diverged (README: "What happens when things go wrong")
+DIVERGED = 3  # the exit code of a run stopped because it diverged (docs/failures.md)
 
 
 class Diverged(OneLineError):

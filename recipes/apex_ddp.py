@@ -8,7 +8,7 @@ What it shows (the rest is recipes/ddp_torchrun.py): write-ups 000, 002 and 004 
 apex.parallel.DistributedDataParallel(model, delay_allreduce=True). --impl auto uses it when a usable
 NVIDIA apex is importable and torch's DDP otherwise, and the first line printed says which; --impl apex
 fails with one line that says why apex is unusable (not installed / the unrelated PyPI "apex" /
-25.07 or newer, which removed apex.parallel) and how to fix it (README, "NVIDIA apex").
+25.07 or newer, which removed apex.parallel) and how to fix it (docs/apex.md).
 
 delay_allreduce=True: apex waits until backward has finished, then all-reduces every gradient at once.
 Simple and robust (any parameter order, unused parameters are fine), but no communication overlaps the
@@ -176,7 +176,7 @@ def main():
     # YOUR MODEL goes here: an nn.Module from a batch (N, C, H, W) to logits (N, num_classes).
     model = build_model(args.arch, num_classes, args.image_size).to(device)
     if args.sync_bn:  # small per-GPU batches (detection, segmentation): BatchNorm over every rank's samples
-        # Before the DDP wrap. Each layer all-reduces its statistics in every training forward (eval: none).
+        # Before the DDP wrap. Each layer all-gathers its statistics in every training forward (eval: none).
         # New: with apex's DDP, apex's SyncBatchNorm (CUDA kernels if apex was built with --cuda_ext; python else).
         model = (apex.parallel.convert_syncbn_model if impl == "apex" else
                  torch.nn.SyncBatchNorm.convert_sync_batchnorm)(model)

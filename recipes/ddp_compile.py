@@ -3,18 +3,19 @@
     ./launch.sh recipes/ddp_compile.py 0,1,3 --dataset cifar100 --epochs 30       # GPUs 0, 1 and 3
     ./launch.sh recipes/ddp_compile.py cpu:2 --dataset synthetic --arch tiny       # 2 CPU processes (needs g++)
 
-What it shows (the rest is recipes/ddp_torchrun.py): compiled = torch.compile(DDP(model)), trained through
-`compiled`. torch.compile returns a new module and leaves its argument eager: `torch.compile(model)` whose result
-is dropped trains uncompiled, without an error, so the run counts the graphs torch compiled (torch._dynamo's
-counters) and stops after the first step if there are none. Compiling the DDP wrapper lets dynamo's DDPOptimizer
-split the graph at DDP's gradient buckets (--bucket-cap-mb: smaller buckets, more graphs), so each bucket's
-all-reduce starts while backward runs on; DDP(torch.compile(model)) compiles too, but its compiled backward
-hands every gradient over at its end. The first step pays the compile (minutes for a large model; the
-`compile:` line says how long; epoch 1's img/s pays it). A batch of a new size compiles again: drop_last keeps
-training's shape fixed, and evaluation compiles the bare module once per batch size (dynamic=False: two
-graphs, the full batch and the last). model.pt is saved from the bare module: keys without the
-`_orig_mod.` prefix a compiled module adds. It counts graphs, graph breaks (DDP's own forward breaks, by design:
-dynamo runs DDP's hooks eagerly and compiles the module inside) and graphs compiled again in training (0 here).
+What it shows (the rest is recipes/ddp_torchrun.py): model.compile() on the bare model, then the DDP wrap, as
+torch's guide advises: training (`model(images)`) and evaluation (`model.module(images)`) run compiled, and DDP's
+own hooks stay eager. Dynamo compiles the model inside DDP's forward, so its DDPOptimizer splits the compiled
+backward at DDP's gradient buckets (--bucket-cap-mb) and each bucket's all-reduce starts while the rest of backward
+runs. model.compile() compiles in place; torch.compile(model) returns a new module and leaves `model` eager, so
+using it like model.compile() (its result dropped) trains uncompiled, without an error: the run counts the graphs
+dynamo compiled (torch._dynamo's counters) and stops after the first step if there are none. The first step pays
+the compile (minutes for a large model; the `compile:` line says how long; epoch 1's img/s pays it). A batch of a
+new size compiles again: drop_last keeps training's shape fixed, and dynamic=False gives evaluation's short last
+batch a graph of its own rather than a dynamic-shape one. model.pt's keys are the bare model's (torch.compile's
+wrapper would prefix them `_orig_mod.`). At the end it says how many graphs were compiled for training and for
+evaluation, how many again during training (0 here: a recompile means a new shape or a changed guard), and the
+graph breaks (0 here: each splits the model into pieces compiled apart).
 
 `harness.` lines are plumbing, not the lesson (start-up checks, one-line errors, divergence stop, TensorBoard,
 timing, the RESULT line: common/harness.py). Siblings of ddp_torchrun.py mark the lines they add `# New:`.
@@ -65,7 +66,7 @@ def parse_args(argv=None):
     p.add_argument("--sync-bn", action="store_true",
                    help="BatchNorm statistics over the global batch, for small per-GPU batches (GPUs only)")
     p.add_argument("--bucket-cap-mb", type=float, default=25,  # New
-                   help="DDP's gradient buckets (MB); the compiled graph is split at their boundaries")
+                   help="DDP's gradient buckets (MB); DDPOptimizer splits the compiled backward at the same bounds")
     harness.add_flags(p)  # --max-steps, --tb-dir, --tb-every
     return p.parse_args(argv)
 
@@ -104,7 +105,8 @@ def evaluate(model, loader, criterion, device):
 
 
 def compiled_graphs():  # New
-    """Graphs torch.compile has compiled in this process, and its graph breaks (the reasons, with counts)."""
+    """Graphs dynamo has compiled in this process (DDPOptimizer's per-bucket pieces of one count once), and its graph
+    breaks (the reasons, with counts)."""
     return counters["stats"]["unique_graphs"], dict(counters["graph_break"])
 
 
@@ -178,14 +180,12 @@ def main():
     # YOUR MODEL goes here: an nn.Module from a batch (N, C, H, W) to logits (N, num_classes).
     model = build_model(args.arch, num_classes, args.image_size).to(device)
     if args.sync_bn:  # small per-GPU batches (detection, segmentation): BatchNorm over every rank's samples
-        # Before the DDP wrap. Each layer all-reduces its statistics in every training forward (eval: none).
+        # Before the DDP wrap. Each layer all-gathers its statistics in every training forward (eval: none).
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    # New: in place, before the wrap (torch.compile(model) would return a new module and leave `model` eager).
+    model.compile(dynamic=False)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                 find_unused_parameters=args.find_unused_parameters, bucket_cap_mb=args.bucket_cap_mb)
-    # New: compile the DDP wrapper, after the wrap, and train through what torch.compile returns.
-    compiled = torch.compile(model)
-    # New: evaluation compiles the bare module (no DDP: see eval below) once per batch size, not a dynamic graph.
-    eval_model = torch.compile(model.module, dynamic=False)
     torch.manual_seed(args.seed + rank)  # from here on, augmentation and dropout differ per rank
     criterion = torch.nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
@@ -211,7 +211,7 @@ def main():
         for images, targets in bar:
             images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             recent.append(images)
-            output = compiled(images)  # New: through the compiled module (`model` stays eager)
+            output = model(images)  # DDP checks here that the last backward reduced every gradient
             loss = criterion(output, targets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP averages gradients across ranks during backward
@@ -225,10 +225,10 @@ def main():
             if step == 1:  # New: the first step traced and compiled the model (forward and backward)
                 first_graphs, breaks = compiled_graphs()
                 if first_graphs == 0:
-                    harness.die("torch.compile compiled no graph: train through the module it returns "
-                                "(compiled(images)), not the one passed to it", all_ranks=True)
+                    harness.die("torch.compile compiled no graph: compile in place (model.compile()), or train "
+                                "through the module torch.compile(model) returns", all_ranks=True)
                 print0(f"compile: {first_graphs} graph(s) in {time.perf_counter() - started:.1f} s (the first step: "
-                       f"epoch 1's img/s pays it, RESULT's leaves it out), {sum(breaks.values())} graph break(s)")
+                       f"epoch 1's img/s pays it, images_per_sec not), {sum(breaks.values())} graph break(s)")
             tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"])  # rank 0's own samples
             if tb.on and step % args.tb_every == 0:  # values are read here anyway
                 diverged.all_reduce_and_check(epoch, step)  # a collective: one verdict everywhere
@@ -241,7 +241,8 @@ def main():
         # BatchNorm's running statistics trail the weights (momentum 0.1: each keeps 0.9^k of the batch k steps ago),
         # so after a short or fast-moving epoch they no longer fit and eval's loss explodes: recompute them from
         # this epoch's last batches through the final weights. Local (--sync-bn: each rank runs as many); rank 0's kept.
-        with recomputed_batchnorm(model.module):
+        # New: eager: compiled, these few batches (train mode, no gradients) would each want graphs of their own.
+        with recomputed_batchnorm(model.module), torch.compiler.set_stance("force_eager"):
             while recent:  # popped: each batch leaves GPU memory once used
                 model.module(recent.popleft())
 
@@ -253,7 +254,7 @@ def main():
         # model.module, not the DDP wrapper: its first forward after training broadcasts buffers, a collective
         # that hangs when a rank's shard has no batch, or when rank 0 evaluates alone. Every rank evaluates.
         graphs_before = compiled_graphs()[0]  # New
-        val_loss, val_acc1, val_acc5, val_samples = evaluate(eval_model, val_loader, criterion, device)
+        val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device)
         eval_graphs += compiled_graphs()[0] - graphs_before  # New
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
                f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
@@ -268,7 +269,6 @@ def main():
         os.makedirs(args.out_dir, exist_ok=True)
         path = os.path.join(args.out_dir, "model.pt")
         torch.save(model.module.state_dict(), path)  # .module: keys without the "module." prefix
-        # New: not compiled.state_dict(): its keys start "_orig_mod.module.", and a bare model refuses them.
         print0(f"saved: {path}")
 
     # New: graphs compiled during training after the first step are recompiles (a new shape, a changed guard).

@@ -224,7 +224,7 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
         print0(f"model-parallel: features on {device}, fc on {out_device} in every worker")
     # device_ids only for a single-device module; a model spanning devices must leave it None.
     if args.sync_bn:  # small per-GPU batches (detection, segmentation): BatchNorm over every rank's samples
-        # Before the DDP wrap. Each layer all-reduces its statistics in every training forward (eval: none).
+        # Before the DDP wrap. Each layer all-gathers its statistics in every training forward (eval: none).
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" and not args.model_parallel else None,
                 find_unused_parameters=args.find_unused_parameters)

@@ -161,7 +161,7 @@ def main():
     # YOUR MODEL goes here: an nn.Module from a batch (N, C, H, W) to logits (N, num_classes).
     model = build_model(args.arch, num_classes, args.image_size).to(device)
     if args.sync_bn:  # small per-GPU batches (detection, segmentation): BatchNorm over every rank's samples
-        # Before the DDP wrap. Each layer all-reduces its statistics in every training forward (eval: none).
+        # Before the DDP wrap. Each layer all-gathers its statistics in every training forward (eval: none).
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                 find_unused_parameters=args.find_unused_parameters)

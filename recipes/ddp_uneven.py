@@ -223,9 +223,12 @@ def main():
         while step < min(total_steps, (epoch + 1) * steps_per_epoch):
             step += 1
             scheduler.step()
-        # New: Join gave every rank the weights of the rank that trained every step, not its momentum: copy that too.
-        for state in optimizer.state.values():
-            dist.broadcast(state["momentum_buffer"], src=longest)
+        # New: Join gave every rank the weights of the last rank to finish, not its momentum: copy that too, from a
+        # rank that trained every step (all such ranks hold the same). In parameter order: the same on every rank.
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                momentum = optimizer.state[param].setdefault("momentum_buffer", torch.zeros_like(param))
+                dist.broadcast(momentum, src=longest)
         epoch_time = speed.stop()  # waits for the device: the host clock runs ahead of queued GPU work
         loss_meter.all_reduce(device)
         acc_meter.all_reduce(device)

@@ -12,7 +12,8 @@ What it shows (the rest is recipes/ddp_checkpoint.py, whose checkpoints it keeps
   The weights and gradients stay whole on every rank: FSDP (recipes/fsdp.py) shards those too.
 - The pitfall is the checkpoint. optimizer.state_dict() needs the shards of every rank: each rank first calls
   optimizer.consolidate_state_dict(to=0), a collective (rank 0 alone would wait for the others forever), then
-  rank 0 saves the whole state. Without it, state_dict() raises.
+  rank 0 saves the whole state. Without it, state_dict() raises, or after an earlier consolidation returns that
+  one: the state of an epoch ago, without an error.
 - That consolidated state is a plain SGD state_dict: --resume loads it on every rank, each keeping its new
   shard, so a checkpoint from 2 GPUs resumes on 3 (and recipes/ddp_checkpoint.py can resume it too).
 - state_bytes_per_rank in the RESULT line is each rank's parameters, gradients and optimizer shard.
@@ -180,7 +181,7 @@ def main():
     # YOUR MODEL goes here: an nn.Module from a batch (N, C, H, W) to logits (N, num_classes).
     model = build_model(args.arch, num_classes, args.image_size).to(device)
     if args.sync_bn:  # small per-GPU batches (detection, segmentation): BatchNorm over every rank's samples
-        # Before the DDP wrap. Each layer all-reduces its statistics in every training forward (eval: none).
+        # Before the DDP wrap. Each layer all-gathers its statistics in every training forward (eval: none).
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                 find_unused_parameters=args.find_unused_parameters)

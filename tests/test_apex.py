@@ -98,7 +98,7 @@ def fake_package(root, *subpackages):
 
 
 BUILD = ("install NVIDIA apex 25.04 from source: pip install --no-build-isolation ./vendor/apex-25.04.tar.gz "
-         "(README, section 'NVIDIA apex'), or use --impl torch")
+         "(docs/apex.md), or use --impl torch")
 
 
 def test_load_apex_tells_the_four_ways_apex_is_unusable(tmp_path, monkeypatch, capfd):
@@ -195,7 +195,7 @@ def test_apex_amp_call_order_through_the_double(tmp_path):
     # The double has no compiled extensions, like a python-only build: the first line says so, once.
     assert result_of(first)["impl"] == "apex" and first.stdout.startswith(
         "impl: apex O2 (apex build: python-only (no apex_C or amp_C: a host sync per gradient tensor at O1/O2; for the "
-        "fused kernels rebuild with --cpp_ext --cuda_ext, README 'NVIDIA apex'))\n")
+        "fused kernels rebuild with --cpp_ext --cuda_ext, docs/apex.md))\n")
     ranks = calls_by_process(log)
     assert len(ranks) == 2
     for calls in ranks:

@@ -240,6 +240,11 @@ def test_tables_mark_within_noise(tmp_path):
     assert compared["torch_amp:fp16", "torch_amp:fp32"]["verdict"] == "slower"
     assert compared["dp", BARE]["verdict"] == "within noise"
     assert [c["verdict"] for c in report["comparisons"]] == [row["verdict"] for row in compared.values()]
+    # The chart (Mermaid: drawn by the code host from the text) has the table's medians, in its order.
+    chart = md.split("```mermaid\n")[1].split("```")[0]
+    assert 'x-axis ["dp", "ddp_torchrun", "ddp_launch", "torch_amp:fp16", "torch_amp:fp32", "apex_amp:O1"]' in chart
+    bars = re.search(r"bar \[(.*)\]", chart)[1].split(", ")
+    assert bars == [rows[key]["images/s"].split(".")[0] for key in rows] and bars[0] == "1050", bars
     assert "Failed runs: torch_amp:fp16 round 2 (exit code 1), torch_amp:bf16 round 1 (exit code 1)" in md
     assert "No successful run, left out of the tables: torch_amp:bf16" in md
     # An apex row says what it measured: a python-only apex is not apex's speed on a GPU.

@@ -77,8 +77,8 @@ CASES = {
     # inductor's CPU kernels are less exact than eager's: one process, one step of tiny_bn on rank 0's first batch of
     # the 3-process run gives gradients 1.3e-3 from float64's where eager's are 7e-8 away (aot_eager: 0, the
     # decompositions alone: 3e-8, so it is inductor's generated code); after 8 steps the weights are 1.7e-4 and the
-    # BatchNorm statistics 7.7e-4 from the reference on 3 processes, 2.4e-7 and 7.2e-6 on 2.
-    "ddp_compile": Case("ddp_compile", weights_atol=1e-3, stats_atol=2e-3),
+    # BatchNorm statistics 7.7e-4 from the reference on 3 processes, 2.4e-7 and 7.3e-6 on 2.
+    "ddp_compile": Case("ddp_compile", weights_atol=1e-5, stats_atol=5e-5),
     "ddp_compile:3": Case("ddp_compile", devices="cpu:3", batch=30, weights_atol=1e-3, stats_atol=2e-3),
     # ZeRO-1: each rank steps its shard of the parameters with SGD and broadcasts it: plain DDP's arithmetic.
     "ddp_zero": Case("ddp_zero"),
@@ -296,9 +296,10 @@ def test_mode_specific_lines(run):
     if name == "ddp_torchrun":  # says how it split the global batch, and the workers it gave each process
         assert ("setup: world_size=2 backend=gloo device=cpu global_batch=32 (16 per process x 2), workers=0 per "
                 "process") in proc.stdout
-    if run["case"].recipe == "ddp_compile":  # one training graph, no recompile, one graph per eval batch size
+    if run["case"].recipe == "ddp_compile":  # one training graph, one per eval batch size, no recompile, no break
         result = result_of(proc)
-        assert (result["compiled_graphs"], result["eval_graphs"], result["recompiles"]) == (3, 2, 0), result
+        assert (result["compiled_graphs"], result["eval_graphs"], result["recompiles"], result["graph_breaks"]) == (
+            3, 2, 0, 0), result
         assert re.search(r"^compile: 1 graph\(s\) in [\d.]+ s \(the first step", proc.stdout, re.M), proc.stdout
     if name.endswith(":3"):  # an odd world under each launcher
         assert "world_size=3 backend=gloo device=cpu global_batch=30 (10 per process x 3)" in proc.stdout

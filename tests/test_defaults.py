@@ -7,7 +7,7 @@
 - What the defaults choose by image size: the small-image ResNet stem and pad-and-crop below 64 px,
   RandomResizedCrop from 64 px, the flip switch, the learning rate from the global batch, the warm-up's values.
 - A recipe at its defaults learns real images (scikit-learn's handwritten digits, as a JPEG ImageFolder and as a
-  packed .rec) well above chance in a few epochs. tools/real_data.py is the full 10-epoch table README quotes.
+  packed .rec) well above chance in a few epochs. tools/real_data.py is the full 10-epoch table docs/recipes.md quotes.
 """
 
 import math

@@ -33,6 +33,9 @@ FAMILIES = {
     # Normalised embeddings and a cosine margin bound the loss: it takes a far larger rate to break.
     "mx_face_prefetch": ("mx_face_prefetch", "cpu:2", ["--rec", "synthetic", "--lr", "1e12"], "loss"),
     "fsdp": ("fsdp", "cpu:2", [], "loss"),
+    "ddp_compile": ("ddp_compile", "cpu:2", [], "loss"),
+    "ddp_zero": ("ddp_zero", "cpu:2", [], "loss"),
+    "ddp_uneven": ("ddp_uneven", "cpu:2", ["--shard-size", "64"], "loss"),  # 4 shards each: the same 16 steps
     "torch_amp:bf16": ("torch_amp", "cpu:2", ["--amp-dtype", "bf16"], "loss"),
     "torch_amp:fp16": ("torch_amp", "cpu:2", ["--amp-dtype", "fp16"], "scale"),
     "apex_amp:O0": ("apex_amp", "cpu:2", ["--opt-level", "O0"], "loss"),

@@ -53,15 +53,18 @@ NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsew
     "python tools/bench.py --devices cpu:2":
         "every entry, 5 rounds: about 8 minutes; tests/test_bench.py runs two real rounds of the tool",
     "python tools/bench.py --devices cpu:2 --arch resnet18 --batch-size 32 --steps 20 --repeats 3 --recipes "
-    "ddp_torchrun,ddp_compile": "README's compile numbers: 3.5 minutes; tests/test_bench.py runs the tool",
+    "ddp_torchrun,ddp_compile": "docs/benchmarks.md's compile numbers: 3.5 minutes; tests/test_bench.py runs the tool",
     "python tools/bench.py --devices cpu:2 --arch tiny_bn --steps 50 --repeats 3 --recipes ddp_torchrun,ddp_compile":
-        "README's compile numbers: a minute; tests/test_bench.py runs the tool",
+        "docs/benchmarks.md's compile numbers: a minute; tests/test_bench.py runs the tool",
+    "python tools/bench.py --devices cpu:2 --arch resnet18 --batch-size 32 --steps 10 --repeats 2 --recipes "
+    "ddp_torchrun,ddp_zero,fsdp": "docs/benchmarks.md's state numbers: 3 minutes; tests/test_bench.py runs the tool",
     "python tools/real_data.py": "every recipe, 10 epochs each: about 45 minutes on 2 cores; tests/test_defaults.py "
                                  "trains two recipes on the same digits for 2 epochs",
     "python tools/gpu_only_lines.py": "the whole suite under coverage.py (~45 minutes); tests/test_gpu_only_lines.py "
-                                      "checks how it files each line, and the committed list against README",
+                                      "checks how it files each line, and the committed list against docs/testing.md",
     "python tools/mutation_check.py":
-        "25 minutes of test runs; its edits are listed in README and run by hand (python tools/mutation_check.py)",
+        "25 minutes of test runs; its edits are listed in docs/testing.md and run by hand "
+        "(python tools/mutation_check.py)",
     "python tools/tune_loader.py --dataset imagefolder --data-root ~/my_data --batch-size 256 --processes 4 "
     "--device cuda": "--device cuda needs a GPU; tests/test_tune_loader.py runs the tool on the CPU",
     # fp16 on a CPU runs, 10-50x slower than fp32: a step of resnet18 takes minutes. The same flags run at small

@@ -1,7 +1,7 @@
 """Failure drills (issue 7): real 2-process gloo jobs are killed, interrupted, fed bad files and flags, and
 made to diverge. Each drill checks the exit code and the message; where the issue sets a time or processes
 are killed, also the time taken and that none of the job's processes is left.
-README.md "What happens when things go wrong" lists what each drill showed."""
+docs/failures.md lists what each drill showed."""
 
 import os
 import re
@@ -298,7 +298,7 @@ def test_sigterm_to_the_launcher_stops_every_process(tmp_path, recipe):
 def test_a_job_started_with_sigint_ignored(tmp_path, recipe, stops):
     """A script's `cmd &` starts cmd with SIGINT ignored. torchrun installs its own SIGINT handler, so its job
     still stops; a `python` recipe inherits the ignore (Python installs no KeyboardInterrupt handler then) and
-    trains on, as Unix intends for a background job; SIGTERM stops it. README's failure section says both."""
+    trains on, as Unix intends for a background job; SIGTERM stops it. docs/failures.md says both."""
     # Epochs of 16 steps: the job that ignores SIGINT shows it by finishing one more, soon.
     job = job_mid_epoch(recipe, tmp_path, ignored=(signal.SIGINT, signal.SIGQUIT), samples=1024)
     tree = job.tree()

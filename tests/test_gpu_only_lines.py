@@ -1,5 +1,5 @@
 """tools/gpu_only_lines.py: each line no CPU test runs is filed under the guard that keeps the CPU out, or listed as
-having none; the committed list (docs/gpu_only_lines.md) and README agree on its count."""
+having none; the committed list (docs/gpu_only_lines.md) and docs/testing.md agree on its count."""
 
 import re
 import textwrap
@@ -71,7 +71,7 @@ def test_the_committed_list_and_readme_agree():
 
     guarded = spans(r"^- (\d+)(?:-(\d+))?: under", listed)
     unguarded = spans(r"^- `[^`:]+:(\d+)(?:-(\d+))?`", listed.split("## Not run on the CPU, no GPU guard")[1])
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "testing.md").read_text()
     # Ranges count their end lines: an upper bound on the statements in them (a range may hold a blank or a comment).
     assert guarded + unguarded >= total and f"{total} lines of `recipes/` and `common/` that no CPU test runs" in readme
     assert re.search(rf"{total} lines of .*?: \d+ behind such a guard,\s+and \d+ with none", readme, re.S)

@@ -19,10 +19,10 @@ import torch.multiprocessing as mp
 from conftest import launch
 from jobs import error_lines
 
-from common.models import build_model
+from common.models import build_model, recomputed_batchnorm
 
 pytest.importorskip("apex", reason="the real apex: pip install --no-build-isolation --no-deps "
-                                   "./vendor/apex-25.04.tar.gz (README, 'NVIDIA apex')")
+                                   "./vendor/apex-25.04.tar.gz (docs/apex.md)")
 
 BATCH, STEPS = 12, 3  # 12 divides by 1, 2 and 3 ranks
 
@@ -56,6 +56,11 @@ def _train(model, rank, world, out):
         optimizer.step()
     out["outputs"] = outputs
     out["state"] = {k: v.clone() for k, v in inner.state_dict().items()}
+    # The recipes' epoch-end recompute (momentum 1/k per batch): with SyncBatchNorm every rank runs it, in step.
+    with recomputed_batchnorm(inner):
+        for images, _ in _batches()[-2:]:
+            inner(images[part])
+    out["recomputed"] = {k: v.clone() for k, v in inner.state_dict().items() if "running" in k}
 
 
 def _rank(rank, world, init_file, results, sync):
@@ -96,6 +101,7 @@ def test_sync_batchnorm_on_n_ranks_equals_batchnorm_on_the_whole_batch(tmp_path,
     for r in ranks:
         assert _gap(r["grads"], whole["grads"]) < 1e-6  # DDP's average of the ranks' gradients: the whole batch's
         assert _gap(r["state"], whole["state"]) < 1e-5  # weights and running mean / variance (unbiased, N = 12 x H x W)
+        assert _gap(r["recomputed"], whole["recomputed"]) < 1e-5
     # The control: plain BatchNorm on the same ranks normalises each part by its own statistics.
     plain = _ranks(tmp_path, world, sync=False)
     assert {r["bn_class"] for r in plain} == {"BatchNorm2d"}

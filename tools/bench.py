@@ -430,6 +430,15 @@ def table_rows(entries):
              *(cell(e[key], fmt) for key, _, fmt in TIMED[2:]), f"{e['step_vs_bare']:.3f}"] for e in entries]
 
 
+def mermaid_chart(entries):
+    """images/s medians as a Mermaid bar chart, which the code host draws from the text (no image file)."""
+    medians = [cell(e["images_per_sec"], "{:.0f}").split()[0] for e in entries]
+    names = ", ".join(f'"{e["recipe"]}' + (f':{e["mode"]}"' if e["mode"] != "-" else '"') for e in entries)
+    return ["```mermaid", "xychart-beta", '    title "images/s: the median of each entry\'s runs"',
+            f"    x-axis [{names}]", f'    y-axis "images/s" 0 --> {int(max(map(float, medians)) * 1.1) + 1}',
+            f"    bar [{', '.join(medians)}]", "```"]
+
+
 def comparison_rows(made):
     rows = []
     for c in made:
@@ -465,6 +474,7 @@ def markdown(report):
         "runs = succeeded / launched. s / 20 it = 20 x global batch / images/s. step ms = global batch / images/s; "
         "bare ms = a plain loop (same model, global batch / replicas images, one device, no loader, no wrapper), "
         "run once per round; step / bare = the ratio of their medians. peak MB per rank: each rank's median.",
+        *(["", *mermaid_chart(report["entries"])] if report["entries"] else []),
     ]
     if report["comparisons"]:
         lines += ["", "## Comparisons", "",

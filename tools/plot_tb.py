@@ -1,4 +1,4 @@
-"""Draw the recipes' TensorBoard curves into one PNG, from the event files themselves (for README and reports).
+"""Draw the recipes' TensorBoard curves into one PNG, from the event files themselves (for docs/recipes.md and reports).
 
     python tools/plot_tb.py runs/tb/ddp_torchrun runs/tb/torch_amp --out docs/tensorboard.png
     tensorboard --logdir runs/tb          # the same curves, live

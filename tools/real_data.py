@@ -1,4 +1,4 @@
-"""Train every recipe on real images at its defaults, and write the table README quotes.
+"""Train every recipe on real images at its defaults, and write the table docs/recipes.md quotes.
 
     python tools/real_data.py                                   # every recipe, cpu:2, 10 epochs: see bench/real_data.md
     python tools/real_data.py --recipes ddp_torchrun,fsdp --epochs 4
