@@ -81,6 +81,8 @@ RESUME_TESTS = {
     "ddp_checkpoint": "tests/test_recipe_variants.py::test_resume_reproduces_the_uninterrupted_run_bitwise",
     "torch_amp": "tests/test_recipe_variants.py::test_fp16_trains_and_the_scaler_state_survives_resume",
     "apex_amp": "tests/test_apex.py::test_torch_mode_checkpoint_restores_the_scaler_and_refuses_another_impl",
+    "ddp_zero": "tests/test_recipe_variants.py::"
+                "test_zero_checkpoint_from_two_ranks_resumes_on_three_as_plain_ddp_resumes_it",
 }
 
 # ddp_checkpoint and fsdp restore the RNG state on the same world size (the conformance resume): only a resume on
