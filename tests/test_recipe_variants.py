@@ -278,6 +278,7 @@ def test_a_truncated_checkpoint_is_refused_and_nothing_is_overwritten(checkpoint
 
 
 # -------------------------------------------------------------------------------- ddp_compile
+@pytest.mark.slow
 def test_ddp_compile_stops_when_torch_compile_compiled_nothing_and_without_a_cpp_compiler(tmp_path):
     # The order a probe found to compile zero graphs under DDP without an error: torch.compile(model), its result
     # dropped (as if it compiled in place, as model.compile() does). The recipe counts dynamo's graphs after step 1.

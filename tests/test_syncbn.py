@@ -89,7 +89,7 @@ def _gap(a, b):
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_sync_batchnorm_on_n_ranks_equals_batchnorm_on_the_whole_batch(tmp_path, world):
     whole = {}
     _train(_model(), 0, 1, whole)
@@ -110,7 +110,7 @@ def test_sync_batchnorm_on_n_ranks_equals_batchnorm_on_the_whole_batch(tmp_path,
     assert _gap(plain[0]["grads"], whole["grads"]) > 1e-4
 
 
-@pytest.mark.parametrize("recipe", ["ddp_torchrun", "ddp_spawn"])
+@pytest.mark.parametrize("recipe", ["ddp_torchrun", pytest.param("ddp_spawn", marks=pytest.mark.slow)])
 def test_sync_bn_on_the_cpu_is_one_line(tmp_path, recipe):
     proc = launch(f"recipes/{recipe}.py", "cpu:2", "--arch", "tiny_bn", "--sync-bn", "--out-dir", tmp_path)
     assert proc.returncode == 2, proc.stderr

@@ -69,6 +69,7 @@ def datasets():
     return train_set, val_set
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("devices", "batch"), [("cpu:2", 32), ("cpu:3", 30)])
 def test_join_finishes_and_equals_the_reference_over_every_ranks_batches(tmp_path, devices, batch):
     world = int(devices.split(":")[1])
@@ -89,6 +90,7 @@ def test_join_finishes_and_equals_the_reference_over_every_ranks_batches(tmp_pat
     assert float(re.findall(r"val_loss=([\d.]+)", proc.stdout)[-1]) == pytest.approx(loss, abs=1.5e-4)
 
 
+@pytest.mark.slow
 def test_without_join_the_rank_left_waiting_ends_the_job_at_the_timeout(tmp_path):
     text = (REPO / "recipes" / "ddp_uneven.py").read_text()
     assert text.count("        with Join([model]):\n") == 1
