@@ -311,18 +311,25 @@ def test_zero_checkpoint_from_two_ranks_resumes_on_three_as_plain_ddp_resumes_it
     # SGD state_dict. Stopped after epoch 1 of 2 on 2 ranks, it resumes on 3: ddp_zero (each rank takes its new shard)
     # and ddp_checkpoint (plain SGD) from the same file must train alike (both reseed the 3 ranks' streams alike).
     common = ["--arch", "tiny_bn", "--workers", "0", "--epochs", "2", "--batch-size", "30", "--synthetic-train", "120"]
-    first = launch("recipes/ddp_zero.py", "cpu:2", *common, "--max-steps", "4", "--out-dir", tmp_path / "two")
+    rng = tmp_path / "rng"
+    first = launch("recipes/ddp_zero.py", "cpu:2", *common, "--max-steps", "4", "--out-dir", tmp_path / "two",
+                   env=rng_env(rng))
     assert result_of(first)["steps"] == 4
     saved = torch.load(tmp_path / "two" / "latest.pt", weights_only=True)
     n_params = len(list(build_model("tiny_bn", 10).parameters()))
     assert saved["epoch"] == 1 and sorted(saved["optimizer"]["state"]) == list(range(n_params))  # every shard
     as_if_saved_on_gpu(tmp_path / "two" / "latest.pt")  # each rank loads it with map_location=its own device
     shutil.copytree(tmp_path / "two", tmp_path / "plain")
-    zero = launch("recipes/ddp_zero.py", "cpu:3", *common, "--resume", "auto", "--out-dir", tmp_path / "two")
+    zero = launch("recipes/ddp_zero.py", "cpu:3", *common, "--resume", "auto", "--out-dir", tmp_path / "two",
+                  env=rng_env(rng))
     plain = launch("recipes/ddp_checkpoint.py", "cpu:3", *common, "--resume", "auto", "--out-dir", tmp_path / "plain")
     for proc in (zero, plain):
         assert result_of(proc)["world_size"] == 3 and result_of(proc)["steps"] == 8, proc.stdout
         assert "resume: saved with 2 ranks, now 3: random streams reseeded after epoch 1" in proc.stdout
+    # Reseeded on 3 ranks: no epoch of the resumed run starts from an RNG state an epoch of the first run had.
+    streams = rng_streams(rng)
+    assert sorted(streams) == [(2, 0, 0), (2, 1, 0), (3, 0, 1), (3, 1, 1), (3, 2, 1)], sorted(streams)
+    assert replayed(streams) == {}
     resumed, reference = params(tmp_path / "two" / "model.pt"), params(tmp_path / "plain" / "model.pt")
     assert max((resumed[k].float() - reference[k].float()).abs().max().item() for k in resumed) < 1e-6
 

@@ -69,7 +69,7 @@ EDITS = [
     Edit("join", "uneven inputs without Join: the rank out of batches first leaves the others in an all-reduce",
          "        with Join([model]):\n", "        if True:\n"),
     Edit("join_momentum", "Join syncs the weights, not the momentum of the ranks that sat steps out",
-         'dist.broadcast(state["momentum_buffer"], src=longest)', "pass"),
+         "dist.broadcast(momentum, src=longest)", "pass"),
     Edit("full_state_dict", "FSDP: model.pt saved from the sharded state_dict (rank 0's DTensor shards)",
          "StateDictOptions(full_state_dict=True, cpu_offload=True)", "StateDictOptions(cpu_offload=True)"),
 ]
