@@ -83,6 +83,9 @@ CASES = {
     # ZeRO-1: each rank steps its shard of the parameters with SGD and broadcasts it: plain DDP's arithmetic.
     "ddp_zero": Case("ddp_zero"),
     "ddp_zero:3": Case("ddp_zero", devices="cpu:3", batch=30),
+    # DDP's own fp32 all-reduce: the hooks' distance from it is tests/test_comm_hooks.py's, PowerSGD's resume too.
+    "ddp_comm_hooks": Case("ddp_comm_hooks", ("--comm-hook", "none")),
+    "ddp_comm_hooks:3": Case("ddp_comm_hooks", ("--comm-hook", "none"), devices="cpu:3", batch=30),
     "fsdp": Case("fsdp"),  # sharded: the same arithmetic as DDP (its gradients are reduce-scattered, not all-reduced)
     "apex_amp:O0": Case("apex_amp", ("--opt-level", "O0"), precision="O0"),
     "apex_amp:O1": Case("apex_amp", ("--opt-level", "O1"), precision="O1"),
@@ -102,7 +105,7 @@ CASES = {
 # torch.distributed.launch, and mp.spawn.
 QUICK = {"ddp_torchrun", "ddp_launch", "ddp_spawn"}
 DDP = {"ddp_torchrun", "ddp_launch", "ddp_spawn", "ddp_checkpoint", "mx_face_prefetch", "apex_ddp", "apex_amp",
-       "torch_amp", "ddp_compile", "ddp_zero"}
+       "torch_amp", "ddp_compile", "ddp_zero", "ddp_comm_hooks"}
 
 
 def mixed_for(case):
@@ -196,13 +199,19 @@ def test_ddp_reduces_once_per_step_evaluates_outside_the_wrapper_and_never_reads
     counts = [json.loads(f.read_text()) for f in sorted(run["counts"].glob("rank*.json"))]
     if case.recipe not in DDP:  # DataParallel: no process group; fsdp: a process group but no DDP wrapper
         assert counts == ([] if case.recipe == "dp" else [
-            {"grad_allreduces": 0, "eval_forwards": 0, "scaler_host_reads": 0}] * case.world)
+            {"grad_allreduces": 0, "eval_forwards": 0, "scaler_host_reads": 0, "allreduce_bytes_per_step": []}
+        ] * case.world)
         return
     steps = ARGS["epochs"] * case.steps_per_epoch
     # DDP buckets gradients by dtype, and each dtype of tiny_bn fits one bucket (O2: fp16 weights, fp32
     # BatchNorm): one all-reduce per bucket per optimizer step, whatever --accum-steps is.
-    buckets = len({t.dtype for k, t in torch.load(run["out"] / "model.pt", weights_only=True).items()
-                   if "running" not in k and "num_batches" not in k})
+    weights = [t for k, t in torch.load(run["out"] / "model.pt", weights_only=True).items()
+               if "running" not in k and "num_batches" not in k]
+    buckets = len({t.dtype for t in weights})
+    # Every gradient, whole, in its own dtype, once per optimizer step; the accumulation forwards (no_sync) send none.
+    sent = [count.pop("allreduce_bytes_per_step") for count in counts]
+    assert sent == [([0] * (case.accum - 1) + [sum(t.numel() * t.element_size() for t in weights)]) * steps
+                    ] * case.world, sent
     # scaler_host_reads: the fp16 cases' GradScaler hands the inf flag to SGD(fused=True) on the device; a plain SGD
     # would make it read the flag on the host once per step (a GPU sync the training loop otherwise never has).
     assert counts == [{"grad_allreduces": steps * buckets, "eval_forwards": 0, "scaler_host_reads": 0}] * case.world, \
@@ -260,8 +269,8 @@ def test_plot_tb_refuses_a_folder_without_events(tmp_path, capsys):
                                        "pass a recipe's --tb-dir\n")
 
 
-RESUMABLE = {"ddp_checkpoint": "latest.pt", "ddp_zero": "latest.pt", "torch_amp:fp32": "checkpoint.pt",
-             "apex_amp:O0": "checkpoint.pt"}
+RESUMABLE = {"ddp_checkpoint": "latest.pt", "ddp_zero": "latest.pt", "ddp_comm_hooks": "latest.pt",
+             "torch_amp:fp32": "checkpoint.pt", "apex_amp:O0": "checkpoint.pt"}
 
 
 @pytest.mark.parametrize("run", [pytest.param(name, marks=pytest.mark.slow) for name in RESUMABLE], indirect=True)
@@ -280,7 +289,7 @@ def test_a_resumed_run_continues_the_curves_without_repeats_or_gaps(run, tmp_pat
     # the uninterrupted run's did; the others save none, and must not start epoch 2 from epoch 1's state again.
     straight_rng, pieced_rng = rng_streams(run["out"] / "rng"), rng_streams(tmp_path / "rng")
     assert sorted(pieced_rng) == sorted(straight_rng) == [(2, rank, epoch) for rank in (0, 1) for epoch in (0, 1)]
-    if run["name"] in ("ddp_checkpoint", "ddp_zero"):
+    if run["name"] in ("ddp_checkpoint", "ddp_zero", "ddp_comm_hooks"):
         assert pieced_rng == straight_rng
     assert replayed(pieced_rng) == {}
     assert result_of(resumed)["steps"] == 2 * per_epoch

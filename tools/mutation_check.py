@@ -7,7 +7,8 @@
 For each recipe and each edit whose text the recipe contains, it copies the working tree to a scratch folder,
 applies the edit there (never to this tree), and runs the tests that guard that recipe: its cases of
 tests/test_conformance.py; for the map_location edit its resume test, for resume_reseed in ddp_checkpoint and
-fsdp their resume on another world size, for fsdp's eval_lockstep tests/test_fsdp.py, and for divergence_check
+fsdp their resume on another world size, for fsdp's eval_lockstep tests/test_fsdp.py, for the comm hook edits
+tests/test_comm_hooks.py, and for divergence_check
 the recipe's cases of tests/test_divergence.py. An edit is "noticed"
 when they fail, "MISSED" when they pass. Exit 0 when every edit was noticed, 1 otherwise.
 """
@@ -70,6 +71,12 @@ EDITS = [
          "        with Join([model]):\n", "        if True:\n"),
     Edit("join_momentum", "Join syncs the weights, not the momentum of the ranks that sat steps out",
          "dist.broadcast(momentum, src=longest)", "pass"),
+    Edit("comm_hook", "a communication hook chosen but not registered: DDP all-reduces every gradient in fp32",
+         'model.register_comm_hook(None, getattr(default_hooks, f"{args.comm_hook}_compress_hook"))', "pass"),
+    Edit("powersgd_state", "PowerSGD resumed without its state: no error feedback, a cold random Q",
+         'powersgd.load_state_dict(ckpt["comm_hook"])', "pass"),
+    Edit("powersgd_mean_error", "PowerSGD's error feedback saved from rank 0 alone, not the ranks' mean",
+         "dist.all_reduce(error)", "error.mul_(world_size)"),
     Edit("full_state_dict", "FSDP: model.pt saved from the sharded state_dict (rank 0's DTensor shards)",
          "StateDictOptions(full_state_dict=True, cpu_offload=True)", "StateDictOptions(cpu_offload=True)"),
 ]
@@ -83,6 +90,7 @@ RESUME_TESTS = {
     "apex_amp": "tests/test_apex.py::test_torch_mode_checkpoint_restores_the_scaler_and_refuses_another_impl",
     "ddp_zero": "tests/test_recipe_variants.py::"
                 "test_zero_checkpoint_from_two_ranks_resumes_on_three_as_plain_ddp_resumes_it",
+    "ddp_comm_hooks": "tests/test_comm_hooks.py::test_powersgd_resumes_on_another_world_size",
 }
 
 # ddp_checkpoint and fsdp restore the RNG state on the same world size (the conformance resume): only a resume on
@@ -93,10 +101,13 @@ RESEED_TESTS = {
     "fsdp": "tests/test_fsdp.py::test_a_checkpoint_from_two_ranks_resumes_on_another_world_size",
     "ddp_zero": "tests/test_recipe_variants.py::"
                 "test_zero_checkpoint_from_two_ranks_resumes_on_three_as_plain_ddp_resumes_it",
+    "ddp_comm_hooks": "tests/test_comm_hooks.py::test_powersgd_resumes_on_another_world_size",
 }
 
 # In the conformance run every rank has as many validation batches as the others; tests/test_fsdp.py's runs do not.
 FSDP_TESTS = {"eval_lockstep"}
+# ddp_comm_hooks' conformance runs --comm-hook none (DDP's own all-reduce): the hooks are in tests/test_comm_hooks.py.
+HOOK_TESTS = {"comm_hook", "powersgd_state", "powersgd_mean_error"}
 
 
 def tests_for(recipe, edit):
@@ -108,6 +119,8 @@ def tests_for(recipe, edit):
         return [RESEED_TESTS[recipe]]
     if edit.name in FSDP_TESTS:
         return ["tests/test_fsdp.py"]
+    if edit.name in HOOK_TESTS:
+        return ["tests/test_comm_hooks.py"]
     if recipe == "ddp_uneven":  # its own reference loop (every rank's batches), not the conformance suite's
         return ["tests/test_uneven.py", "-k", "equals_the_reference"]
     # The recipe's own cases: "[dp]" but not "[apex_ddp]", "[apex_amp:O0]" to "[apex_amp:O3]".

@@ -3,8 +3,12 @@ torch.load do, without touching the recipes.
 
 Python imports this module at start-up when tests/instrument is on PYTHONPATH (every rank, spawned workers too).
 With COUNT_DDP_DIR set, once torch's DistributedDataParallel is imported, each process counts
-  grad_allreduces: gradient buckets all-reduced (through a comm hook that does what DDP's built-in one does:
-                   divide by the world size, all-reduce);
+  grad_allreduces: gradient buckets DDP hands to its comm hook: the recipe's own (register_comm_hook, wrapped), or
+                   where the recipe registers none, one registered at the first training forward that does what
+                   DDP's built-in one does (divide by the world size, all-reduce);
+  allreduce_bytes_per_step: per training forward through the wrapper, the bytes the comm hooks pass to
+                   dist.all_reduce (called from torch's ddp_comm_hooks modules: the recipe's own all-reduces of its
+                   meters are not counted); DDP's built-in fp32 all-reduce counts as the hook above;
   eval_forwards:   forwards through the DDP wrapper with autograd off (evaluation through the wrapper, whose
                    forward may broadcast buffers: a collective that hangs a rank whose shard has no batch),
   scaler_host_reads: GradScaler steps that read the inf flag on the host (GradScaler._maybe_opt_step, its
@@ -43,22 +47,35 @@ def _patch(ddp_module):
 
     ddp = ddp_module.DistributedDataParallel
     counts = {"grad_allreduces": 0, "eval_forwards": 0, "scaler_host_reads": 0}
+    per_step = []  # allreduce_bytes_per_step
     wrapped = weakref.WeakSet()
-    init, forward, destroy = ddp.__init__, ddp.forward, dist.destroy_process_group
+    forward, register, destroy = ddp.forward, ddp.register_comm_hook, dist.destroy_process_group
+    all_reduce = dist.all_reduce
 
-    def counting_allreduce(state, bucket):
-        counts["grad_allreduces"] += 1
-        return allreduce_hook(state, bucket)
+    def counting(hook):
+        def counted(state, bucket):
+            counts["grad_allreduces"] += 1
+            return hook(state, bucket)
+        return counted
 
-    def patched_init(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.register_comm_hook(None, counting_allreduce)
+    def patched_register(self, state, hook):
+        register(self, state, counting(hook))
         wrapped.add(self)
 
     def patched_forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             counts["eval_forwards"] += 1
+        else:
+            if self not in wrapped:  # the recipe registered no hook: count DDP's own all-reduce, done in Python
+                patched_register(self, None, allreduce_hook)
+            per_step.append(0)
         return forward(self, *args, **kwargs)
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller.startswith("torch.distributed.algorithms.ddp_comm_hooks") and per_step:
+            per_step[-1] += tensor.numel() * tensor.element_size()
+        return all_reduce(tensor, *args, **kwargs)
 
     maybe_opt_step = GradScaler._maybe_opt_step
 
@@ -68,14 +85,15 @@ def _patch(ddp_module):
 
     def patched_destroy(*args, **kwargs):
         with open(os.path.join(_DIR, f"rank{dist.get_rank()}.json"), "w") as f:
-            json.dump(counts, f)
+            json.dump({**counts, "allreduce_bytes_per_step": per_step}, f)
         # Let the reducer, which holds the Python hook, go now: destroyed at interpreter exit instead, after Python
         # has shut down, it can abort the process ("terminate called without an active exception", seen twice).
         for model in wrapped:
             model.reducer = model.logger = None
         return destroy(*args, **kwargs)
 
-    ddp.__init__, ddp.forward, dist.destroy_process_group = patched_init, patched_forward, patched_destroy
+    ddp.forward, ddp.register_comm_hook, dist.destroy_process_group = patched_forward, patched_register, patched_destroy
+    dist.all_reduce = counting_all_reduce
     GradScaler._maybe_opt_step = counting_opt_step
 
 

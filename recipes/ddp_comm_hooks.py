@@ -1,0 +1,368 @@
+"""DDP communication hooks: all-reduce fewer bytes per step (bf16, fp16, PowerSGD), and checkpoint PowerSGD's state.
+
+    ./launch.sh recipes/ddp_comm_hooks.py 0,1,3 --dataset cifar100 --epochs 30                      # bf16 gradients
+    ./launch.sh recipes/ddp_comm_hooks.py 0,1,3 --dataset cifar100 --epochs 30 --comm-hook powersgd --resume auto
+    ./launch.sh recipes/ddp_comm_hooks.py cpu:2 --arch tiny --epochs 3 --comm-hook fp16
+    ./launch.sh recipes/ddp_comm_hooks.py cpu:3 --arch tiny --epochs 3 --comm-hook powersgd --resume auto
+
+What it shows (the rest is recipes/ddp_checkpoint.py, whose checkpoints it keeps):
+- DDP all-reduces every gradient, every step: 4 bytes per parameter (resnet18: 45 MB). Between nodes, or on GPUs
+  without NVLink, that wire time can exceed the compute. model.register_comm_hook(state, hook), once, after the
+  DDP wrap and before the first step, replaces DDP's all-reduce of each gradient bucket with the hook's:
+  --comm-hook bf16 / fp16 (default_hooks.bf16_compress_hook / fp16_compress_hook): each bucket is cast to 16 bits,
+    divided by the world size, all-reduced, cast back: half the bytes, with no state. bf16 keeps fp32's range;
+    fp16 keeps 3 more bits of precision, but a gradient below 6e-8 / world size flushes to 0 and a sum above 65504
+    overflows to inf (which the divergence check then stops). The default: bf16.
+  --comm-hook powersgd: each gradient matrix M (a conv's out x in*k*k) is sent as two thin factors, P = M Q and
+    Q = M^T P, of rank --powersgd-rank: a 64x576 conv at rank 1 sends 640 numbers instead of 36864. Vectors
+    (biases, BatchNorm) go whole. It is lossy, so it keeps each rank's error (what the factors missed) and adds it
+    to the next step's gradient (error feedback), and it waits --powersgd-start steps (the warm-up) before it
+    compresses at all: early gradients are large and fast-changing.
+  --comm-hook none: DDP's own fp32 all-reduce, for comparison.
+- The checkpoint keeps PowerSGD's state, or a resumed run loses the error feedback (a step's worth of missing
+  gradient) and starts compressing again from a cold, random Q. torch keys that state by DDP bucket, and DDP
+  lays its buckets out again after every process's first step, so it is saved keyed by parameter
+  (common/comm_hooks.py). Each rank's error differs; PowerSGD only ever all-reduces the sum over the ranks of
+  gradient + error, so the checkpoint keeps the mean error (a visible dist.all_reduce), which every rank takes on
+  resume: the same sum, on any world size.
+- Measured on cpu:2 (docs/benchmarks.md): bf16 and fp16 all-reduce exactly half the bytes; PowerSGD at rank 1
+  a small fraction. Whether that is faster depends on the wire: on one machine's shared memory, casting costs
+  about what it saves.
+
+`harness.` lines are plumbing, not the lesson (start-up checks, one-line errors, divergence stop, TensorBoard,
+timing, the RESULT line: common/harness.py). Siblings of ddp_torchrun.py mark the lines they add `# New:`.
+"""
+# launcher: torchrun
+
+import argparse
+import collections
+import datetime
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # New
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Subset
+from torch.utils.data.distributed import DistributedSampler
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
+from common import harness  # plumbing, not the lesson: every line that uses it says so
+from common.checkpoint import find_resume, load_checkpoint, load_weights, save_atomic
+from common.comm_hooks import PowerSGDByParameter  # New: torch's PowerSGD, its state keyed by parameter
+from common.data import add_data_flags, build_datasets, prepare_dataset
+from common.models import build_model, recomputed_batchnorm
+from common.schedule import warmup_cosine
+from common.utils import AverageMeter, accuracy, print0
+
+
+# ------------------------------------------------------------------------------------------- args
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_data_flags(p)  # --dataset, --data-root, --image-size, ...: build_datasets' flags (common/data.py)
+    p.add_argument("--arch", default="resnet18", help="torchvision model name, or tiny / tiny_unused")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, help="GLOBAL batch, split evenly across processes "
+                   "(default: 128, rounded down to a multiple of the process count: 126 on 3)")
+    p.add_argument("--workers", type=int, help="DataLoader workers PER PROCESS (default: its cores - 1, max 16)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default: 0.1 x global batch / 128)")
+    p.add_argument("--warmup-epochs", type=float, default=1, help="linear warm-up, then cosine (<= 1/3 of the run)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default="runs/ddp_comm_hooks", help="latest.pt, best.pt, model.pt")
+    p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
+    p.add_argument("--find-unused-parameters", action="store_true", help="parameters may get no gradient")
+    p.add_argument("--sync-bn", action="store_true",
+                   help="BatchNorm statistics over the global batch, for small per-GPU batches (GPUs only)")
+    # New
+    p.add_argument("--resume", help="a latest.pt to continue from, or 'auto': OUT_DIR/latest.pt if it exists")
+    p.add_argument("--init-from", help="weights to start from (a state_dict, with or without 'module.')")
+    p.add_argument("--comm-hook", choices=["bf16", "fp16", "powersgd", "none"], default="bf16",  # New
+                   help="how DDP all-reduces the gradients: cast to bf16 / fp16, PowerSGD's low-rank factors, "
+                   "or none: DDP's own fp32 all-reduce")
+    p.add_argument("--powersgd-rank", type=int, default=1, help="rank of PowerSGD's factors (1-4: more is closer)")
+    p.add_argument("--powersgd-start", type=int, help="plain all-reduce for this many steps first "
+                   "(default: the LR warm-up's steps, at least 2)")
+    harness.add_flags(p)  # --max-steps, --tb-dir, --tb-every
+    return p.parse_args(argv)
+
+
+def check_args(args, world_size):
+    harness.check_flags(args)  # nan/inf, a count below its minimum, an unknown --arch: one line, before any collective
+    if args.sync_bn and not torch.cuda.is_available():  # torch's SyncBatchNorm and DDP refuse it on CPU tensors
+        harness.die("--sync-bn needs GPUs: torch's SyncBatchNorm refuses CPU tensors; leave it out on the CPU")
+    if args.batch_size is None:  # the default, rounded down so that it divides: 126 on 3 GPUs, not an error
+        args.batch_size = max(1, 128 // world_size) * world_size
+    if args.batch_size < world_size or args.batch_size % world_size:
+        harness.die(f"--batch-size {args.batch_size} is the GLOBAL batch and must be a multiple of the "
+                    f"{world_size} processes; try --batch-size {max(1, args.batch_size // world_size) * world_size}")
+    if args.lr is None:  # the linear scaling rule: a k times larger batch takes a k times larger step
+        args.lr = 0.1 * args.batch_size / 128
+    args.image_size = args.image_size or (224 if args.dataset == "imagefolder" else 32)  # < 64 px: small-image stem
+    for flag, path in (("--resume", args.resume), ("--init-from", args.init_from)):  # New
+        if path and path != "auto" and not os.path.isfile(path):
+            harness.die(f"{flag} {path}: no such file", all_ranks=True)  # files can differ per node
+    if args.powersgd_rank < 1 or (args.powersgd_start is not None and args.powersgd_start < 2):  # New
+        harness.die("--powersgd-rank must be >= 1 and --powersgd-start >= 2 (DDP settles its buckets after step 1)")
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+def rng_state(device):  # New
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+# ------------------------------------------------------------------------------------------- eval
+@torch.no_grad()
+def evaluate(model, loader, criterion, device):
+    """Each rank scores its own shard (no padded duplicates); sums are all-reduced, so the result
+    equals one process scoring the whole set. Call it on every rank: a collective waits for all."""
+    model.eval()
+    loss, top1, top5 = AverageMeter(), AverageMeter(), AverageMeter()
+    for images, targets in loader:
+        images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        output = model(images)
+        acc1, acc5 = accuracy(output, targets, topk=(1, 5))
+        loss.update(criterion(output, targets), images.size(0))
+        top1.update(acc1, images.size(0))
+        top5.update(acc5, images.size(0))
+    for meter in (loss, top1, top5):
+        meter.all_reduce(device)
+    return loss.avg, top1.avg, top5.avg, top1.count
+
+
+def main():
+    args = parse_args()
+
+    # ------------------------------------------------------------------------ distributed setup
+    # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; plain python: a world of 1.
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    is_main = rank == 0
+    ranks_per_gpu = int(os.environ.get("RANKS_PER_GPU", 1))  # launch.sh G:N: N ranks share GPU G (debugging)
+    check_args(args, world_size)
+    if torch.cuda.is_available():
+        gpu = local_rank // ranks_per_gpu
+        if gpu >= torch.cuda.device_count():
+            harness.die(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
+                        "start one process per listed GPU (./launch.sh RECIPE 0,1 does)", all_ranks=True)
+        # Before any CUDA work, or every process also puts a context on GPU 0 (write-up 000).
+        torch.cuda.set_device(gpu)
+        # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"); gloo shares it, through host memory.
+        device, backend = torch.device("cuda", gpu), "nccl" if ranks_per_gpu == 1 else "gloo"
+        torch.backends.cudnn.benchmark = True  # fixed-size inputs: cuDNN times its kernels once, keeps the fastest
+        # TF32 matmuls and convolutions (Ampere and newer): several times faster, fp32's curves; False: bitwise runs.
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    # torch's default timeout is 30 min: a rank that died would leave the others hanging that long.
+    timeout = datetime.timedelta(seconds=args.dist_timeout)
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    batch_per_process = args.batch_size // world_size
+    # --workers counts per process; unset: one per core this process has beyond its own, at most 16.
+    workers_per_process = harness.default_workers(args.workers, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    print0(f"setup: world_size={world_size} backend={backend} device={device.type} "
+           f"global_batch={args.batch_size} ({batch_per_process} per process x {world_size}), "
+           f"workers={workers_per_process} per process")
+
+    # ------------------------------------------------------------------------------------ data
+    if local_rank == 0:  # one per node (in turn on a shared folder: one download); the others wait at the barrier
+        prepare_dataset(args.dataset, args.data_root)
+    dist.barrier()
+    # YOUR DATA goes here: two map-style Datasets whose items are (image tensor C x H x W, integer label), and the
+    # number of classes. build_datasets fails with one line naming the folder or file that is wrong.
+    train_set, val_set, num_classes = build_datasets(
+        args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val,
+        flip=not args.no_flip)
+    # Same seed on every rank: each process sees a different shard of one shared permutation.
+    train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    # New: not persistent, workers are re-seeded from the (checkpointed) RNG each epoch, so resume is exact.
+    train_loader = DataLoader(train_set, batch_size=batch_per_process, sampler=train_sampler,
+                              num_workers=workers_per_process, pin_memory=device.type == "cuda", drop_last=True)
+    # DistributedSampler pads val with repeated samples; a strided shard counts each sample once.
+    val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=batch_per_process,
+                            num_workers=workers_per_process, pin_memory=device.type == "cuda",
+                            persistent_workers=workers_per_process > 0)
+    harness.check_full_batch(len(train_loader), len(train_set), args.batch_size)  # drop_last: else 0 steps
+    print0(f"data: {args.dataset} train={len(train_set)} val={len(val_set)} classes={num_classes} "
+           f"steps_per_epoch={len(train_loader)}")
+
+    # New: start the validation workers now. The training workers are forked again every epoch, and on
+    # Python <= 3.11 a fork just after another loader shut down can deadlock the child (CPython gh-112275).
+    iter(val_loader)
+
+    # ----------------------------------------------------------------------------------- model
+    torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
+    # YOUR MODEL goes here: an nn.Module from a batch (N, C, H, W) to logits (N, num_classes).
+    model = build_model(args.arch, num_classes, args.image_size).to(device)
+    if args.sync_bn:  # small per-GPU batches (detection, segmentation): BatchNorm over every rank's samples
+        # Before the DDP wrap. Each layer all-gathers its statistics in every training forward (eval: none).
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                find_unused_parameters=args.find_unused_parameters)
+    torch.manual_seed(args.seed + rank)  # from here on, augmentation and dropout differ per rank
+    criterion = torch.nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
+    scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs)  # per step
+    # New: --------------------------------------------------------------------- communication hook
+    # Once, after the wrap and before the first step; every rank registers the same hook.
+    powersgd = None
+    if args.comm_hook in ("bf16", "fp16"):  # state None: the default process group
+        model.register_comm_hook(None, getattr(default_hooks, f"{args.comm_hook}_compress_hook"))
+    elif args.comm_hook == "powersgd":
+        start = args.powersgd_start or max(2, round(args.warmup_epochs * len(train_loader)))
+        powersgd = PowerSGDByParameter(model.module, matrix_approximation_rank=args.powersgd_rank,
+                                       start_powerSGD_iter=start, warm_start=True, use_error_feedback=True)
+        model.register_comm_hook(powersgd.state, powersgd.hook)
+    print0(f"comm_hook: {args.comm_hook}" + (f" rank={args.powersgd_rank} from step {start + 1}" if powersgd else ""))
+    # New: ---------------------------------------------------------------------- resume or start
+    latest, best = os.path.join(args.out_dir, "latest.pt"), os.path.join(args.out_dir, "best.pt")
+    start_epoch, step, best_acc1 = 0, 0, float("-inf")
+    if args.init_from:
+        state = load_checkpoint(args.init_from, map_location=device)  # onto THIS rank's device
+        load_weights(model.module, state.get("model", state), args.init_from)  # a checkpoint or bare weights
+        print0(f"init: weights from {args.init_from}")
+    resume = find_resume(args.resume, latest)  # 'auto': latest.pt if there is one (what MAX_RESTARTS reruns)
+    if resume:
+        ckpt = load_checkpoint(resume, map_location=device, require=(
+            "model", "optimizer", "scheduler", "epoch", "step", "best_acc1", "rng", "args"))
+        load_weights(model.module, ckpt["model"], resume)
+        optimizer.load_state_dict(ckpt["optimizer"])
+        if powersgd and ckpt.get("comm_hook"):  # New: the error feedback, P and Q, and its step count
+            powersgd.load_state_dict(ckpt["comm_hook"])
+        elif powersgd:
+            print0(f"resume: {resume} holds no PowerSGD state (saved with --comm-hook {ckpt['args'].get('comm_hook')})"
+                   f": plain all-reduce for {start} steps, then compression from a cold start")
+        start_epoch, step, best_acc1 = ckpt["epoch"], ckpt["step"], ckpt["best_acc1"]
+        # The schedule goes by this run's steps per epoch (another world size or batch counts others).
+        scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs,
+                                  start_epoch * len(train_loader))
+        if ckpt["args"]["epochs"] != args.epochs:  # the cosine schedule was laid out for that many epochs
+            harness.die(f"{resume} was trained with --epochs {ckpt['args']['epochs']}; resume with the same --epochs")
+        # What the saved streams do not cover (another world size; the CUDA stream of a checkpoint saved on CPU) gets
+        # a seed per epoch: seed + rank again would replay epoch 0's random draws (distinct below 10,000 ranks).
+        torch.manual_seed(args.seed + rank + 10_000 * start_epoch)
+        if len(ckpt["rng"]) == world_size:  # each rank continues its own random stream
+            torch.set_rng_state(ckpt["rng"][rank]["cpu"].cpu())
+            if device.type == "cuda" and ckpt["rng"][rank]["cuda"] is not None:  # None: saved on CPU
+                torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"].cpu(), device)
+        else:
+            print0(f"resume: saved with {len(ckpt['rng'])} ranks, now {world_size}: random streams reseeded "
+                   f"after epoch {start_epoch}")
+        print0(f"resume: {resume} at epoch {start_epoch} step {step} best_acc1={best_acc1:.2f}")
+
+    # Before the first step: an --out-dir that cannot hold the checkpoints, or that another node cannot see (every
+    # rank loads latest.pt), fails now, not after hours of training.
+    harness.broadcast_out_dir_check(args.out_dir, is_main, {"latest.pt": harness.state_bytes(model.module, optimizer),
+                                                            "best.pt": harness.state_bytes(model.module),
+                                                            "model.pt": harness.state_bytes(model.module)},
+                                    shared=True, tb_dir=args.tb_dir)  # New: shared=True, latest.pt and best.pt
+
+    # ----------------------------------------------------------------------------------- train
+    total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
+    speed = harness.Throughput(device)
+    # New: resumed, the curves go on from `step`; what an interrupted run logged after its checkpoint is dropped.
+    tb = harness.TensorBoard(args.tb_dir, args.tb_every, is_main, vars(args), start_step=step)  # rank 0 alone writes
+    diverged = harness.DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
+    diverged.last_good = resume  # New: what the stop message names; each save below updates it
+    harness.check_epochs_left(resume, start_epoch, args.epochs)  # New
+    for epoch in range(start_epoch, args.epochs):
+        train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
+        model.train()
+        loss_meter, acc_meter = AverageMeter(), AverageMeter()
+        recent = collections.deque(maxlen=4)  # this epoch's last inputs, for BatchNorm below
+        speed.start()
+        bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", leave=False, disable=not (is_main and sys.stdout.isatty()))
+        for images, targets in bar:
+            images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            recent.append(images)
+            output = model(images)  # DDP checks here that the last backward reduced every gradient
+            loss = criterion(output, targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # DDP averages gradients across ranks during backward
+            optimizer.step()
+            scheduler.step()  # every optimizer step: warm-up, then cosine
+            loss_meter.update(loss, images.size(0))  # a tensor: summed on the device, no sync per step
+            acc_meter.update(accuracy(output, targets)[0], images.size(0))
+            step += 1
+            diverged.update(step, loss)  # on the device: no sync per step
+            speed.step(args.batch_size)
+            tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"])  # rank 0's own samples
+            if tb.on and step % args.tb_every == 0:  # values are read here anyway
+                diverged.all_reduce_and_check(epoch, step)  # a collective: one verdict everywhere
+            if step >= total_steps:
+                break
+        epoch_time = speed.stop()  # waits for the device: the host clock runs ahead of queued GPU work
+        loss_meter.all_reduce(device)
+        acc_meter.all_reduce(device)
+        diverged.all_reduce_and_check(epoch, step, model=model)  # before eval and any save: no file from NaN weights
+        # BatchNorm's running statistics trail the weights (momentum 0.1: each keeps 0.9^k of the batch k steps ago),
+        # so after a short or fast-moving epoch they no longer fit and eval's loss explodes: recompute them from
+        # this epoch's last batches through the final weights. Local (--sync-bn: each rank runs as many); rank 0's kept.
+        with recomputed_batchnorm(model.module):
+            while recent:  # popped: each batch leaves GPU memory once used
+                model.module(recent.popleft())
+
+        # -------------------------------------------------------------------------------- eval
+        # DDP copies rank 0's buffers (BatchNorm statistics) to the others at the start of each forward, so
+        # after the last step every rank holds its own: evaluate everywhere with rank 0's, which model.pt gets.
+        for buffer in model.module.buffers():
+            dist.broadcast(buffer, 0)
+        # model.module, not the DDP wrapper: its first forward after training broadcasts buffers, a collective
+        # that hangs when a rank's shard has no batch, or when rank 0 evaluates alone. Every rank evaluates.
+        val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device)
+        print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
+               f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
+               f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={speed.eta(total_steps - step)}")
+        tb.epoch(step, device, train_loss=loss_meter.avg, train_acc1=acc_meter.avg, val_loss=val_loss,
+                 val_acc1=val_acc1, val_acc5=val_acc5, images_per_sec=loss_meter.count / epoch_time)
+
+        # New: ---------------------------------------------- checkpoint: rank 0 saves, barrier, all load
+        if step % len(train_loader):  # an epoch cut short by --max-steps is not a resume point
+            break
+        rngs = [None] * world_size
+        dist.all_gather_object(rngs, rng_state(device))  # a collective: every rank calls it
+        hook_state = powersgd.state_dict() if powersgd else None  # New: this rank's, keyed by parameter
+        for _, error in sorted((hook_state or {}).get("error", {}).items()):  # New: the same order on every rank
+            dist.all_reduce(error)  # a collective: the ranks' mean error, all PowerSGD's sums depend on
+            error.div_(world_size)
+        improved = val_acc1 > best_acc1  # val_acc1 is all-reduced, so every rank agrees
+        best_acc1 = max(best_acc1, val_acc1)
+        if is_main:
+            os.makedirs(args.out_dir, exist_ok=True)
+            save_atomic({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                         "scheduler": scheduler.state_dict(), "epoch": epoch + 1, "step": step,
+                         "best_acc1": best_acc1, "rng": rngs, "args": vars(args), "comm_hook": hook_state}, latest)
+            if improved:
+                save_atomic({"model": model.module.state_dict(), "epoch": epoch + 1, "val_acc1": val_acc1}, best)
+                print0(f"best: epoch={epoch + 1} val_acc1={val_acc1:.2f} saved {best}")
+        dist.barrier()  # nobody reads latest.pt before rank 0 has finished writing it
+        diverged.last_good = latest
+        # The weights alone, mapped: read only as they are copied in (not the optimizer and RNG states onto the GPU)
+        load_weights(model.module, load_checkpoint(latest, map_location="cpu", mmap=True)["model"], latest)
+        if step >= total_steps:
+            break
+
+    # ------------------------------------------------------------------------------------ save
+    if is_main:
+        os.makedirs(args.out_dir, exist_ok=True)
+        path = os.path.join(args.out_dir, "model.pt")
+        torch.save(model.module.state_dict(), path)  # .module: keys without the "module." prefix
+        print0(f"saved: {path}")
+
+    # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
+    tb.close()
+    print0(harness.gather_result_line(device, speed, model, optimizer, recipe="ddp_comm_hooks", world_size=world_size,
+                                      steps=step, train_loss=round(loss_meter.avg, 6), val_acc1=round(val_acc1, 4),
+                                      val_samples=val_samples))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    with harness.one_line_errors():  # a bad file, a lost rank, Ctrl-C: one line each, not a traceback per rank
+        main()
