@@ -15,6 +15,7 @@ import pytest
 from conftest import REPO, result_of, run_group
 from PIL import Image
 
+from common.models import build_model
 from tools.bench import (
     BARE,
     ENTRIES,
@@ -150,13 +151,13 @@ def test_median_and_range_of_recorded_runs():
     assert row["step_vs_bare"] == pytest.approx(3.2)  # ratio of the medians: 32 / 10
     assert (row["runs"], row["attempts"]) == (3, 4)
     cells = dict(zip(["recipe", "mode", "world size", "device", "devices", "runs", "images/s", "s / 20 it",
-                      "peak MB per rank", "state kB per rank", "launch -> step 1 (s)", "step ms", "bare ms",
-                      "step / bare"],
+                      "peak MB per rank", "state kB per rank", "all-reduce kB / step", "launch -> step 1 (s)",
+                      "step ms", "bare ms", "step / bare"],
                      table_rows([row])[0], strict=True))
     assert cells == {"recipe": "ddp_torchrun", "mode": "-", "world size": "2", "device": "cpu", "devices": "cpu:2",
                      "runs": "3/4", "images/s": "2000.0 (1000.0–4000.0)", "s / 20 it": "0.640 (0.320–1.280)",
                      "peak MB per rank": "710.0 / 705.0", "state kB per rank": "64.6 / 64.6",
-                     "launch -> step 1 (s)": "6.00 (5.00–7.00)",
+                     "all-reduce kB / step": "-", "launch -> step 1 (s)": "6.00 (5.00–7.00)",
                      "step ms": "32.00 (16.00–64.00)", "bare ms": "10.00 (8.00–16.00)", "step / bare": "3.200"}
     # an even count of runs: the mean of the middle two
     row = summarize_entry(runs[:2], bare_ms=[8.0, 16.0], attempts=2)
@@ -165,14 +166,17 @@ def test_median_and_range_of_recorded_runs():
 
 
 def test_against():
-    """DDP entries against dp; fsdp, ddp_compile and ddp_zero against DDP; AMP modes against their fp32 sibling;
+    """DDP entries against dp; fsdp, ddp_compile and ddp_zero against DDP; comm hooks against none; AMP modes against
+    their fp32 sibling;
     references against nothing."""
     against = {e.name: e.against for e in ENTRIES}
     assert against == {"dp": None, "ddp_torchrun": "dp", "ddp_launch": "dp", "ddp_spawn": "dp", "ddp_checkpoint": "dp",
                        "torch_amp:fp16": "torch_amp:fp32", "torch_amp:bf16": "torch_amp:fp32", "torch_amp:fp32": None,
                        "apex_ddp": "dp", "fsdp": "ddp_torchrun", "ddp_compile": "ddp_torchrun",
-                       "ddp_zero": "ddp_torchrun", "apex_amp:O0": None, "apex_amp:O1": "apex_amp:O0",
-                       "apex_amp:O2": "apex_amp:O0", "apex_amp:O3": "apex_amp:O0"}
+                       "ddp_zero": "ddp_torchrun", "ddp_comm_hooks:none": None,
+                       "ddp_comm_hooks:bf16": "ddp_comm_hooks:none", "ddp_comm_hooks:fp16": "ddp_comm_hooks:none",
+                       "ddp_comm_hooks:powersgd": "ddp_comm_hooks:none", "apex_amp:O0": None,
+                       "apex_amp:O1": "apex_amp:O0", "apex_amp:O2": "apex_amp:O0", "apex_amp:O3": "apex_amp:O0"}
 
 
 def constructed_report():
@@ -362,6 +366,24 @@ def test_table_matches_result_lines(two_recipes):
                                     else "slower")
     assert "torch" in md and report["hardware"]["cores"] == os.cpu_count()
     assert next(line for line in md.splitlines() if line.startswith("| ddp_torchrun")) in proc.stdout  # printed too
+
+
+@pytest.mark.slow
+def test_comm_hook_entries_report_the_bytes_they_all_reduce(tmp_path):
+    # One run each of DDP's own all-reduce and PowerSGD (from step 3 of 4): the column is the last step's bytes, as
+    # tests/instrument counted them: every fp32 gradient, and PowerSGD's factors of tiny's three weight matrices.
+    proc = bench("--recipes", "ddp_comm_hooks:none,ddp_comm_hooks:powersgd", "--repeats", 1, "--out", tmp_path, *FAST)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    rows = table((tmp_path / "results.md").read_text())
+    report = json.loads((tmp_path / "results.json").read_text())
+    model = build_model("tiny", 10, 16)
+    full = 4 * sum(p.numel() for p in model.parameters())
+    factors = 4 * sum((p.shape[0] + p[0].numel()) if p.dim() > 1 else p.numel() for p in model.parameters())
+    sent = {r["mode"]: r["allreduce_bytes_per_step"] for r in report["runs"]}
+    assert sent == {"none": [[full] * 4] * 2, "powersgd": [[full, full, factors, factors]] * 2}, sent
+    assert rows[("ddp_comm_hooks", "none")]["all-reduce kB / step"] == f"{full / 1024:.1f}"
+    assert rows[("ddp_comm_hooks", "powersgd")]["all-reduce kB / step"] == f"{factors / 1024:.1f}"
+    assert comparison_table((tmp_path / "results.md").read_text())["ddp_comm_hooks:powersgd", "ddp_comm_hooks:none"]
 
 
 @pytest.mark.slow

@@ -35,7 +35,8 @@ FAMILIES = {
     "fsdp": ("fsdp", "cpu:2", [], "loss"),
     "ddp_compile": ("ddp_compile", "cpu:2", [], "loss"),
     "ddp_zero": ("ddp_zero", "cpu:2", [], "loss"),
-    "ddp_comm_hooks:powersgd": ("ddp_comm_hooks", "cpu:2", ["--comm-hook", "powersgd", "--powersgd-start", "2"], "loss"),
+    "ddp_comm_hooks:powersgd": ("ddp_comm_hooks", "cpu:2", ["--comm-hook", "powersgd", "--powersgd-start", "2"],
+                                "loss"),
     "ddp_uneven": ("ddp_uneven", "cpu:2", ["--shard-size", "64"], "loss"),  # 4 shards each: the same 16 steps
     "torch_amp:bf16": ("torch_amp", "cpu:2", ["--amp-dtype", "bf16"], "loss"),
     "torch_amp:fp16": ("torch_amp", "cpu:2", ["--amp-dtype", "fp16"], "scale"),

@@ -31,6 +31,10 @@ Columns of the first table; each timed cell is "median (lowest-highest)" over th
                     one value per GPU, so GPU 0's extra memory (gathered outputs, gradients) shows
   state kB per rank parameters + gradients + optimizer state held by each rank (DDP: a full copy each; fsdp: a
                     shard each); "-" for a RESULT line without it
+  all-reduce kB / step  the ddp_comm_hooks entries: what DDP's comm hook all-reduced in the last training step
+                    (rank 0), counted by tests/instrument/sitecustomize.py (every dist.all_reduce torch's ddp_comm_hooks
+                    make); they all run under it, "none" too (DDP's own all-reduce, done by a Python hook that does the
+                    same); "-" for the other entries
   launch -> step 1  first_step_end_unix (when the first optimizer step ended) minus the wall-clock time just
                     before launch.sh was started: interpreter, launcher, process group, data, model, step 1
   step ms           recipe step time = global batch / images/s. In one step each replica (a DDP process, or
@@ -47,7 +51,8 @@ Comparisons (the second table), made only where both sides were selected and hav
   each DDP entry (ddp_torchrun, ddp_launch, ddp_spawn, ddp_checkpoint, apex_ddp) against dp (images/s: the
   speed-up of DDP over DataParallel), fsdp against ddp_torchrun (images/s: what sharding costs), ddp_compile
   against ddp_torchrun (images/s: what torch.compile gains after its first step; its compile is in launch -> step
-  1), ddp_zero against ddp_torchrun (images/s: what sharding the optimizer state costs), each AMP mode against its
+  1), ddp_zero against ddp_torchrun (images/s: what sharding the optimizer state costs), each ddp_comm_hooks hook
+  against ddp_comm_hooks:none (images/s: what sending fewer bytes gains or costs), each AMP mode against its
   fp32 sibling (images/s: torch_amp:fp16/bf16 against torch_amp:fp32, apex_amp:O1-O3 against apex_amp:O0), and each
   entry's step ms against its bare loop's.
   The ratio is of the medians. The verdict is "within noise" when the two [lowest, highest] ranges overlap
@@ -90,13 +95,15 @@ REPO = Path(__file__).resolve().parents[1]
 class Entry:
     """One benchmark row: NAME[:MODE], the recipe file (from the repo root) and extra recipe flags.
     one_process: DataParallel-style, one process drives every device (`cpu` on the CPU).
-    against: the entry this one is compared with on images/s, when both ran (see Comparisons above)."""
+    against: the entry this one is compared with on images/s, when both ran (see Comparisons above).
+    counts_bytes: run under tests/instrument, which counts the bytes DDP's comm hook all-reduces each step."""
 
     name: str
     recipe: str
     args: tuple = ()
     one_process: bool = False
     against: str | None = None
+    counts_bytes: bool = False
 
     @property
     def base(self):
@@ -119,6 +126,10 @@ ENTRIES = [
     Entry("fsdp", "recipes/fsdp.py", against="ddp_torchrun"),
     Entry("ddp_compile", "recipes/ddp_compile.py", against="ddp_torchrun"),
     Entry("ddp_zero", "recipes/ddp_zero.py", against="ddp_torchrun"),
+    # PowerSGD compresses from step 3 (its first 2 steps all-reduce whole gradients): the steady state is what counts.
+    *(Entry(f"ddp_comm_hooks:{hook}", "recipes/ddp_comm_hooks.py", ("--comm-hook", hook, "--powersgd-start", "2"),
+            against=None if hook == "none" else "ddp_comm_hooks:none", counts_bytes=True)
+      for hook in ("none", "bf16", "fp16", "powersgd")),
     *(Entry(f"apex_amp:{level}", "recipes/apex_amp.py", ("--opt-level", level),
             against=None if level == "O0" else "apex_amp:O0") for level in ("O0", "O1", "O2", "O3")),
 ]
@@ -130,7 +141,7 @@ TIMED = [("images_per_sec", "images/s", "{:.1f}"), ("s_per_20_it", "s / 20 it", 
          ("bare_step_ms", "bare ms", "{:.2f}")]
 FORMAT = {key: fmt for key, _, fmt in TIMED}
 COLUMNS = ["recipe", "mode", "world size", "device", "devices", "runs", "images/s", "s / 20 it", "peak MB per rank",
-           "state kB per rank",
+           "state kB per rank", "all-reduce kB / step",
            "launch -> step 1 (s)", "step ms", "bare ms", "step / bare"]
 COMPARISON_COLUMNS = ["entry", "against", "measure", "ratio of medians", "entry: median (range)",
                       "against: median (range)", "verdict"]
@@ -245,6 +256,11 @@ def run_entry(entry, args, round_):
     with tempfile.TemporaryDirectory(prefix=f"bench_{entry.base}_") as out_dir:
         argv = recipe_command(entry, devices, args, out_dir)
         run["command"] = shlex.join(argv)
+        counts = Path(out_dir) / "counts"
+        if entry.counts_bytes:  # every entry compared with this one runs under the instrument too (counts_bytes)
+            counts.mkdir()
+            path = os.pathsep.join(filter(None, [str(REPO / "tests" / "instrument"), env.get("PYTHONPATH")]))
+            env = {**env, "PYTHONPATH": path, "COUNT_DDP_DIR": str(counts)}
         print(f"bench: round {round_}/{args.repeats}: {entry.name}: {run['command']}", flush=True)
         t_launch = time.time()
         try:
@@ -252,6 +268,9 @@ def run_entry(entry, args, round_):
             code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
         except subprocess.TimeoutExpired:
             return {**run, "t_launch": t_launch, "error": f"timed out after {args.timeout:g} s", "stderr_tail": ""}
+        if entry.counts_bytes and code == 0:  # each rank's bytes per training step
+            run["allreduce_bytes_per_step"] = [json.loads(f.read_text())["allreduce_bytes_per_step"]
+                                               for f in sorted(counts.glob("rank*.json"))]
     run["t_launch"] = t_launch
     run["wall_s"] = round(time.time() - t_launch, 3)
     lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
@@ -372,6 +391,9 @@ def summarize_entry(runs, bare_ms, attempts):
     per_rank = zip(*(r["peak_mem_mb_per_rank"] for r in runs), strict=True)
     row["peak_mem_mb_per_rank"] = [statistics.median(rank) for rank in per_rank]
     row["state_bytes_per_rank"] = first.get("state_bytes_per_rank")  # exact: the same in every run
+    # exact too: rank 0's last step (PowerSGD's first steps send whole gradients)
+    row["allreduce_bytes_per_step"] = first["allreduce_bytes_per_step"][0][-1] if first.get(
+        "allreduce_bytes_per_step") else None
     row["step_vs_bare"] = row["step_ms"]["median"] / row["bare_step_ms"]["median"]
     row["impl_line"] = first.get("impl_line")
     return row
@@ -427,6 +449,7 @@ def table_rows(entries):
              *(cell(e[key], fmt) for key, _, fmt in TIMED[:2]),
              " / ".join(f"{m:.1f}" for m in e["peak_mem_mb_per_rank"]),
              " / ".join(f"{b / 1024:.1f}" for b in e["state_bytes_per_rank"]) if e.get("state_bytes_per_rank") else "-",
+             f"{e['allreduce_bytes_per_step'] / 1024:.1f}" if e.get("allreduce_bytes_per_step") is not None else "-",
              *(cell(e[key], fmt) for key, _, fmt in TIMED[2:]), f"{e['step_vs_bare']:.3f}"] for e in entries]
 
 
@@ -480,7 +503,8 @@ def markdown(report):
         lines += ["", "## Comparisons", "",
                   *markdown_table(COMPARISON_COLUMNS, comparison_rows(report["comparisons"]), "lllrrrl"), "",
                   "ratio of medians = entry's median / against's median. images/s: DDP entries against dp, fsdp "
-                  "against ddp_torchrun, AMP modes against their fp32 sibling; step ms: each entry against its bare "
+                  "against ddp_torchrun, comm hooks against none, AMP modes against their fp32 sibling; step ms: each "
+                  "entry against its bare "
                   "loop. \"within noise\": the two "
                   "ranges (lowest–highest run) overlap, so these runs cannot tell the two apart; \"faster\" or "
                   "\"slower\": every run of one is beyond every run of the other; \"one run: no range\": a side "
