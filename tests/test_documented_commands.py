@@ -57,7 +57,8 @@ NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsew
     "python tools/bench.py --devices cpu:2 --arch tiny_bn --steps 50 --repeats 3 --recipes ddp_torchrun,ddp_compile":
         "docs/benchmarks.md's compile numbers: a minute; tests/test_bench.py runs the tool",
     "python tools/bench.py --devices cpu:2 --arch resnet18 --batch-size 32 --steps 10 --repeats 2 --recipes "
-    "ddp_torchrun,ddp_zero,fsdp": "docs/benchmarks.md's state numbers: 3 minutes; tests/test_bench.py runs the tool",
+    "ddp_torchrun,ddp_zero,fsdp,ddp_comm_hooks:none,ddp_comm_hooks:bf16,ddp_comm_hooks:fp16,ddp_comm_hooks:powersgd":
+        "docs/benchmarks.md's state and bytes numbers: 4 minutes; tests/test_bench.py runs the tool",
     "python tools/real_data.py": "every recipe, 10 epochs each: about 45 minutes on 2 cores; tests/test_defaults.py "
                                  "trains two recipes on the same digits for 2 epochs",
     "python tools/gpu_only_lines.py": "the whole suite under coverage.py (~45 minutes); tests/test_gpu_only_lines.py "
