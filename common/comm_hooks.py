@@ -2,9 +2,10 @@
 
 torch's PowerSGDState keeps its error feedback and its warm-start matrices P and Q under the index of the DDP bucket
 they came from. DDP lays its buckets out again after the first step of every process (by the order the gradients
-became ready; the first step runs with one bucket of everything), so the buckets of a resumed process's first step are
-not the ones the state was saved under: restored by index, the state raises on a size mismatch (resnet18: 1 bucket,
-then 3), or, where the sizes happen to agree, adds one parameter's error to another's gradient without a word.
+became ready; the first step runs with one bucket of everything; not so with find_unused_parameters=True), so the
+buckets of a resumed process's first step are not the ones the state was saved under: restored by index, the state
+raises on a size mismatch (resnet18: 1 bucket, then 3), or, where the sizes happen to agree, adds one parameter's
+error to another's gradient without a word.
 
 PowerSGDByParameter wraps torch's powerSGD_hook. Whenever a bucket holds other parameters than the state under its
 index was built for, it splits the old buckets' state into per-parameter pieces and joins the new bucket's from them.
@@ -33,7 +34,7 @@ class PowerSGDByParameter:
         """The comm hook: model.register_comm_hook(powersgd.state, powersgd.hook)."""
         index, names = bucket.index(), [self.names[param] for param in bucket.parameters()]
         if self.layout.get(index) != names:  # a new process, or DDP rebuilt its buckets
-            for old in [i for i, old_names in self.layout.items() if set(old_names) & set(names)]:
+            for old in [i for i, old_names in self.layout.items() if i == index or set(old_names) & set(names)]:
                 self._unbucket(old, self.loose)  # that step's buckets are all reduced: no hook still writes them
             self._bucket(index, names, bucket.buffer().device)
         return powerSGD.powerSGD_hook(state, bucket)
@@ -51,6 +52,11 @@ class PowerSGDByParameter:
         unknown = set().union(*(saved[piece] for piece in PIECES)) - set(self.shapes)
         if unknown:
             raise ValueError(f"PowerSGD state for parameters this model does not have: {sorted(unknown)[:3]}")
+        expected = {piece: dict(self._sizes(piece, list(self.shapes))) for piece in PIECES}
+        wrong = [f"{piece} of {name}" for piece in PIECES for name, t in saved[piece].items()
+                 if t.numel() != expected[piece].get(name)]
+        if wrong:  # another matrix_approximation_rank, or another model
+            raise ValueError(f"PowerSGD state of another size than this run's: {', '.join(wrong[:3])}")
         self.state.iter = saved["iter"]
         self.loose = {piece: dict(saved[piece]) for piece in PIECES}
         self.layout = {}
@@ -67,9 +73,17 @@ class PowerSGDByParameter:
         return (n * rank, m * rank) if compress else None
 
     def _sizes(self, piece, names):
+        """[(name, numel)] of a bucket's piece, in the order the hook lays it out: the error like the bucket's
+        buffer; P and Q grouped by matrix shape, in order of each shape's first parameter (the hook's
+        shape_to_tensors), then in bucket order."""
         if piece == "error":
             return [(name, self.shapes[name].numel()) for name in names]
-        return [(name, self._factors(name)[piece == "q"]) for name in names if self._factors(name)]
+        groups = {}
+        for name in names:
+            if self._factors(name):
+                shape = self.shapes[name]
+                groups.setdefault((shape[0], shape.numel() // shape[0]), []).append(name)
+        return [(name, self._factors(name)[piece == "q"]) for group in groups.values() for name in group]
 
     def _memory(self, piece):
         return {"error": self.state.error_dict, "p": self.state.p_memory_dict, "q": self.state.q_memory_dict}[piece]

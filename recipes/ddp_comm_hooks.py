@@ -11,8 +11,8 @@ What it shows (the rest is recipes/ddp_checkpoint.py, whose checkpoints it keeps
   DDP wrap and before the first step, replaces DDP's all-reduce of each gradient bucket with the hook's:
   --comm-hook bf16 / fp16 (default_hooks.bf16_compress_hook / fp16_compress_hook): each bucket is cast to 16 bits,
     divided by the world size, all-reduced, cast back: half the bytes, with no state. bf16 keeps fp32's range;
-    fp16 keeps 3 more bits of precision, but a gradient below 6e-8 / world size flushes to 0 and a sum above 65504
-    overflows to inf (which the divergence check then stops). The default: bf16.
+    fp16 keeps 3 more bits of precision in a narrow range: cast before the division, a gradient above 65504 becomes
+    inf (the divergence check stops the run), one below about 6e-8 x world size becomes 0. The default: bf16.
   --comm-hook powersgd: each gradient matrix M (a conv's out x in*k*k) is sent as two thin factors, P = M Q and
     Q = M^T P, of rank --powersgd-rank: a 64x576 conv at rank 1 sends 640 numbers instead of 36864. Vectors
     (biases, BatchNorm) go whole. It is lossy, so it keeps each rank's error (what the factors missed) and adds it
@@ -21,10 +21,11 @@ What it shows (the rest is recipes/ddp_checkpoint.py, whose checkpoints it keeps
   --comm-hook none: DDP's own fp32 all-reduce, for comparison.
 - The checkpoint keeps PowerSGD's state, or a resumed run loses the error feedback (a step's worth of missing
   gradient) and starts compressing again from a cold, random Q. torch keys that state by DDP bucket, and DDP
-  lays its buckets out again after every process's first step, so it is saved keyed by parameter
-  (common/comm_hooks.py). Each rank's error differs; PowerSGD only ever all-reduces the sum over the ranks of
-  gradient + error, so the checkpoint keeps the mean error (a visible dist.all_reduce), which every rank takes on
-  resume: the same sum, on any world size.
+  lays its buckets out again after every process's first step (without --find-unused-parameters), so it is saved
+  keyed by parameter (common/comm_hooks.py). Each rank's error differs; PowerSGD only ever all-reduces the sum over
+  the ranks of gradient + error, so the checkpoint keeps the mean error (a visible dist.all_reduce), which every
+  rank takes on resume: the same mean of gradient + error, on any world size. So a resume is exact up to float
+  rounding (1e-7 of the weights), not bitwise as ddp_checkpoint.py's is.
 - Measured, resnet18 on cpu:2 (docs/benchmarks.md): fp32 all-reduces 43.6 MB per step, bf16 and fp16 21.8 MB,
   PowerSGD at rank 1 0.18 MB. What that buys depends on the wire: on one machine's shared memory halving the
   bytes gained 8%, and PowerSGD's compression cost more time than its bytes saved.
@@ -234,6 +235,9 @@ def main():
         load_weights(model.module, ckpt["model"], resume)
         optimizer.load_state_dict(ckpt["optimizer"])
         if powersgd and ckpt.get("comm_hook"):  # New: the error feedback, P and Q, and its step count
+            if ckpt["args"]["powersgd_rank"] != args.powersgd_rank:  # P and Q have that many columns
+                harness.die(f"{resume} was trained with --powersgd-rank {ckpt['args']['powersgd_rank']}; resume with "
+                            "the same --powersgd-rank")
             powersgd.load_state_dict(ckpt["comm_hook"])
         elif powersgd:
             print0(f"resume: {resume} holds no PowerSGD state (saved with --comm-hook {ckpt['args'].get('comm_hook')})"

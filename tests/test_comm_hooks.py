@@ -16,8 +16,6 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from common.models import build_model
 
-pytestmark = pytest.mark.slow
-
 EPOCHS, TRAIN, START, RANK = 2, 256, 3, 1
 FLAGS = ["--arch", "tiny", "--workers", "0", "--epochs", EPOCHS, "--lr", 0.1, "--image-size", 16,
          "--synthetic-train", TRAIN, "--synthetic-val", 37, "--powersgd-start", START, "--powersgd-rank", RANK]
@@ -72,7 +70,7 @@ def counted(folder):
     return [json.loads(f.read_text()) for f in sorted(folder.glob("rank*.json"))]
 
 
-@pytest.fixture(scope="module", params=[2, 3])
+@pytest.fixture(scope="module", params=[pytest.param(world, marks=pytest.mark.slow) for world in (2, 3)])
 def runs(request, tmp_path_factory):
     """Per world size: one run per hook, and PowerSGD stopped after epoch 1 then resumed (--resume auto)."""
     world = request.param
@@ -185,3 +183,72 @@ def test_powersgd_resumes_on_another_world_size(runs, tmp_path):
         [expected_bytes("powersgd")] * steps_per_epoch(other)] * other
     assert replayed(rng_streams(runs["base"] / "rng_first", tmp_path / "rng")) == {}
     assert result["val_acc1"] > 25, result
+
+
+def test_powersgd_resume_with_another_rank_is_one_line(runs, tmp_path):
+    # P and Q have --powersgd-rank columns: another rank cannot take them (a lower one would misread them).
+    world = runs["world"]
+    shutil.copy(runs["base"] / "epoch1.pt", tmp_path / "latest.pt")
+    proc = launch("recipes/ddp_comm_hooks.py", f"cpu:{world}", *FLAGS, "--batch-size", batch_for(world), "--comm-hook",
+                  "powersgd", "--powersgd-rank", RANK + 1, "--out-dir", tmp_path, "--resume", "auto")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"error: {tmp_path / 'latest.pt'} was trained with --powersgd-rank {RANK}; resume with the same " \
+           "--powersgd-rank" in proc.stderr, proc.stderr[-2000:]
+    assert "RESULT" not in proc.stdout
+
+
+@pytest.mark.parametrize("world", [1])  # in this process: no launch, so the quick tier has it
+def test_powersgd_state_moves_between_bucket_layouts_parameter_by_parameter(world):
+    # Two "processes" in one: DDP #1 trains 5 steps with PowerSGD (from step 3), saves the state by parameter; DDP #2,
+    # a new wrapper over a copy of the weights (its first step with one bucket of everything, then DDP's rebuilt
+    # buckets), loads it and trains 3 more. resnet18 at rank 2: many same-shaped matrices, which the hook lays out
+    # grouped by shape, in several buckets. The result must equal 8 uninterrupted steps, bitwise.
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from common.comm_hooks import PowerSGDByParameter
+
+    torch.manual_seed(0)
+    batches = [(torch.randn(4, 3, 8, 8), torch.randint(10, (4,))) for _ in range(8)]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=world)
+    try:
+        def trained(model, optimizer, state, steps):
+            ddp = DDP(model, bucket_cap_mb=5)
+            powersgd = PowerSGDByParameter(model, matrix_approximation_rank=2, start_powerSGD_iter=3)
+            if state:
+                powersgd.load_state_dict(state)
+            ddp.register_comm_hook(powersgd.state, powersgd.hook)
+            for images, targets in steps:
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(ddp(images), targets).backward()
+                optimizer.step()
+            return powersgd.state_dict(), len(powersgd.layout)
+
+        torch.manual_seed(1)
+        straight = build_model("resnet18", 10, 8)
+        pieced = build_model("resnet18", 10, 8)
+        pieced.load_state_dict(straight.state_dict())
+        sgd = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (straight, pieced)]
+        _, buckets = trained(straight, sgd[0], None, batches)
+        saved, _ = trained(pieced, sgd[1], None, batches[:5])
+        assert saved["iter"] == 5 and len(saved["q"]) > 20
+        trained(pieced, sgd[1], saved, batches[5:])
+    finally:
+        dist.destroy_process_group()
+    assert buckets > 1  # the rebuilt layout is several buckets: state moved out of the first step's one and back
+    after = pieced.state_dict()
+    assert all(torch.equal(t, after[k]) for k, t in straight.state_dict().items())
+
+
+def test_powersgd_state_of_another_rank_is_refused():
+    from common.comm_hooks import PowerSGDByParameter
+
+    model = build_model("tiny", 10, 16)
+    saved = PowerSGDByParameter(model, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    state = {"iter": 5, "error": {}, "p": {}, "q": {"fc.weight": torch.zeros(32)}}  # rank 1: m x 1 = 32
+    saved.load_state_dict(state)
+    other = PowerSGDByParameter(model, matrix_approximation_rank=2, start_powerSGD_iter=2)
+    with pytest.raises(ValueError, match=r"PowerSGD state of another size than this run's: q of fc.weight"):
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"parameters this model does not have: \['nope'\]"):
+        saved.load_state_dict({**state, "error": {"nope": torch.zeros(1)}})

@@ -41,6 +41,10 @@ RECIPES = {  # name: (recipe file, devices, flags beyond the shared ones)
     "torch_amp": ("torch_amp", "cpu:2", []),
     "fsdp": ("fsdp", "cpu:2", []),
     "mx_face_prefetch": ("mx_face_prefetch", "cpu:2", []),
+    "ddp_compile": ("ddp_compile", "cpu:2", []),
+    "ddp_zero": ("ddp_zero", "cpu:2", []),
+    "ddp_uneven": ("ddp_uneven", "cpu:2", []),
+    "ddp_comm_hooks": ("ddp_comm_hooks", "cpu:2", []),  # its default: bf16 gradients
 }
 
 

@@ -7,8 +7,10 @@ With COUNT_DDP_DIR set, once torch's DistributedDataParallel is imported, each p
                    where the recipe registers none, one registered at the first training forward that does what
                    DDP's built-in one does (divide by the world size, all-reduce);
   allreduce_bytes_per_step: per training forward through the wrapper, the bytes the comm hooks pass to
-                   dist.all_reduce (called from torch's ddp_comm_hooks modules: the recipe's own all-reduces of its
-                   meters are not counted); DDP's built-in fp32 all-reduce counts as the hook above;
+                   dist.all_reduce: torch's default_hooks and powerSGD_hook modules get a `dist` of their own whose
+                   all_reduce counts (torch.distributed itself is untouched: the recipe's all-reduces of its meters
+                   are not counted, and compiled code sees the real one); DDP's built-in fp32 all-reduce counts as the
+                   hook above. PowerSGD's second all-reduce runs in a callback on gloo's thread: a lock keeps the sum;
   eval_forwards:   forwards through the DDP wrapper with autograd off (evaluation through the wrapper, whose
                    forward may broadcast buffers: a collective that hangs a rank whose shard has no batch),
   scaler_host_reads: GradScaler steps that read the inf flag on the host (GradScaler._maybe_opt_step, its
@@ -32,6 +34,7 @@ import importlib.util
 import json
 import os
 import sys
+import threading
 import weakref
 
 _DIR = os.environ.get("COUNT_DDP_DIR")
@@ -43,6 +46,7 @@ def _patch(ddp_module):
     import torch
     import torch.distributed as dist
     from torch.amp.grad_scaler import GradScaler
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     ddp = ddp_module.DistributedDataParallel
@@ -50,7 +54,7 @@ def _patch(ddp_module):
     per_step = []  # allreduce_bytes_per_step
     wrapped = weakref.WeakSet()
     forward, register, destroy = ddp.forward, ddp.register_comm_hook, dist.destroy_process_group
-    all_reduce = dist.all_reduce
+    lock = threading.Lock()
 
     def counting(hook):
         def counted(state, bucket):
@@ -71,11 +75,17 @@ def _patch(ddp_module):
             per_step.append(0)
         return forward(self, *args, **kwargs)
 
-    def counting_all_reduce(tensor, *args, **kwargs):
-        caller = sys._getframe(1).f_globals.get("__name__", "")
-        if caller.startswith("torch.distributed.algorithms.ddp_comm_hooks") and per_step:
-            per_step[-1] += tensor.numel() * tensor.element_size()
-        return all_reduce(tensor, *args, **kwargs)
+    class CountingDist:
+        """torch.distributed, but all_reduce counts the bytes into the current step."""
+
+        def __getattr__(self, name):
+            return getattr(dist, name)
+
+        def all_reduce(self, tensor, *args, **kwargs):
+            with lock:
+                if per_step:
+                    per_step[-1] += tensor.numel() * tensor.element_size()
+            return dist.all_reduce(tensor, *args, **kwargs)
 
     maybe_opt_step = GradScaler._maybe_opt_step
 
@@ -93,7 +103,7 @@ def _patch(ddp_module):
         return destroy(*args, **kwargs)
 
     ddp.forward, ddp.register_comm_hook, dist.destroy_process_group = patched_forward, patched_register, patched_destroy
-    dist.all_reduce = counting_all_reduce
+    default_hooks.dist = powerSGD_hook.dist = CountingDist()
     GradScaler._maybe_opt_step = counting_opt_step
 
 
