@@ -40,6 +40,7 @@ TEMPLATES = {"./launch.sh [--dry-run] RECIPE [DEVICES] [recipe args...]", "pytho
              "python -m torch.distributed.launch"}
 SUITE = "the test suite itself (.ci/run runs it)"
 FP16 = "fp16 (apex_amp O2 is fp16 weights) on the CPU: minutes for a step of resnet18; its flags run small elsewhere"
+MUTANTS = "a mutant per edit, each running the recipe's tests: run by hand for the counts docs/testing.md gives"
 SLURM = "SLURM is not installed; tests/test_cluster.py runs the script's node part with SLURM's variables"
 NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsewhere, as said)
     "DEVICES=cpu:4 sbatch --nodes 2 --gpus-per-node 0 slurm/train.sbatch recipes/ddp_torchrun.py --arch tiny": SLURM,
@@ -66,6 +67,9 @@ NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsew
     "python tools/mutation_check.py":
         "25 minutes of test runs; its edits are listed in docs/testing.md and run by hand "
         "(python tools/mutation_check.py)",
+    # Each mutant reruns the recipe's tests: minutes per recipe (5 and 4 here, half the rest of this test).
+    "python tools/mutation_check.py --recipes ddp_compile,ddp_zero,ddp_uneven": MUTANTS,
+    "python tools/mutation_check.py --recipes ddp_comm_hooks": MUTANTS,
     "python tools/tune_loader.py --dataset imagefolder --data-root ~/my_data --batch-size 256 --processes 4 "
     "--device cuda": "--device cuda needs a GPU; tests/test_tune_loader.py runs the tool on the CPU",
     # fp16 on a CPU runs, 10-50x slower than fp32: a step of resnet18 takes minutes. The same flags run at small
