@@ -48,7 +48,7 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     ("ddp_torchrun", "ddp_uneven", 128),
     # fsdp, ddp_zero and ddp_comm_hooks: their checkpoints are ddp_checkpoint's (sharded, consolidated, with PowerSGD's
     # state): read them against that one.
-    ("ddp_checkpoint", "fsdp", 274), ("ddp_checkpoint", "ddp_zero", 61), ("ddp_checkpoint", "ddp_comm_hooks", 96)])
+    ("ddp_checkpoint", "fsdp", 274), ("ddp_checkpoint", "ddp_zero", 61), ("ddp_checkpoint", "ddp_comm_hooks", 100)])
 def test_diff_against_its_sibling_stays_small(base, recipe, max_changed):
     diff = subprocess.run(["diff", f"recipes/{base}.py", f"recipes/{recipe}.py"], cwd=REPO,
                           capture_output=True, text=True).stdout
