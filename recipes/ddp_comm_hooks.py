@@ -26,7 +26,7 @@ What it shows (the rest is recipes/ddp_checkpoint.py, whose checkpoints it keeps
   the ranks of gradient + error, so the checkpoint keeps the mean error (a visible dist.all_reduce), which every
   rank takes on resume: the same mean of gradient + error, on any world size. So a resume is exact up to float
   rounding (1e-7 of the weights), not bitwise as ddp_checkpoint.py's is.
-- Measured, resnet18 on cpu:2 (docs/benchmarks.md): fp32 all-reduces 43.6 MB per step, bf16 and fp16 21.8 MB,
+- Measured, resnet18 on cpu:2 (docs/benchmarks.md): fp32 all-reduces 44.7 MB per step, bf16 and fp16 22.3 MB,
   PowerSGD at rank 1 0.18 MB. What that buys depends on the wire: on one machine's shared memory halving the
   bytes gained 8%, and PowerSGD's compression cost more time than its bytes saved.
 
