@@ -111,6 +111,11 @@ def result_of(proc):
     return json.loads(lines[0][len("RESULT "):])
 
 
+def ddp_counts(folder):
+    """What tests/instrument counted in each rank of a run with COUNT_DDP_DIR=folder, in rank order."""
+    return [json.loads(f.read_text()) for f in sorted(Path(folder).glob("rank*.json"))]
+
+
 def epoch_lines(stdout):
     """A recipe's per-epoch lines without the timing fields and the planned step total, which differ between runs
     (a --max-steps run plans fewer steps)."""

@@ -5,13 +5,12 @@ Bytes are counted by tests/instrument/sitecustomize.py (every dist.all_reduce th
 training step) and checked against what each hook must send, computed here from the model's parameter shapes.
 """
 
-import json
 import math
 import shutil
 
 import pytest
 import torch
-from conftest import as_if_saved_on_gpu, launch, replayed, result_of, rng_env, rng_streams
+from conftest import as_if_saved_on_gpu, ddp_counts, launch, replayed, result_of, rng_env, rng_streams
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from common.models import build_model
@@ -50,24 +49,27 @@ def distance(a, b, init):
     return ((flat(a) - flat(b)).norm() / (flat(b) - flat(init)).norm()).item()
 
 
-def expected_bytes(hook):
-    """What one training step all-reduces, from the parameter shapes: every gradient in fp32; in 16 bits; or PowerSGD's
-    factors P (n x r) and Q (m x r) for each matrix its hook compresses (the hook's own _should_compress), the rest
-    whole."""
-    total = 0
-    for param in initial().parameters():
+def factor_sizes():
+    """{name: (numel of P, numel of Q)} for each parameter PowerSGD compresses: its gradient as an n x m matrix (the
+    hook's tensor.view(n, -1)), factors n x r and m x r, where the hook's own _should_compress says they pay."""
+    sizes = {}
+    for name, param in initial().named_parameters():
         n = param.shape[0]
         m = param.numel() // n
         r = min(n, m, RANK)
-        if hook == "powersgd" and powerSGD_hook._should_compress(n, m, r, 2)[0]:
-            total += (n + m) * r * 4
-        else:
-            total += param.numel() * (2 if hook in ("bf16", "fp16") else 4)
-    return total
+        if powerSGD_hook._should_compress(n, m, r, 2)[0]:
+            sizes[name] = (n * r, m * r)
+    return sizes
 
 
-def counted(folder):
-    return [json.loads(f.read_text()) for f in sorted(folder.glob("rank*.json"))]
+def expected_bytes(hook):
+    """What one training step all-reduces, from the parameter shapes: every gradient in fp32; in 16 bits; or PowerSGD's
+    factors P and Q for each matrix it compresses, the rest whole."""
+    if hook == "powersgd":
+        factors = factor_sizes()
+        return sum(4 * (sum(factors[name]) if name in factors else p.numel())
+                   for name, p in initial().named_parameters())
+    return sum(p.numel() * (2 if hook in ("bf16", "fp16") else 4) for p in initial().parameters())
 
 
 @pytest.fixture(scope="module", params=[pytest.param(world, marks=pytest.mark.slow) for world in (2, 3)])
@@ -82,7 +84,7 @@ def runs(request, tmp_path_factory):
         counts.mkdir()
         env = rng_env(base / f"rng_{hook}", {"COUNT_DDP_DIR": str(counts)})  # tests/instrument counts the bytes
         out[hook] = launch(*args, "--comm-hook", hook, "--out-dir", base / hook, env=env)
-        out[f"counts_{hook}"] = counted(counts)
+        out[f"counts_{hook}"] = ddp_counts(counts)
     pieced = base / "pieced"
     out["first"] = launch(*args, "--comm-hook", "powersgd", "--out-dir", pieced, "--max-steps", steps_per_epoch(world),
                           env=rng_env(base / "rng_first"))
@@ -130,16 +132,12 @@ def test_powersgd_state_survives_a_checkpoint(runs):
     saved = runs["saved"]["comm_hook"]
     # Its step count, the error feedback of every gradient element, and the warm-start factors of each compressed
     # matrix, keyed by parameter name (DDP's buckets are laid out again in a new process).
-    model = initial()
-    shapes = {name: p.shape for name, p in model.named_parameters()}
     assert saved["iter"] == per_epoch
-    assert {n: t.shape for n, t in saved["error"].items()} == {n: (s.numel(),) for n, s in shapes.items()}
-    compressed = {n for n, s in shapes.items()
-                  if powerSGD_hook._should_compress(s[0], s.numel() // s[0], min(s[0], s.numel() // s[0], RANK), 2)[0]}
-    assert set(saved["p"]) == set(saved["q"]) == compressed and compressed
-    assert {n: (saved["p"][n].numel(), saved["q"][n].numel()) for n in compressed} == {
-        n: (shapes[n][0] * RANK, shapes[n].numel() // shapes[n][0] * RANK) for n in compressed}
-    assert all(saved["error"][n].abs().max() > 0 for n in compressed)  # what rank 1 left out, for the next step
+    assert {n: t.shape for n, t in saved["error"].items()} == {n: (p.numel(),) for n, p in initial().named_parameters()}
+    factors = factor_sizes()
+    assert set(saved["p"]) == set(saved["q"]) == set(factors) and factors
+    assert {n: (saved["p"][n].numel(), saved["q"][n].numel()) for n in factors} == factors
+    assert all(saved["error"][n].abs().max() > 0 for n in factors)  # what rank 1 left out, for the next step
     resumed = result_of(runs["resumed"])
     assert resumed["steps"] == EPOCHS * per_epoch
     assert "holds no PowerSGD state" not in runs["resumed"].stdout
@@ -179,7 +177,7 @@ def test_powersgd_resumes_on_another_world_size(runs, tmp_path):
     assert (result["world_size"], result["steps"]) == (other, EPOCHS * steps_per_epoch(other)), proc.stdout
     assert f"resume: saved with {world} ranks, now {other}: random streams reseeded after epoch 1" in proc.stdout
     assert "holds no PowerSGD state" not in proc.stdout
-    assert [c["allreduce_bytes_per_step"] for c in counted(counts)] == [
+    assert [c["allreduce_bytes_per_step"] for c in ddp_counts(counts)] == [
         [expected_bytes("powersgd")] * steps_per_epoch(other)] * other
     assert replayed(rng_streams(runs["base"] / "rng_first", tmp_path / "rng")) == {}
     assert result["val_acc1"] > 25, result

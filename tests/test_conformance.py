@@ -12,7 +12,6 @@ does and averages the ranks' gradients as DDP does):
 tools/mutation_check.py deletes these lessons from the recipes one at a time and reports which this suite misses.
 """
 
-import json
 import math
 import re
 import time
@@ -20,7 +19,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from conftest import epoch_losses, launch, load_recipe, replayed, result_of, rng_env, rng_streams
+from conftest import ddp_counts, epoch_losses, launch, load_recipe, replayed, result_of, rng_env, rng_streams
 from PIL import Image
 from reference import ApexLevels, Autocast, Plain, evaluate, train
 
@@ -196,7 +195,7 @@ def test_eval_is_exact_with_batchnorm(run):
 
 def test_ddp_reduces_once_per_step_evaluates_outside_the_wrapper_and_never_reads_the_scaler_flag(run):
     case = run["case"]
-    counts = [json.loads(f.read_text()) for f in sorted(run["counts"].glob("rank*.json"))]
+    counts = ddp_counts(run["counts"])
     if case.recipe not in DDP:  # DataParallel: no process group; fsdp: a process group but no DDP wrapper
         assert counts == ([] if case.recipe == "dp" else [
             {"grad_allreduces": 0, "eval_forwards": 0, "scaler_host_reads": 0, "allreduce_bytes_per_step": []}

@@ -8,13 +8,12 @@ Join(...)` removed) the rank that runs out first leaves the others in an all-red
 job ends with the one-line timeout error.
 """
 
-import json
 import re
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, epoch_losses, launch, load_recipe, result_of, rng_env
+from conftest import REPO, ddp_counts, epoch_losses, launch, load_recipe, result_of, rng_env
 from jobs import error_lines
 from reference import Plain, evaluate
 from torch.utils.data import DataLoader, Subset
@@ -80,7 +79,7 @@ def test_join_finishes_and_equals_the_reference_over_every_ranks_batches(tmp_pat
                   env=rng_env(tmp_path / "rng", {"COUNT_DDP_DIR": str(counted)}))
     losses, model, counts = reference(world, batch)
     # tests/instrument counts DDP's forwards with autograd off: evaluation goes around the wrapper (model.module).
-    assert [json.loads(f.read_text())["eval_forwards"] for f in sorted(counted.glob("rank*.json"))] == [0] * world
+    assert [count["eval_forwards"] for count in ddp_counts(counted)] == [0] * world
     assert len(set(counts)) > 1, counts  # the ranks' batch counts do differ
     assert f"steps_per_epoch={max(counts)} batches_per_rank={counts}" in proc.stdout, proc.stdout
     result = result_of(proc)
