@@ -3,7 +3,9 @@ and what a researcher may delete or swap for their own tooling when copying a re
 as one name, so every such line reads `harness.NAME(...)` and shows itself for what it is.
 
     harness.add_flags(parser)             --max-steps, --tb-dir, --tb-every
-    harness.check_flags(args)             start-up: nan/inf floats, counts below their minimum, an unknown --arch
+    harness.check_flags(args, world_size) start-up: nan/inf floats, counts below their minimum, an unknown --arch,
+                                          a --batch-size the processes cannot split, --sync-bn without GPUs
+    harness.check_gpu(device, backend)    the rank's GPU is visible; launch.sh G:N (N ranks share GPU G): gloo
     harness.die(message)                  one line on stderr, exit 2 (said once per node)
     with harness.one_line_errors(): ...   around main(): a lost rank, a timeout, Ctrl-C, DDP's unused-parameter
                                           error, a bad file: one line each instead of a traceback per rank
@@ -19,6 +21,11 @@ as one name, so every such line reads `harness.NAME(...)` and shows itself for w
 No function here performs a collective unless its name says so (all_reduce, broadcast, gather): everything else is
 local and safe under `if is_main:` (tests/test_harness.py walks common/ and runs the local ones on rank 0 alone).
 """
+
+import os
+
+import torch
+import torch.distributed as dist
 
 from common.checkpoint import check_epochs_left
 from common.data import check_full_batch, default_workers
@@ -38,7 +45,8 @@ from common.utils import (
 
 # The smallest value each counting flag takes, by argparse dest; check_flags() checks those a recipe has.
 AT_LEAST = {"epochs": 1, "workers": 0, "accum_steps": 1, "prefetch": 1, "embedding_size": 1, "max_steps": 1,
-            "image_size": 1, "synthetic_train": 1, "synthetic_val": 1, "tb_every": 1, "warmup_epochs": 0}
+            "image_size": 1, "synthetic_train": 1, "synthetic_val": 1, "tb_every": 1, "warmup_epochs": 0,
+            "shard_size": 1}
 ABOVE_ZERO = ("lr", "dist_timeout", "clip_grad")  # rates and seconds: 0 is never meant
 
 
@@ -49,9 +57,10 @@ def add_flags(parser):
     parser.add_argument("--tb-every", type=int, default=20, help="--tb-dir: the training loss every N optimizer steps")
 
 
-def check_flags(args):
+def check_flags(args, world_size=1):
     """The checks every recipe's flags share, on every rank before any collective (a bad flag fails in seconds, not
-    at a timeout): one line, exit 2. Flags left None (a default the recipe fills in) are skipped. Local."""
+    at a timeout): one line, exit 2. Flags left None (a default the recipe fills in) are skipped. --batch-size is the
+    GLOBAL batch: it must split evenly over `world_size` processes. Local."""
     if nonfinite_flags(args):  # argparse's float() takes nan and inf, and `nan <= 0` is False
         die(f"{nonfinite_flags(args)[0]} is not a finite number")
     flags = vars(args)
@@ -66,6 +75,27 @@ def check_flags(args):
             check_arch(args.arch)
         except ValueError as exc:
             die(str(exc))
+    if flags.get("sync_bn") and not torch.cuda.is_available():  # torch's SyncBatchNorm and DDP refuse CPU tensors
+        die("--sync-bn needs GPUs: torch's SyncBatchNorm refuses CPU tensors; leave it out on the CPU")
+    batch, accum = flags.get("batch_size"), flags.get("accum_steps") or 1  # accum: torch_amp's micro-batches
+    if batch is not None and (batch < world_size * accum or batch % (world_size * accum)):
+        die(f"--batch-size {batch} is the GLOBAL batch and must be a multiple of the {world_size} processes"
+            + (f" x {accum} accumulation steps" if accum > 1 else "")
+            + f"; try --batch-size {max(1, batch // (world_size * accum)) * world_size * accum}")
+
+
+def check_gpu(device, backend):
+    """The GPU and backend this rank uses: the recipe's `device` (cuda:LOCAL_RANK) and `backend` ("nccl"), checked.
+    A GPU that is not visible (more processes than GPUs) fails with one line on every rank. Under launch.sh G:N
+    (RANKS_PER_GPU=N: N ranks share GPU G, for debugging) rank r takes GPU r // N over gloo: NCCL refuses two ranks
+    on one GPU ("Duplicate GPU detected"), gloo shares it through host memory. Local."""
+    ranks_per_gpu = int(os.environ.get("RANKS_PER_GPU", 1))
+    if ranks_per_gpu > 1:
+        device, backend = torch.device("cuda", device.index // ranks_per_gpu), "gloo"
+    if device.index >= torch.cuda.device_count():
+        die(f"this rank's GPU is cuda:{device.index} but only {torch.cuda.device_count()} GPUs are visible: start "
+            "one process per listed GPU (./launch.sh RECIPE 0,1 does)", all_ranks=True)
+    return device, backend
 
 
 def gather_result_line(device, speed, model, optimizer, peaks=None, **fields):
@@ -76,11 +106,15 @@ def gather_result_line(device, speed, model, optimizer, peaks=None, **fields):
     peaks in MB where one process drives several GPUs (dp.py), instead of gathering each process's own."""
     peaks = peaks or [round(p, 1) for p in gather_values(peak_memory_mb(device), device)]
     held = [int(b) for b in gather_values(held_state_bytes(model, optimizer), device)]
+    if "world_size" not in fields:  # after the recipe's name, where the recipes that pass it (dp.py) have it
+        recipe = {"recipe": fields.pop("recipe")} if "recipe" in fields else {}
+        fields = {**recipe, "world_size": dist.get_world_size() if dist.is_initialized() else 1, **fields}
+    fields = {k: round(v, 6) if isinstance(v, float) else v for k, v in fields.items()}  # floats: 6 places
     return result_line(**fields, device=device.type, images_per_sec=round(speed.images_per_sec, 2),
                        peak_mem_mb=max(peaks), peak_mem_mb_per_rank=peaks, state_bytes_per_rank=held,
                        first_step_end_unix=speed.first_step_at)
 
 
 __all__ = ["DivergenceCheck", "TensorBoard", "Throughput", "add_flags", "broadcast_out_dir_check", "check_epochs_left",
-           "check_flags", "check_full_batch", "default_workers", "die", "gather_result_line", "one_line_errors",
-           "peak_memory_mb", "state_bytes"]
+           "check_flags", "check_full_batch", "check_gpu", "default_workers", "die", "gather_result_line",
+           "one_line_errors", "peak_memory_mb", "state_bytes"]

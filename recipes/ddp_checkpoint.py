@@ -31,8 +31,7 @@ What it shows (the rest is recipes/ddp_torchrun.py):
   forward can start a collective that the other ranks, already waiting at the barrier, never join
   (write-up 000). For rank-0-only inference, call model.module(x), which has no collectives.
 
-`harness.` lines are plumbing, not the lesson (start-up checks, one-line errors, divergence stop, TensorBoard,
-timing, the RESULT line: common/harness.py). Siblings of ddp_torchrun.py mark the lines they add `# New:`.
+`harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
 """
 # launcher: torchrun
 
@@ -65,8 +64,7 @@ def parse_args(argv=None):
     add_data_flags(p)  # --dataset, --data-root, --image-size, ...: build_datasets' flags (common/data.py)
     p.add_argument("--arch", default="resnet18", help="torchvision model name, or tiny / tiny_unused")
     p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--batch-size", type=int, help="GLOBAL batch, split evenly across processes "
-                   "(default: 128, rounded down to a multiple of the process count: 126 on 3)")
+    p.add_argument("--batch-size", type=int, help="GLOBAL batch, split across processes (default: 128; 126 on 3)")
     p.add_argument("--workers", type=int, help="DataLoader workers PER PROCESS (default: its cores - 1, max 16)")
     p.add_argument("--lr", type=float, help="peak learning rate (default: 0.1 x global batch / 128)")
     p.add_argument("--warmup-epochs", type=float, default=1, help="linear warm-up, then cosine (<= 1/3 of the run)")
@@ -74,8 +72,7 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", default="runs/ddp_checkpoint", help="latest.pt, best.pt, model.pt")
     p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
     p.add_argument("--find-unused-parameters", action="store_true", help="parameters may get no gradient")
-    p.add_argument("--sync-bn", action="store_true",
-                   help="BatchNorm statistics over the global batch, for small per-GPU batches (GPUs only)")
+    p.add_argument("--sync-bn", action="store_true", help="BatchNorm over the global batch (GPUs only)")
     # New
     p.add_argument("--resume", help="a latest.pt to continue from, or 'auto': OUT_DIR/latest.pt if it exists")
     p.add_argument("--init-from", help="weights to start from (a state_dict, with or without 'module.')")
@@ -84,14 +81,9 @@ def parse_args(argv=None):
 
 
 def check_args(args, world_size):
-    harness.check_flags(args)  # nan/inf, a count below its minimum, an unknown --arch: one line, before any collective
-    if args.sync_bn and not torch.cuda.is_available():  # torch's SyncBatchNorm and DDP refuse it on CPU tensors
-        harness.die("--sync-bn needs GPUs: torch's SyncBatchNorm refuses CPU tensors; leave it out on the CPU")
+    harness.check_flags(args, world_size)  # nan/inf, a bad count or --arch, an uneven --batch-size, --sync-bn on CPU
     if args.batch_size is None:  # the default, rounded down so that it divides: 126 on 3 GPUs, not an error
         args.batch_size = max(1, 128 // world_size) * world_size
-    if args.batch_size < world_size or args.batch_size % world_size:
-        harness.die(f"--batch-size {args.batch_size} is the GLOBAL batch and must be a multiple of the "
-                    f"{world_size} processes; try --batch-size {max(1, args.batch_size // world_size) * world_size}")
     if args.lr is None:  # the linear scaling rule: a k times larger batch takes a k times larger step
         args.lr = 0.1 * args.batch_size / 128
     args.image_size = args.image_size or (224 if args.dataset == "imagefolder" else 32)  # < 64 px: small-image stem
@@ -108,8 +100,7 @@ def rng_state(device):  # New
 # ------------------------------------------------------------------------------------------- eval
 @torch.no_grad()
 def evaluate(model, loader, criterion, device):
-    """Each rank scores its own shard (no padded duplicates); sums are all-reduced, so the result
-    equals one process scoring the whole set. Call it on every rank: a collective waits for all."""
+    """Each rank scores its own shard; the sums are all-reduced, as if one process scored all (every rank calls it)."""
     model.eval()
     loss, top1, top5 = AverageMeter(), AverageMeter(), AverageMeter()
     for images, targets in loader:
@@ -126,60 +117,47 @@ def evaluate(model, loader, criterion, device):
 
 def main():
     args = parse_args()
-
     # ------------------------------------------------------------------------ distributed setup
     # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; plain python: a world of 1.
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     is_main = rank == 0
-    ranks_per_gpu = int(os.environ.get("RANKS_PER_GPU", 1))  # launch.sh G:N: N ranks share GPU G (debugging)
     check_args(args, world_size)
     if torch.cuda.is_available():
-        gpu = local_rank // ranks_per_gpu
-        if gpu >= torch.cuda.device_count():
-            harness.die(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
-                        "start one process per listed GPU (./launch.sh RECIPE 0,1 does)", all_ranks=True)
-        # Before any CUDA work, or every process also puts a context on GPU 0 (write-up 000).
-        torch.cuda.set_device(gpu)
-        # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"); gloo shares it, through host memory.
-        device, backend = torch.device("cuda", gpu), "nccl" if ranks_per_gpu == 1 else "gloo"
+        device, backend = torch.device("cuda", local_rank), "nccl"  # one GPU per process; NCCL between GPUs
+        device, backend = harness.check_gpu(device, backend)  # visible? (launch.sh G:N: N ranks on GPU G, gloo)
+        torch.cuda.set_device(device)  # before any CUDA work, or every process also puts a context on GPU 0 (000)
         torch.backends.cudnn.benchmark = True  # fixed-size inputs: cuDNN times its kernels once, keeps the fastest
-        # TF32 matmuls and convolutions (Ampere and newer): several times faster, fp32's curves; False: bitwise runs.
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # TF32: fast, fp32's curves
     else:
         device, backend = torch.device("cpu"), "gloo"
-    # torch's default timeout is 30 min: a rank that died would leave the others hanging that long.
-    timeout = datetime.timedelta(seconds=args.dist_timeout)
+    timeout = datetime.timedelta(seconds=args.dist_timeout)  # torch's 30 min would leave the others hanging that long
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     batch_per_process = args.batch_size // world_size
-    # --workers counts per process; unset: one per core this process has beyond its own, at most 16.
     workers_per_process = harness.default_workers(args.workers, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    print0(f"setup: world_size={world_size} backend={backend} device={device.type} "
-           f"global_batch={args.batch_size} ({batch_per_process} per process x {world_size}), "
-           f"workers={workers_per_process} per process")
-
+    print0(f"setup: world_size={world_size} backend={backend} device={device.type} global_batch={args.batch_size} "
+           f"({batch_per_process} per process x {world_size}), workers={workers_per_process} per process")
     # ------------------------------------------------------------------------------------ data
     if local_rank == 0:  # one per node (in turn on a shared folder: one download); the others wait at the barrier
         prepare_dataset(args.dataset, args.data_root)
     dist.barrier()
     # YOUR DATA goes here: two map-style Datasets whose items are (image tensor C x H x W, integer label), and the
     # number of classes. build_datasets fails with one line naming the folder or file that is wrong.
-    train_set, val_set, num_classes = build_datasets(
-        args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val,
-        flip=not args.no_flip)
+    train_set, val_set, num_classes = build_datasets(args.dataset, args.data_root, args.image_size,
+                                                     args.synthetic_train, args.synthetic_val, flip=not args.no_flip)
     # Same seed on every rank: each process sees a different shard of one shared permutation.
     train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    loader_args = dict(batch_size=batch_per_process, num_workers=workers_per_process,
+                       pin_memory=device.type == "cuda", persistent_workers=workers_per_process > 0)
     # New: not persistent, workers are re-seeded from the (checkpointed) RNG each epoch, so resume is exact.
-    train_loader = DataLoader(train_set, batch_size=batch_per_process, sampler=train_sampler,
-                              num_workers=workers_per_process, pin_memory=device.type == "cuda", drop_last=True)
+    train_loader = DataLoader(train_set, sampler=train_sampler, drop_last=True,
+                              **{**loader_args, "persistent_workers": False})
     # DistributedSampler pads val with repeated samples; a strided shard counts each sample once.
-    val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=batch_per_process,
-                            num_workers=workers_per_process, pin_memory=device.type == "cuda",
-                            persistent_workers=workers_per_process > 0)
+    val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), **loader_args)
     harness.check_full_batch(len(train_loader), len(train_set), args.batch_size)  # drop_last: else 0 steps
     print0(f"data: {args.dataset} train={len(train_set)} val={len(val_set)} classes={num_classes} "
            f"steps_per_epoch={len(train_loader)}")
@@ -187,13 +165,11 @@ def main():
     # New: start the validation workers now. The training workers are forked again every epoch, and on
     # Python <= 3.11 a fork just after another loader shut down can deadlock the child (CPython gh-112275).
     iter(val_loader)
-
     # ----------------------------------------------------------------------------------- model
     torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
     # YOUR MODEL goes here: an nn.Module from a batch (N, C, H, W) to logits (N, num_classes).
     model = build_model(args.arch, num_classes, args.image_size).to(device)
-    if args.sync_bn:  # small per-GPU batches (detection, segmentation): BatchNorm over every rank's samples
-        # Before the DDP wrap. Each layer all-gathers its statistics in every training forward (eval: none).
+    if args.sync_bn:  # before the DDP wrap; each BatchNorm all-gathers its statistics in every training forward
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                 find_unused_parameters=args.find_unused_parameters)
@@ -238,7 +214,6 @@ def main():
                                                             "best.pt": harness.state_bytes(model.module),
                                                             "model.pt": harness.state_bytes(model.module)},
                                     shared=True, tb_dir=args.tb_dir)  # New: shared=True, latest.pt and best.pt
-
     # ----------------------------------------------------------------------------------- train
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
     speed = harness.Throughput(device)
@@ -277,20 +252,17 @@ def main():
         loss_meter.all_reduce(device)
         acc_meter.all_reduce(device)
         diverged.all_reduce_and_check(epoch, step, model=model)  # before eval and any save: no file from NaN weights
-        # BatchNorm's running statistics trail the weights (momentum 0.1: each keeps 0.9^k of the batch k steps ago),
-        # so after a short or fast-moving epoch they no longer fit and eval's loss explodes: recompute them from
-        # this epoch's last batches through the final weights. Local (--sync-bn: each rank runs as many); rank 0's kept.
+        # BatchNorm's running statistics trail the weights (momentum 0.1), so after a short or fast epoch eval's loss
+        # explodes: recompute them from this epoch's last batches through the final weights. Local; rank 0's are kept.
         with recomputed_batchnorm(model.module):
             while recent:  # popped: each batch leaves GPU memory once used
                 model.module(recent.popleft())
-
         # -------------------------------------------------------------------------------- eval
-        # DDP copies rank 0's buffers (BatchNorm statistics) to the others at the start of each forward, so
-        # after the last step every rank holds its own: evaluate everywhere with rank 0's, which model.pt gets.
+        # DDP copies rank 0's buffers (BatchNorm statistics) to the others at each forward, so after the last step
+        # every rank holds its own: evaluate everywhere with rank 0's, which model.pt gets.
         for buffer in model.module.buffers():
             dist.broadcast(buffer, 0)
-        # model.module, not the DDP wrapper: its first forward after training broadcasts buffers, a collective
-        # that hangs when a rank's shard has no batch, or when rank 0 evaluates alone. Every rank evaluates.
+        # model.module: the DDP wrapper's next forward broadcasts buffers, a collective that hangs an empty shard.
         val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device)
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
                f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
@@ -319,19 +291,16 @@ def main():
         load_weights(model.module, load_checkpoint(latest, map_location="cpu", mmap=True)["model"], latest)
         if step >= total_steps:
             break
-
     # ------------------------------------------------------------------------------------ save
     if is_main:
         os.makedirs(args.out_dir, exist_ok=True)
         path = os.path.join(args.out_dir, "model.pt")
         torch.save(model.module.state_dict(), path)  # .module: keys without the "module." prefix
         print0(f"saved: {path}")
-
     # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
     tb.close()
-    print0(harness.gather_result_line(device, speed, model, optimizer, recipe="ddp_checkpoint", world_size=world_size,
-                                      steps=step, train_loss=round(loss_meter.avg, 6), val_acc1=round(val_acc1, 4),
-                                      val_samples=val_samples))
+    print0(harness.gather_result_line(device, speed, model, optimizer, recipe="ddp_checkpoint", steps=step,
+                                      train_loss=loss_meter.avg, val_acc1=val_acc1, val_samples=val_samples))
     dist.destroy_process_group()
 
 

@@ -12,8 +12,7 @@ out first), and runs the replicas from threads of one Python process, where the 
 DDP runs one process per GPU and only all-reduces gradients. --batch-size is the whole batch,
 split across the GPUs; --workers all belong to the one process.
 
-`harness.` lines are plumbing, not the lesson (start-up checks, one-line errors, divergence stop, TensorBoard,
-timing, the RESULT line: common/harness.py). Siblings of ddp_torchrun.py mark the lines they add `# New:`.
+`harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
 """
 # launcher: python
 
@@ -53,10 +52,7 @@ def parse_args(argv=None):
 
 
 def check_args(args, world_size):
-    harness.check_flags(args)  # nan/inf, a count below its minimum, an unknown --arch: one line, before any collective
-    if args.batch_size < world_size or args.batch_size % world_size:
-        harness.die(f"--batch-size {args.batch_size} is the GLOBAL batch and must be a multiple of the "
-                    f"{world_size} processes; try --batch-size {max(1, args.batch_size // world_size) * world_size}")
+    harness.check_flags(args, world_size)  # nan/inf, a bad count or --arch, an uneven --batch-size, --sync-bn on CPU
     if args.lr is None:  # the linear scaling rule: a k times larger batch takes a k times larger step
         args.lr = 0.1 * args.batch_size / 128
     args.image_size = args.image_size or (224 if args.dataset == "imagefolder" else 32)  # < 64 px: small-image stem
@@ -82,7 +78,6 @@ def evaluate(model, loader, criterion, device):
 
 def main():
     args = parse_args()
-
     # ------------------------------------------------------------------------ distributed setup
     # New: one process, whatever the GPU count: DataParallel fans each batch out to threads.
     rank, local_rank, world_size, is_main = 0, 0, 1, True
@@ -91,20 +86,17 @@ def main():
     device = torch.device("cuda", local_rank) if num_gpus else torch.device("cpu")  # outputs gather here
     if num_gpus:
         torch.backends.cudnn.benchmark = True  # fixed-size inputs: cuDNN times its kernels once, keeps the fastest
-        # TF32 matmuls and convolutions (Ampere and newer): several times faster, fp32's curves; False: bitwise runs.
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # TF32: fast, fp32's curves
     batch_per_process = args.batch_size
     workers_per_process = harness.default_workers(args.workers, processes_per_node=1)
     where = f"DataParallel over {num_gpus} GPU(s)" if num_gpus else "no GPU, DataParallel passes through"
     print0(f"setup: 1 process, {where}, batch={args.batch_size} (split across the GPUs), workers={workers_per_process}")
-
     # ------------------------------------------------------------------------------------ data
     prepare_dataset(args.dataset, args.data_root)
     # YOUR DATA goes here: two map-style Datasets whose items are (image tensor C x H x W, integer label), and the
     # number of classes. build_datasets fails with one line naming the folder or file that is wrong.
-    train_set, val_set, num_classes = build_datasets(
-        args.dataset, args.data_root, args.image_size, args.synthetic_train, args.synthetic_val,
-        flip=not args.no_flip)
+    train_set, val_set, num_classes = build_datasets(args.dataset, args.data_root, args.image_size,
+                                                     args.synthetic_train, args.synthetic_val, flip=not args.no_flip)
     train_sampler = RandomSampler(train_set, generator=torch.Generator().manual_seed(args.seed))  # New: one process
     train_loader = DataLoader(train_set, batch_size=batch_per_process, sampler=train_sampler,
                               num_workers=workers_per_process, pin_memory=device.type == "cuda",
@@ -115,7 +107,6 @@ def main():
     harness.check_full_batch(len(train_loader), len(train_set), args.batch_size)  # drop_last: else 0 steps
     print0(f"data: {args.dataset} train={len(train_set)} val={len(val_set)} classes={num_classes} "
            f"steps_per_epoch={len(train_loader)}")
-
     # ----------------------------------------------------------------------------------- model
     torch.manual_seed(args.seed)
     # YOUR MODEL goes here: an nn.Module from a batch (N, C, H, W) to logits (N, num_classes).
@@ -125,11 +116,8 @@ def main():
     criterion = torch.nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
     scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs)  # per step
-
-    # Before the first step: an --out-dir that cannot hold model.pt fails now, not after hours of training.
     harness.broadcast_out_dir_check(args.out_dir, is_main, {"model.pt": harness.state_bytes(model.module)},
                                     tb_dir=args.tb_dir)
-
     # ----------------------------------------------------------------------------------- train
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
     step, speed = 0, harness.Throughput(device)
@@ -164,14 +152,12 @@ def main():
         loss_meter.all_reduce(device)
         acc_meter.all_reduce(device)
         diverged.all_reduce_and_check(epoch, step, model=model)  # before eval and any save: no file from NaN weights
-        # BatchNorm's running statistics trail the weights (momentum 0.1: each keeps 0.9^k of the batch k steps ago),
-        # so after a short or fast-moving epoch they no longer fit and eval's loss explodes: recompute them from
-        # this epoch's last batches through the final weights (model.module on GPU 0, a GPU's slice at a time).
+        # BatchNorm's running statistics trail the weights (momentum 0.1), so after a short or fast epoch eval's loss
+        # explodes: recompute them from this epoch's last batches through the final weights (GPU 0, a slice at a time).
         with recomputed_batchnorm(model.module):
             while recent:  # popped: each batch leaves GPU memory once used
                 for part in recent.popleft().chunk(max(1, torch.cuda.device_count())):
                     model.module(part)
-
         # -------------------------------------------------------------------------------- eval
         val_loss, val_acc1, val_acc5, val_samples = evaluate(model, val_loader, criterion, device)
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
@@ -181,20 +167,18 @@ def main():
                  val_acc1=val_acc1, val_acc5=val_acc5, images_per_sec=loss_meter.count / epoch_time)
         if step >= total_steps:
             break
-
     # ------------------------------------------------------------------------------------ save
     if is_main:
         os.makedirs(args.out_dir, exist_ok=True)
         path = os.path.join(args.out_dir, "model.pt")
         torch.save(model.module.state_dict(), path)  # .module: keys without the "module." prefix
         print0(f"saved: {path}")
-
     # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
     tb.close()
     # Per GPU: DataParallel gathers outputs and gradients on GPU 0, so it is the fullest.
     peaks = [round(harness.peak_memory_mb(torch.device("cuda", i)), 1) for i in range(num_gpus)]
     print0(harness.gather_result_line(device, speed, model, optimizer, peaks=peaks, recipe="dp", world_size=world_size,
-                                      steps=step, train_loss=round(loss_meter.avg, 6), val_acc1=round(val_acc1, 4),
+                                      steps=step, train_loss=loss_meter.avg, val_acc1=val_acc1,
                                       val_samples=val_samples))
 
 

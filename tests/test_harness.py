@@ -188,3 +188,49 @@ def test_an_error_naming_find_unused_parameters_outside_a_ddp_forward_keeps_its_
     assert _unused_parameters(error) is None
     with pytest.raises(RuntimeError, match="mark a variable ready only once"), one_line_errors():
         raise error
+
+
+# ----------------------------------------------------------------------- the recipes' start-up checks
+def test_check_gpu_keeps_the_rank_s_gpu_shares_one_under_launch_sh_g_n_and_refuses_one_not_visible(
+        monkeypatch, capsys):
+    # No GPU on this box: torch.cuda.device_count is stood in for (4 visible GPUs), the one CUDA call check_gpu makes;
+    # torch.device("cuda", i) needs no GPU.
+    from common import harness
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("RANKS_PER_GPU", raising=False)
+    assert harness.check_gpu(torch.device("cuda", 3), "nccl") == (torch.device("cuda", 3), "nccl")
+    monkeypatch.setenv("RANKS_PER_GPU", "3")  # launch.sh 1:3: CUDA_VISIBLE_DEVICES=1, local ranks 0-2 on it
+    assert harness.check_gpu(torch.device("cuda", 2), "nccl") == (torch.device("cuda", 0), "gloo")
+    monkeypatch.setenv("RANKS_PER_GPU", "1")
+    with pytest.raises(SystemExit) as exc:  # torchrun --nproc-per-node 5 on 4 GPUs
+        harness.check_gpu(torch.device("cuda", 4), "nccl")
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == ("[rank 0] error: this rank's GPU is cuda:4 but only 4 GPUs are visible: start "
+                                       "one process per listed GPU (./launch.sh RECIPE 0,1 does)\n")
+
+
+@pytest.mark.parametrize(("flags", "world", "says"), [
+    (["--batch-size", "10"], 3, "--batch-size 10 is the GLOBAL batch and must be a multiple of the 3 processes; "
+                                "try --batch-size 9"),
+    (["--batch-size", "2"], 3, "--batch-size 2 is the GLOBAL batch and must be a multiple of the 3 processes; "
+                               "try --batch-size 3"),
+    (["--batch-size", "12", "--accum-steps", "4"], 2, "--batch-size 12 is the GLOBAL batch and must be a multiple of "
+                                                      "the 2 processes x 4 accumulation steps; try --batch-size 8"),
+    (["--sync-bn"], 1, "--sync-bn needs GPUs: torch's SyncBatchNorm refuses CPU tensors; leave it out on the CPU"),
+    (["--shard-size", "0"], 1, "--shard-size 0 must be >= 1"),
+])
+def test_check_flags_refuses_with_one_line(flags, world, says, capsys, monkeypatch):
+    from common import harness
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # --sync-bn's case, also on a GPU machine
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--accum-steps", type=int, default=1)
+    parser.add_argument("--shard-size", type=int)
+    parser.add_argument("--sync-bn", action="store_true")
+    with pytest.raises(SystemExit) as exc:
+        harness.check_flags(parser.parse_args(flags), world)
+    assert exc.value.code == 2 and capsys.readouterr().err == f"error: {says}\n"
+    harness.check_flags(parser.parse_args(["--batch-size", str(6 * world)]), world)  # divides: no error
+    harness.check_flags(parser.parse_args([]), world)  # None: the recipe's default, rounded to divide

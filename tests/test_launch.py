@@ -99,7 +99,7 @@ def test_bad_devices(devices, gpus, message, fake_gpus):
 
 
 def test_n_processes_share_one_gpu(fake_gpus):
-    # NCCL refuses two ranks on one GPU: the recipes read RANKS_PER_GPU, put every rank on that GPU, use gloo.
+    # NCCL refuses two ranks on one GPU: harness.check_gpu reads RANKS_PER_GPU, puts every rank on that GPU, uses gloo.
     env, argv, stderr = dry_run("recipes/ddp_torchrun.py", "1:2", env=fake_gpus(2))
     assert (env["CUDA_VISIBLE_DEVICES"], env["RANKS_PER_GPU"], flag(argv, "nproc-per-node")) == ("1", "2", "2")
     assert "2 process(es) per node on GPU 1 shared by 2 processes (gloo: NCCL takes one process per GPU)" in stderr
