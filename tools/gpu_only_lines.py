@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))  # tools/ run as a script
 OUT = REPO / "docs" / "gpu_only_lines.md"
 # A condition that only a GPU (or a real apex on one) makes take the branch the CPU never takes.
 # DataLoaderX makes its copy stream (and with it each batch's event) only for a CUDA device.
-# --sync-bn: harness.check_flags refuses it where torch.cuda.is_available() is False, so `if args.sync_bn:` is a GPU guard.
+# --sync-bn: harness.check_flags refuses it without torch.cuda.is_available(), so `if args.sync_bn:` is a GPU guard.
 GPU_CONDITION = re.compile(r"cuda|nccl|\bgpus?\b|num_gpus|ranks_per_gpu|pin_memory|impl == \"apex\"|\bapex\b|"
                            r"channels_last|\b(stream|event) is not None|\bsync_bn\b")
 # Whole functions and classes that run only on a GPU, by file and name, with the reason.
