@@ -89,7 +89,7 @@ def parse_args(argv=None):
 
 
 def check_args(args, world_size):
-    harness.check_flags(args, world_size)  # nan/inf, a bad count or --arch, an uneven --batch-size, --sync-bn on CPU
+    harness.check_flags(args, world_size)  # one line each: nan/inf, a bad count or --arch, an uneven --batch-size
     if args.batch_size is None:  # the default, rounded down so that it divides: 126 on 3 GPUs, not an error
         args.batch_size = max(1, 128 // world_size) * world_size
     if args.lr is None:  # the linear scaling rule: a k times larger batch takes a k times larger step
@@ -182,7 +182,7 @@ def main():
     if torch.cuda.is_available():
         device, backend = torch.device("cuda", local_rank), "nccl"  # one GPU per process; NCCL between GPUs
         device, backend = harness.check_gpu(device, backend)  # visible? (launch.sh G:N: N ranks on GPU G, gloo)
-        torch.cuda.set_device(device)  # before any CUDA work, or every process also puts a context on GPU 0 (000)
+        torch.cuda.set_device(device)  # first CUDA call, or each process also opens a context on GPU 0 (write-up 000)
         torch.backends.cudnn.benchmark = True  # fixed-size inputs: cuDNN times its kernels once, keeps the fastest
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # TF32: fast, fp32's curves
     else:
@@ -331,8 +331,8 @@ def main():
         acc_meter.all_reduce(device)
         # Before eval and any save: no file from NaN weights. O1/O2: a scale below 1 is divergence (a collective).
         diverged.all_reduce_and_check(epoch, step, loss_scale() if scales_loss else None, model)
-        # BatchNorm's running statistics trail the weights (momentum 0.1), so after a short or fast epoch eval's loss
-        # explodes: recompute them from this epoch's last batches through the final weights. Local; rank 0's are kept.
+        # BatchNorm's running statistics trail the weights (momentum 0.1): after a short or fast epoch, eval's loss
+        # explodes. Recompute them with the final weights from the last batches: local, on every rank.
         with recomputed_batchnorm(model.module), torch.autocast(device.type, dtype=torch.float16, enabled=autocast):
             while recent:  # popped: each batch leaves GPU memory once used
                 model.module(recent.popleft().half() if half_input else recent.popleft())
@@ -342,7 +342,7 @@ def main():
         # step every rank holds its own: evaluate everywhere with rank 0's, which model.pt gets.
         for buffer in model.module.buffers():
             dist.broadcast(buffer, 0)
-        # model.module: torch's DDP wrapper's next forward broadcasts buffers, a collective that hangs an empty shard.
+        # model.module: torch DDP's forward broadcasts buffers, a collective: it hangs on an empty shard, a lone rank 0.
         val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device, autocast,
                                                              half_input)
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "

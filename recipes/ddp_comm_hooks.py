@@ -136,7 +136,7 @@ def main():
     if torch.cuda.is_available():
         device, backend = torch.device("cuda", local_rank), "nccl"  # one GPU per process; NCCL between GPUs
         device, backend = harness.check_gpu(device, backend)  # visible? (launch.sh G:N: N ranks on GPU G, gloo)
-        torch.cuda.set_device(device)  # before any CUDA work, or every process also puts a context on GPU 0 (000)
+        torch.cuda.set_device(device)  # first CUDA call, or each process also opens a context on GPU 0 (write-up 000)
         torch.backends.cudnn.benchmark = True  # fixed-size inputs: cuDNN times its kernels once, keeps the fastest
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # TF32: fast, fp32's curves
     else:
@@ -280,8 +280,8 @@ def main():
         loss_meter.all_reduce(device)
         acc_meter.all_reduce(device)
         diverged.all_reduce_and_check(epoch, step, model=model)  # before eval and any save: no file from NaN weights
-        # BatchNorm's running statistics trail the weights (momentum 0.1), so after a short or fast epoch eval's loss
-        # explodes: recompute them from this epoch's last batches through the final weights. Local; rank 0's are kept.
+        # BatchNorm's running statistics trail the weights (momentum 0.1): after a short or fast epoch, eval's loss
+        # explodes. Recompute them with the final weights from the last batches: every rank (--sync-bn: a collective).
         with recomputed_batchnorm(model.module):
             while recent:  # popped: each batch leaves GPU memory once used
                 model.module(recent.popleft())
@@ -290,7 +290,7 @@ def main():
         # every rank holds its own: evaluate everywhere with rank 0's, which model.pt gets.
         for buffer in model.module.buffers():
             dist.broadcast(buffer, 0)
-        # model.module: the DDP wrapper's next forward broadcasts buffers, a collective that hangs an empty shard.
+        # model.module: DDP's forward broadcasts buffers, a collective that hangs on an empty shard or a lone rank 0.
         val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device)
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
                f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "

@@ -163,7 +163,7 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
         if args.model_parallel:  # New: worker r drives GPUs 2r (the features) and 2r + 1 (the fc)
             device = torch.device("cuda", 2 * local_rank)
         device, backend = harness.check_gpu(device, backend)  # visible? (launch.sh G:N: N ranks on GPU G, gloo)
-        torch.cuda.set_device(device)  # before any CUDA work, or every process also puts a context on GPU 0 (000)
+        torch.cuda.set_device(device)  # first CUDA call, or each process also opens a context on GPU 0 (write-up 000)
         out_device = torch.device("cuda", device.index + 1) if args.model_parallel else device  # New: the fc's
         torch.backends.cudnn.benchmark = True  # fixed-size inputs: cuDNN times its kernels once, keeps the fastest
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # TF32: fast, fp32's curves
@@ -250,8 +250,8 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
         loss_meter.all_reduce(device)
         acc_meter.all_reduce(device)
         diverged.all_reduce_and_check(epoch, step, model=model)  # before eval and any save: no file from NaN weights
-        # BatchNorm's running statistics trail the weights (momentum 0.1), so after a short or fast epoch eval's loss
-        # explodes: recompute them from this epoch's last batches through the final weights. Local; rank 0's are kept.
+        # BatchNorm's running statistics trail the weights (momentum 0.1): after a short or fast epoch, eval's loss
+        # explodes. Recompute them with the final weights from the last batches: every rank (--sync-bn: a collective).
         with recomputed_batchnorm(model.module):
             while recent:  # popped: each batch leaves GPU memory once used
                 model.module(recent.popleft())
@@ -260,7 +260,7 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
         # every rank holds its own: evaluate everywhere with rank 0's, which model.pt gets.
         for buffer in model.module.buffers():
             dist.broadcast(buffer, 0)
-        # model.module: the DDP wrapper's next forward broadcasts buffers, a collective that hangs an empty shard.
+        # model.module: DDP's forward broadcasts buffers, a collective that hangs on an empty shard or a lone rank 0.
         val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device)
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
                f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "

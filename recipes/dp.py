@@ -52,7 +52,7 @@ def parse_args(argv=None):
 
 
 def check_args(args, world_size):
-    harness.check_flags(args, world_size)  # nan/inf, a bad count or --arch, an uneven --batch-size, --sync-bn on CPU
+    harness.check_flags(args, world_size)  # one line each: nan/inf, a bad count or --arch, an uneven --batch-size
     if args.lr is None:  # the linear scaling rule: a k times larger batch takes a k times larger step
         args.lr = 0.1 * args.batch_size / 128
     args.image_size = args.image_size or (224 if args.dataset == "imagefolder" else 32)  # < 64 px: small-image stem
@@ -152,8 +152,8 @@ def main():
         loss_meter.all_reduce(device)
         acc_meter.all_reduce(device)
         diverged.all_reduce_and_check(epoch, step, model=model)  # before eval and any save: no file from NaN weights
-        # BatchNorm's running statistics trail the weights (momentum 0.1), so after a short or fast epoch eval's loss
-        # explodes: recompute them from this epoch's last batches through the final weights (GPU 0, a slice at a time).
+        # BatchNorm's running statistics trail the weights (momentum 0.1): after a short or fast epoch, eval's loss
+        # explodes. Recompute them with the final weights from the last batches (on GPU 0, a GPU's slice at a time).
         with recomputed_batchnorm(model.module):
             while recent:  # popped: each batch leaves GPU memory once used
                 for part in recent.popleft().chunk(max(1, torch.cuda.device_count())):

@@ -99,7 +99,7 @@ def parse_args(argv=None):
 
 
 def check_args(args, world_size):
-    harness.check_flags(args, world_size)  # nan/inf, a bad count or --arch, an uneven --batch-size, --sync-bn on CPU
+    harness.check_flags(args, world_size)  # one line each: nan/inf, a bad count or --arch, an uneven --batch-size
     if args.batch_size is None:  # the default, rounded down so that it divides: 126 on 3 GPUs, not an error
         args.batch_size = max(1, 128 // world_size) * world_size
     if args.lr is None:  # the linear scaling rule: a k times larger batch takes a k times larger step
@@ -205,7 +205,7 @@ def main():
     if torch.cuda.is_available():
         device, backend = torch.device("cuda", local_rank), "nccl"  # one GPU per process; NCCL between GPUs
         device, backend = harness.check_gpu(device, backend)  # visible? (launch.sh G:N: N ranks on GPU G, gloo)
-        torch.cuda.set_device(device)  # before any CUDA work, or every process also puts a context on GPU 0 (000)
+        torch.cuda.set_device(device)  # first CUDA call, or each process also opens a context on GPU 0 (write-up 000)
         torch.backends.cudnn.benchmark = True  # fixed-size inputs: cuDNN times its kernels once, keeps the fastest
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # TF32: fast, fp32's curves
     else:
@@ -330,8 +330,8 @@ def main():
         loss_meter.all_reduce(device)
         acc_meter.all_reduce(device)
         diverged.all_reduce_and_check(epoch, step, model=model)  # before eval and any save: no file from NaN weights
-        # BatchNorm's running statistics trail the weights (momentum 0.1), so after a short or fast epoch eval's loss
-        # explodes: recompute them from this epoch's last batches through the final weights. Local; rank 0's are kept.
+        # BatchNorm's running statistics trail the weights (momentum 0.1): after a short or fast epoch, eval's loss
+        # explodes. Recompute them with the final weights from the last batches, on every rank.
         # New: FSDP's forward all-gathers: every rank runs as many batches (the same number of steps) in this loop.
         with recomputed_batchnorm(model):
             while recent:  # popped: each batch leaves GPU memory once used
