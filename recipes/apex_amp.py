@@ -7,14 +7,12 @@
         --resume runs/apex_amp/checkpoint.pt                                              # interrupted: go on
     MAX_RESTARTS=3 ./launch.sh recipes/apex_amp.py 0,1,3 --opt-level O2 --resume auto  # a dead rank: all restart
 
-What it shows (the rest is recipes/ddp_torchrun.py): the write-ups' apex pattern, in the order apex
-requires: amp.initialize(model, optimizer, opt_level) BEFORE the DDP wrap (apex refuses a wrapped
-model), apex.parallel.DistributedDataParallel(delay_allreduce=True), backward inside
-`with amp.scale_loss(loss, optimizer) as scaled_loss`, and amp.state_dict() in the checkpoint,
-restored after amp.initialize. --impl auto uses apex when usable, else torch (the first line says which).
-
-apex removed amp in 25.07. torch.amp replaces it (recipes/torch_amp.py). This recipe's torch mode,
-beside each apex call in the loop, builds each apex opt level from plain torch:
+What it shows (the rest is recipes/ddp_torchrun.py): the write-ups' apex pattern, in the order apex requires:
+amp.initialize(model, optimizer, opt_level) BEFORE the DDP wrap (apex refuses a wrapped model),
+apex.parallel.DistributedDataParallel(delay_allreduce=True), backward inside `with amp.scale_loss(loss, optimizer) as
+scaled_loss`, and amp.state_dict() in the checkpoint, restored after amp.initialize. --impl auto uses apex when usable,
+else torch (the first line says which). apex removed amp in 25.07; torch.amp replaces it (recipes/torch_amp.py). The
+torch mode, beside each apex call in the loop, builds each opt level from plain torch:
 
     level  apex                                           torch equivalent here
     O0     fp32                                           fp32, no loss scaling
@@ -24,11 +22,9 @@ beside each apex call in the loop, builds each apex opt level from plain torch:
     O3     pure fp16 (--keep-batchnorm-fp32 optional),    model.half() (BatchNorm too unless the flag),
            static loss scale 1.0                          no loss scaling, the optimizer steps fp16 weights
 
-The checkpoint's "amp" slot holds amp.state_dict() or GradScaler.state_dict() (two formats) beside the flags
-that wrote it: --resume refuses another --impl, --opt-level, --keep-batchnorm-fp32 or --epochs. As in apex,
-O2's fp32 masters are re-made from the loaded model, then the optimizer state goes into them. apex needs a GPU
-(on the CPU --impl auto runs torch); CPU fp16 is 10-50x slower than fp32, so there the default level is O0:
-give O1-O3 with --arch tiny / tiny_bn.
+The checkpoint holds amp.state_dict() or GradScaler.state_dict() and the flags that wrote it (--resume refuses
+others); O2's fp32 masters are re-made from the loaded model, as in apex. apex needs a GPU; on the CPU, where fp16 is
+10-50x slower, the default level is O0: give O1-O3 with --arch tiny / tiny_bn.
 
 `harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
 """

@@ -8,28 +8,21 @@
     ./launch.sh recipes/ddp_checkpoint.py cpu:2 --arch tiny --init-from runs/dp/model.pt      # start from weights
 
 What it shows (the rest is recipes/ddp_torchrun.py):
-- Each epoch rank 0 writes OUT_DIR/latest.pt: model (no "module." prefix), optimizer, LR scheduler,
-  epoch, step, best accuracy, every rank's RNG state and the args. When validation accuracy improves
-  it also writes best.pt. Then dist.barrier(), then every rank loads the weights back from latest.pt
-  (write-up 000's save -> barrier -> load): without the barrier a fast rank reads a half-written file.
-  Each loads with map_location="cpu" and mmap=True: the file is mapped, and only the weights are read,
-  as they are copied into the model on the rank's device; the optimizer and RNG states stay on disk.
-  --resume loads all of it with map_location=its own device: without map_location every rank loads
-  onto the GPU it was saved from. (The reload also proves the file loads on every rank now, not on
-  the day you need it.) The folder must be one every node sees: checked at start-up, before the
-  first step, with the room the checkpoints need (harness.broadcast_out_dir_check).
-- Writes are atomic (common.checkpoint.save_atomic): a temp file in the same directory, then os.replace.
-  A crash or a full disk mid-write leaves the previous checkpoint whole; a failed write is one line.
-- --resume PATH|auto restores all of it and continues: the same losses and, on CPU, bitwise the same
-  weights as a run that never stopped. The DataLoader workers are not persistent here because each
-  epoch's worker seeds come from the RNG state that is checkpointed, so a resumed epoch replays the same
-  augmentation. Files hold only tensors and plain types, so torch.load(weights_only=True) (torch >= 2.6's
-  default) reads them. An AMP run also saves scaler.state_dict() (see recipes/torch_amp.py).
-- --init-from loads weights saved with or without the "module." prefix (a DDP/DataParallel wrapper's
-  state_dict, or recipes/dp.py's model.pt) into the plain model.
-- Validation runs on every rank. Running it on rank 0 alone through the DDP wrapper hangs: the wrapper's
-  forward can start a collective that the other ranks, already waiting at the barrier, never join
-  (write-up 000). For rank-0-only inference, call model.module(x), which has no collectives.
+- Each epoch rank 0 writes OUT_DIR/latest.pt: model (no "module." prefix), optimizer, LR scheduler, epoch, step,
+  best accuracy, every rank's RNG state and the args; best.pt when validation accuracy improves. Then dist.barrier(),
+  then every rank loads the weights back (write-up 000's save -> barrier -> load): without the barrier a fast rank
+  reads a half-written file. That reload maps the file (map_location="cpu", mmap=True) and reads only the weights;
+  --resume loads all of it with map_location=its own device (without it, onto the GPU it was saved from). The folder
+  must be one every node sees, with room for the checkpoints: checked before the first step.
+- Writes are atomic (common.checkpoint.save_atomic: a temp file, then os.replace): a crash or a full disk mid-write
+  leaves the previous checkpoint whole.
+- --resume PATH|auto continues with the same losses and, on CPU, bitwise the same weights as a run that never
+  stopped: the DataLoader workers are not persistent, so each epoch's worker seeds come from the checkpointed RNG.
+  Files hold only tensors and plain types (torch.load(weights_only=True) reads them). AMP adds the scaler's state
+  (recipes/torch_amp.py).
+- --init-from loads weights with or without the "module." prefix (recipes/dp.py's model.pt too) into the plain model.
+- Validation runs on every rank: on rank 0 alone, the DDP wrapper's forward can start a collective that the others,
+  waiting at the barrier, never join (write-up 000). For rank-0-only inference, call model.module(x).
 
 `harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
 """

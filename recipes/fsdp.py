@@ -9,32 +9,24 @@ checkpoints (torch.distributed.checkpoint) that resume on another number of GPUs
     ./launch.sh recipes/fsdp.py cpu:2 --arch tiny --epochs 3 --resume auto               # CPU (gloo)
 
 What it shows (the rest is recipes/ddp_checkpoint.py):
-- DDP keeps the whole model, its gradients and the optimizer state on every GPU. fully_shard makes each
-  parameter a DTensor sharded along dim 0: a rank holds 1/N of all three (RESULT: state_bytes_per_rank).
-  A block's parameters are all-gathered before its forward (and backward) and freed after it
-  (--no-reshard-after-forward keeps them until backward: less communication, more memory); gradients are
-  reduce-scattered, so each rank's optimizer steps its own shard.
-- fully_shard goes on every block first, then on the root: each call groups the parameters not yet grouped into one
-  all-gather, so the root takes only what is left (stem, head). fully_shard on the root alone makes one group of the
-  whole model: all of it gathered at once, no memory saved (and a block sharded after its parent is refused). All
-  calls share one DeviceMesh: without mesh= each builds its own (launch.sh G:N, gloo on CUDA: a process group each).
-- --amp-dtype bf16: MixedPrecisionPolicy computes and all-gathers in bf16, reduces gradients in fp32; shards and
-  optimizer state stay fp32. BatchNorm stays fp32 (bf16 weights beside its fp32 running statistics fail: "expected
-  scalar type BFloat16 but found Float"), one group per block's BatchNorm layers (fully_shard on a list of modules):
-  17 groups on resnet50, not 53, one per layer, each with its own all-gather and reduce-scatter. Needs torch >= 2.6.
-- Checkpoints: OUT_DIR/checkpoint/epoch_N-RUN/ holds one shard file per rank, written by every rank at once
-  with torch.distributed.checkpoint (DCP) from get_state_dict(model, optimizer). model.state_dict() of a
-  sharded model holds DTensors; torch.save from rank 0 would write rank 0's shard only. Rank 0 then writes
-  OUT_DIR/checkpoint/latest.pt (scheduler, epoch, step, RNG, args, which folder), atomically and last,
-  so it points only at complete shards. RUN is new for every run, so no save overwrites the shards latest.pt
-  points at, an earlier run's included. --resume PATH|auto loads them on any number of ranks: DCP reshards
-  to the new world (2 GPUs' checkpoint on 4, or on 1). Same number of ranks: bitwise the same weights as a
-  run that never stopped (CPU).
-- OUT_DIR/model.pt: the full state_dict (no DTensor), gathered to rank 0's CPU at the end, loadable by a
-  plain model in a process with no process group.
-- Evaluation: every forward all-gathers, so every rank must run the same number of them; a rank whose
-  shard of the validation set has fewer batches runs empty ones. BatchNorm buffers are not sharded and
-  not synchronized: rank 0's are broadcast before each evaluation, as in ddp_checkpoint.py.
+- fully_shard makes each parameter a DTensor sharded along dim 0: a rank holds 1/N of the parameters, gradients and
+  optimizer state that DDP keeps whole on every GPU (RESULT: state_bytes_per_rank). A block's parameters are
+  all-gathered before its forward and backward and freed after (--no-reshard-after-forward keeps them until backward);
+  gradients are reduce-scattered, so each rank's optimizer steps its own shard.
+- fully_shard on every block first, then on the root, which takes what is left (stem, head); on the root alone it
+  gathers the whole model at once and saves no memory. All calls share one DeviceMesh (without mesh= each builds its
+  own process group under launch.sh G:N).
+- --amp-dtype bf16: MixedPrecisionPolicy computes and all-gathers in bf16 and reduces gradients in fp32; shards and
+  optimizer state stay fp32, and so does BatchNorm ("expected scalar type BFloat16 but found Float"), one group per
+  block's BatchNorm layers (fully_shard on a list): 17 groups on resnet50, not 53. Needs torch >= 2.6.
+- Checkpoints: every rank writes its shard of get_state_dict(model, optimizer) with torch.distributed.checkpoint to
+  OUT_DIR/checkpoint/epoch_N-RUN/ (torch.save from rank 0 would write rank 0's shard only); then rank 0 writes
+  latest.pt (scheduler, epoch, step, RNG, args, the folder), atomically and last, so it points at complete shards
+  only; RUN is new each run, so no save overwrites them. --resume PATH|auto loads them on any number of ranks (DCP
+  reshards); on the same number, bitwise the weights of a run that never stopped (CPU).
+- OUT_DIR/model.pt: the full state_dict, gathered to rank 0's CPU, loadable by a plain model without a process group.
+- Evaluation: every forward all-gathers, so a rank whose validation shard has fewer batches runs empty ones. BatchNorm
+  buffers are neither sharded nor synchronized: rank 0's are broadcast before evaluating, as in ddp_checkpoint.py.
 
 `harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
 """
@@ -256,8 +248,7 @@ def main():
     scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs)  # per step
     checkpoints = os.path.join(args.out_dir, "checkpoint")
     latest = os.path.join(checkpoints, "latest.pt")
-    # This run names its shard folders epoch_N-RUN: no save overwrites the folder latest.pt points at (a resumed
-    # run's, or an earlier run's in the same --out-dir), so a save that fails leaves that checkpoint whole.
+    # Shard folders epoch_N-RUN: no save overwrites the one latest.pt points at, so a failed save leaves it whole.
     run_tag = [secrets.token_hex(3)]
     dist.broadcast_object_list(run_tag, src=0)  # every rank writes into the same folder
     run_tag = run_tag[0]
@@ -287,8 +278,7 @@ def main():
         print0(f"resume: {resume} at epoch {start_epoch} step {step} best_acc1={best_acc1:.2f}")
 
     # Before the first step: an --out-dir that cannot hold the checkpoints, or that another node cannot see (every
-    # rank writes its shard there and reads latest.pt), fails now, not after hours of training. state_bytes counts
-    # the whole (unsharded) model and optimizer: all the shards together.
+    # rank loads latest.pt), fails now, not after hours of training. New: state_bytes counts all the shards together.
     harness.broadcast_out_dir_check(args.out_dir, is_main, {"checkpoint": harness.state_bytes(model, optimizer),
                                                             "model.pt": harness.state_bytes(model)},
                                     shared=True, tb_dir=args.tb_dir)

@@ -6,22 +6,11 @@
     ./launch.sh recipes/torch_amp.py cpu:2 --arch tiny --epochs 3 --resume runs/torch_amp/checkpoint.pt  # interrupted
     MAX_RESTARTS=3 ./launch.sh recipes/torch_amp.py 0,1,3 --epochs 30 --resume auto  # a dead rank: all restart
 
-What it shows (the rest is recipes/ddp_torchrun.py):
-- torch.amp.autocast(device_type, dtype) around forward and loss only; torch.amp.GradScaler(device_type),
-  never the deprecated torch.cuda.amp names.
-- fp16 needs the scaler: small gradients underflow to zero in fp16, so the loss is multiplied up before
-  backward and the gradients divided back before the step (a step with inf/nan gradients is skipped
-  and the scale lowered). bf16 has fp32's exponent range, so it needs no scaler. Default: fp16 on GPU,
-  bf16 on CPU (CPU fp16 kernels run 10-50x slower than fp32; bf16 is fine). tf32 turns autocast off and
-  keeps TF32 math in fp32 matmuls and convolutions on GPUs, as every recipe here does; fp32 turns off both.
-- Clipping: scaler.unscale_(optimizer) before clip_grad_norm_, or the norm is taken of scaled gradients.
-- --accum-steps K: K micro-batches per optimizer step, each loss divided by K, and model.no_sync() on
-  the first K-1 so DDP all-reduces once per step, not K times. --batch-size stays the GLOBAL batch
-  per optimizer step: K=4 computes the same update as K=1 with a quarter of the activation memory.
-- --channels-last: NHWC memory layout, which tensor cores prefer for convolutions under AMP.
-- The scaler's state (current scale, growth tracker) is saved in checkpoint.pt each epoch and restored
-  by --resume, which refuses a checkpoint written with another --amp-dtype or --epochs (a bf16 run's
-  disabled scaler saves nothing an fp16 scaler could load). recipes/ddp_checkpoint.py does checkpoints in full.
+What it shows (the rest is recipes/ddp_torchrun.py): torch.amp.autocast(device_type, dtype) around forward and loss
+only, and torch.amp.GradScaler(device_type) for fp16 (small gradients underflow to zero; bf16 has fp32's range and
+needs none; default fp16 on GPU, bf16 on CPU); clipping after scaler.unscale_; --accum-steps K with model.no_sync() on
+the first K-1 micro-batches (--batch-size stays the GLOBAL batch per optimizer step); --channels-last (NHWC, which
+tensor cores prefer); and the scaler's state in checkpoint.pt, which --resume restores (the same --amp-dtype only).
 
 `harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
 """
@@ -136,9 +125,9 @@ def main():
     batch_per_process = args.batch_size // world_size
     micro_batch = batch_per_process // args.accum_steps  # New: --accum-steps micro-batches per process and step
     workers_per_process = harness.default_workers(args.workers, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    print0(f"setup: world_size={world_size} backend={backend} device={device.type} "
-           f"global_batch={args.batch_size} ({batch_per_process} per process x {world_size}, "
-           f"micro_batch={micro_batch} x {args.accum_steps} accum_steps), workers={workers_per_process} per process")
+    print0(f"setup: world_size={world_size} backend={backend} device={device.type} global_batch={args.batch_size} "
+           f"({batch_per_process} per process x {world_size}, micro_batch={micro_batch} x {args.accum_steps} "
+           f"accum_steps), workers={workers_per_process} per process")
     amp_name = args.amp_dtype or ("fp16" if device.type == "cuda" else "bf16")  # New
     amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "tf32": torch.float32, "fp32": torch.float32}[amp_name]
     if amp_name == "fp32":  # strict fp32: TF32 off too (set on above); a no-op on the CPU, which has no TF32
@@ -174,20 +163,17 @@ def main():
                 find_unused_parameters=args.find_unused_parameters)
     torch.manual_seed(args.seed + rank)  # from here on, augmentation and dropout differ per rank
     criterion = torch.nn.CrossEntropyLoss()
-    # New: fused=True, one kernel for every parameter, and GradScaler hands it the inf flag on the device; with a plain
-    # SGD, scaler.step() reads that flag on the host every step, and the CPU waits for the GPU.
+    # New: fused: GradScaler hands it the inf flag on the device (a plain SGD's step reads it on the host every step).
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4, fused=True)
-    # New: fused SGD makes its momentum buffers with empty_like at its first step() even when GradScaler skips that step
-    # (an fp16 overflow, common at first), so they hold whatever memory held: start them at 0 (0.9 x 0 + g = g).
+    # New: fused SGD's first step() makes its momentum with empty_like, even when GradScaler skips it: start at 0.
     for p in model.parameters():
         optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
     scheduler = warmup_cosine(optimizer, args.epochs, steps_per_epoch, args.warmup_epochs)  # per step
     # New: enabled for fp16 only, with bf16 or fp32 its calls pass straight through.
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     # New: ----------------------------------------- resume: AMP's checkpoint also holds the scaler's state
-    # fp16's scaler keeps the loss scale it settled on; restarted at 65536 it skips steps until it finds it again. A
-    # bf16/fp32 run's disabled scaler saves {}, which an fp16 scaler cannot load: the flags must match (and --epochs:
-    # the cosine schedule is laid out for them). Checkpoints in full, RNG states included: ddp_checkpoint.py.
+    # fp16's scaler keeps the scale it settled on (restarted at 65536, it skips steps to find it again). A disabled
+    # (bf16/fp32) scaler saves {}: the flags must match. Checkpoints in full, RNG included: ddp_checkpoint.py.
     run_flags, start_epoch, step = {"amp_dtype": amp_name, "epochs": args.epochs}, 0, 0
     resume = find_resume(args.resume, os.path.join(args.out_dir, "checkpoint.pt"))  # 'auto': the last one, if any
     if resume:
