@@ -6,11 +6,11 @@
 
 What it shows (the rest is recipes/ddp_torchrun.py): write-ups 000, 002 and 004 wrap the model in
 apex.parallel.DistributedDataParallel(model, delay_allreduce=True). --impl auto uses it when a usable NVIDIA apex is
-importable, torch's DDP otherwise, and says which first; --impl apex fails with one line saying why apex is unusable
-(not installed / PyPI's unrelated "apex" / 25.07 or newer, without apex.parallel) and how to fix it (docs/apex.md).
-delay_allreduce=True all-reduces every gradient at once after backward: robust (any parameter order, unused
-parameters), but nothing overlaps backward. torch's DDP all-reduces ~25 MB buckets as they fill, during backward: as
-fast or faster (write-up 000: 8.7 s vs apex's 10.3 s per 100 iterations), and no extra package.
+importable, torch's DDP otherwise (the first line printed says which); --impl apex fails with one line saying why
+apex is unusable (not installed / PyPI's unrelated "apex" / 25.07 or newer, without apex.parallel) and how to fix it
+(docs/apex.md). delay_allreduce=True all-reduces every gradient at once after backward: robust (any parameter order,
+unused parameters), but nothing overlaps backward. torch's DDP all-reduces ~25 MB buckets as they fill, during
+backward: usually as fast or faster (write-up 000: 8.7 s vs apex's 10.3 s per 100 iterations), no extra package.
 
 `harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
 """
@@ -202,8 +202,9 @@ def main():
             while recent:  # popped: each batch leaves GPU memory once used
                 model.module(recent.popleft())
         # -------------------------------------------------------------------------------- eval
-        # DDP copies rank 0's buffers (BatchNorm statistics) to the others at each forward, so after the last step
-        # every rank holds its own: evaluate everywhere with rank 0's, which model.pt gets. New: apex's DDP never does.
+        # DDP copies rank 0's buffers (BatchNorm statistics) to the others as each forward starts, so after the last
+        # step every rank holds its own: evaluate everywhere with rank 0's, which model.pt gets.
+        # New: apex's DDP never copies buffers (it broadcasts parameters once, at the wrap): this serves both.
         for buffer in model.module.buffers():
             dist.broadcast(buffer, 0)
         # model.module: torch DDP's forward broadcasts buffers, a collective: it hangs on an empty shard, a lone rank 0.

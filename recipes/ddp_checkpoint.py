@@ -21,8 +21,8 @@ What it shows (the rest is recipes/ddp_torchrun.py):
   Files hold only tensors and plain types (torch.load(weights_only=True) reads them). AMP adds the scaler's state
   (recipes/torch_amp.py).
 - --init-from loads weights with or without the "module." prefix (recipes/dp.py's model.pt too) into the plain model.
-- Validation runs on every rank: on rank 0 alone, the DDP wrapper's forward can start a collective that the others,
-  waiting at the barrier, never join (write-up 000). For rank-0-only inference, call model.module(x).
+- Validation runs on every rank. On rank 0 alone it hangs: the DDP wrapper's forward can start a collective that the
+  others, waiting at the barrier, never join (write-up 000). For rank-0-only inference, call model.module(x).
 
 `harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
 """
@@ -251,8 +251,8 @@ def main():
             while recent:  # popped: each batch leaves GPU memory once used
                 model.module(recent.popleft())
         # -------------------------------------------------------------------------------- eval
-        # DDP copies rank 0's buffers (BatchNorm statistics) to the others at each forward, so after the last step
-        # every rank holds its own: evaluate everywhere with rank 0's, which model.pt gets.
+        # DDP copies rank 0's buffers (BatchNorm statistics) to the others as each forward starts, so after the last
+        # step every rank holds its own: evaluate everywhere with rank 0's, which model.pt gets.
         for buffer in model.module.buffers():
             dist.broadcast(buffer, 0)
         # model.module: DDP's forward broadcasts buffers, a collective that hangs on an empty shard or a lone rank 0.

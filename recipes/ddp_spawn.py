@@ -256,8 +256,8 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
             while recent:  # popped: each batch leaves GPU memory once used
                 model.module(recent.popleft())
         # -------------------------------------------------------------------------------- eval
-        # DDP copies rank 0's buffers (BatchNorm statistics) to the others at each forward, so after the last step
-        # every rank holds its own: evaluate everywhere with rank 0's, which model.pt gets.
+        # DDP copies rank 0's buffers (BatchNorm statistics) to the others as each forward starts, so after the last
+        # step every rank holds its own: evaluate everywhere with rank 0's, which model.pt gets.
         for buffer in model.module.buffers():
             dist.broadcast(buffer, 0)
         # model.module: DDP's forward broadcasts buffers, a collective that hangs on an empty shard or a lone rank 0.

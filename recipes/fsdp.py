@@ -14,16 +14,17 @@ What it shows (the rest is recipes/ddp_checkpoint.py):
   all-gathered before its forward and backward and freed after (--no-reshard-after-forward keeps them until backward);
   gradients are reduce-scattered, so each rank's optimizer steps its own shard.
 - fully_shard on every block first, then on the root, which takes what is left (stem, head); on the root alone it
-  gathers the whole model at once and saves no memory. All calls share one DeviceMesh (without mesh= each builds its
-  own process group under launch.sh G:N).
+  gathers the whole model at once and saves no memory (and a block sharded after its parent is refused). All calls
+  share one DeviceMesh (without mesh= each builds its own process group under launch.sh G:N).
 - --amp-dtype bf16: MixedPrecisionPolicy computes and all-gathers in bf16 and reduces gradients in fp32; shards and
-  optimizer state stay fp32, and so does BatchNorm ("expected scalar type BFloat16 but found Float"), one group per
-  block's BatchNorm layers (fully_shard on a list): 17 groups on resnet50, not 53. Needs torch >= 2.6.
+  optimizer state stay fp32. BatchNorm stays fp32 too (bf16 weights beside its fp32 running statistics fail:
+  "expected scalar type BFloat16 but found Float"), one group per block's BatchNorm layers (fully_shard on a list):
+  17 groups on resnet50, not 53. Needs torch >= 2.6.
 - Checkpoints: every rank writes its shard of get_state_dict(model, optimizer) with torch.distributed.checkpoint to
   OUT_DIR/checkpoint/epoch_N-RUN/ (torch.save from rank 0 would write rank 0's shard only); then rank 0 writes
   latest.pt (scheduler, epoch, step, RNG, args, the folder), atomically and last, so it points at complete shards
   only; RUN is new each run, so no save overwrites them. --resume PATH|auto loads them on any number of ranks (DCP
-  reshards); on the same number, bitwise the weights of a run that never stopped (CPU).
+  reshards); on the same number, bitwise the same weights as a run that never stopped (CPU).
 - OUT_DIR/model.pt: the full state_dict, gathered to rank 0's CPU, loadable by a plain model without a process group.
 - Evaluation: every forward all-gathers, so a rank whose validation shard has fewer batches runs empty ones. BatchNorm
   buffers are neither sharded nor synchronized: rank 0's are broadcast before evaluating, as in ddp_checkpoint.py.

@@ -7,10 +7,11 @@
     MAX_RESTARTS=3 ./launch.sh recipes/torch_amp.py 0,1,3 --epochs 30 --resume auto  # a dead rank: all restart
 
 What it shows (the rest is recipes/ddp_torchrun.py): torch.amp.autocast(device_type, dtype) around forward and loss
-only, and torch.amp.GradScaler(device_type) for fp16 (small gradients underflow to zero; bf16 has fp32's range and
-needs none; default fp16 on GPU, bf16 on CPU); clipping after scaler.unscale_; --accum-steps K with model.no_sync() on
-the first K-1 micro-batches (--batch-size stays the GLOBAL batch per optimizer step); --channels-last (NHWC, which
-tensor cores prefer); and the scaler's state in checkpoint.pt, which --resume restores (the same --amp-dtype only).
+only, and torch.amp.GradScaler(device_type) for fp16, not the deprecated torch.cuda.amp names (small gradients
+underflow to zero; bf16 has fp32's range and needs no scaler; default fp16 on GPU, bf16 on CPU); clipping after
+scaler.unscale_; --accum-steps K with model.no_sync() on the first K-1 micro-batches (--batch-size stays the GLOBAL
+batch per optimizer step); --channels-last (NHWC, which tensor cores prefer); and the scaler's state in checkpoint.pt,
+which --resume restores (with the same --amp-dtype and --epochs only).
 
 `harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
 """
@@ -163,7 +164,7 @@ def main():
                 find_unused_parameters=args.find_unused_parameters)
     torch.manual_seed(args.seed + rank)  # from here on, augmentation and dropout differ per rank
     criterion = torch.nn.CrossEntropyLoss()
-    # New: fused: GradScaler hands it the inf flag on the device (a plain SGD's step reads it on the host every step).
+    # New: fused: GradScaler hands it the inf flag on the device (with a plain SGD, scaler.step() reads it on the host).
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4, fused=True)
     # New: fused SGD's first step() makes its momentum with empty_like, even when GradScaler skips it: start at 0.
     for p in model.parameters():
@@ -173,7 +174,8 @@ def main():
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     # New: ----------------------------------------- resume: AMP's checkpoint also holds the scaler's state
     # fp16's scaler keeps the scale it settled on (restarted at 65536, it skips steps to find it again). A disabled
-    # (bf16/fp32) scaler saves {}: the flags must match. Checkpoints in full, RNG included: ddp_checkpoint.py.
+    # (bf16/fp32) scaler saves {}: --amp-dtype must match, and --epochs (the cosine schedule is laid out for them).
+    # Checkpoints in full, RNG included: ddp_checkpoint.py.
     run_flags, start_epoch, step = {"amp_dtype": amp_name, "epochs": args.epochs}, 0, 0
     resume = find_resume(args.resume, os.path.join(args.out_dir, "checkpoint.pt"))  # 'auto': the last one, if any
     if resume:
@@ -257,8 +259,8 @@ def main():
             while recent:  # popped: each batch leaves GPU memory once used
                 model.module(recent.popleft())
         # -------------------------------------------------------------------------------- eval
-        # DDP copies rank 0's buffers (BatchNorm statistics) to the others at each forward, so after the last step
-        # every rank holds its own: evaluate everywhere with rank 0's, which model.pt gets.
+        # DDP copies rank 0's buffers (BatchNorm statistics) to the others as each forward starts, so after the last
+        # step every rank holds its own: evaluate everywhere with rank 0's, which model.pt gets.
         for buffer in model.module.buffers():
             dist.broadcast(buffer, 0)
         # model.module: DDP's forward broadcasts buffers, a collective that hangs on an empty shard or a lone rank 0.

@@ -42,13 +42,13 @@ TINY = ["--arch", "tiny", "--workers", "0"]
 # dp (DataParallel: no process group), apex_amp, mx_face_prefetch, fsdp and ddp_uneven lack its 3 lines.
 @pytest.mark.parametrize(("base", "recipe", "max_changed"), [
     ("ddp_torchrun", "dp", 130), ("ddp_torchrun", "ddp_launch", 39), ("ddp_torchrun", "ddp_spawn", 136),
-    ("ddp_torchrun", "torch_amp", 174), ("ddp_torchrun", "ddp_checkpoint", 129), ("ddp_torchrun", "apex_ddp", 63),
-    ("ddp_torchrun", "apex_amp", 258), ("ddp_torchrun", "mx_face_prefetch", 148), ("ddp_torchrun", "ddp_compile", 78),
+    ("ddp_torchrun", "torch_amp", 176), ("ddp_torchrun", "ddp_checkpoint", 129), ("ddp_torchrun", "apex_ddp", 62),
+    ("ddp_torchrun", "apex_amp", 256), ("ddp_torchrun", "mx_face_prefetch", 148), ("ddp_torchrun", "ddp_compile", 78),
     # ddp_uneven: its training loop is indented under `with Join([model]):` (19 lines, counted twice).
     ("ddp_torchrun", "ddp_uneven", 123),
     # fsdp, ddp_zero and ddp_comm_hooks: their checkpoints are ddp_checkpoint's (sharded, consolidated, with PowerSGD's
     # state): read them against that one.
-    ("ddp_checkpoint", "fsdp", 254), ("ddp_checkpoint", "ddp_zero", 54), ("ddp_checkpoint", "ddp_comm_hooks", 93)])
+    ("ddp_checkpoint", "fsdp", 255), ("ddp_checkpoint", "ddp_zero", 54), ("ddp_checkpoint", "ddp_comm_hooks", 93)])
 def test_diff_against_its_sibling_stays_small(base, recipe, max_changed):
     diff = subprocess.run(["diff", f"recipes/{base}.py", f"recipes/{recipe}.py"], cwd=REPO,
                           capture_output=True, text=True).stdout
@@ -67,7 +67,7 @@ def test_the_flagship_imports_few_names_from_common_and_stays_short():
     # The issue's own measure of the AMP lesson's diff, `diff ddp_torchrun.py torch_amp.py | wc -l`: 241 at c0965cd.
     diff = subprocess.run(["diff", "recipes/ddp_torchrun.py", "recipes/torch_amp.py"], cwd=REPO, capture_output=True,
                           text=True).stdout
-    assert len(diff.splitlines()) <= 227
+    assert len(diff.splitlines()) <= 229
 
 
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in (REPO / "recipes").glob("*.py")))
