@@ -78,10 +78,11 @@ def check_flags(args, world_size=1):
     if flags.get("sync_bn") and not torch.cuda.is_available():  # torch's SyncBatchNorm and DDP refuse CPU tensors
         die("--sync-bn needs GPUs: torch's SyncBatchNorm refuses CPU tensors; leave it out on the CPU")
     batch, accum = flags.get("batch_size"), flags.get("accum_steps") or 1  # accum: torch_amp's micro-batches
-    if batch is not None and (batch < world_size * accum or batch % (world_size * accum)):
+    parts = world_size * accum
+    if batch is not None and (batch < parts or batch % parts):
         die(f"--batch-size {batch} is the GLOBAL batch and must be a multiple of the {world_size} processes"
             + (f" x {accum} accumulation steps" if accum > 1 else "")
-            + f"; try --batch-size {max(1, batch // (world_size * accum)) * world_size * accum}")
+            + f"; try --batch-size {max(1, batch // parts) * parts}")
 
 
 def check_gpu(device, backend):
@@ -106,9 +107,8 @@ def gather_result_line(device, speed, model, optimizer, peaks=None, **fields):
     peaks in MB where one process drives several GPUs (dp.py), instead of gathering each process's own."""
     peaks = peaks or [round(p, 1) for p in gather_values(peak_memory_mb(device), device)]
     held = [int(b) for b in gather_values(held_state_bytes(model, optimizer), device)]
-    if "world_size" not in fields:  # after the recipe's name, where the recipes that pass it (dp.py) have it
-        recipe = {"recipe": fields.pop("recipe")} if "recipe" in fields else {}
-        fields = {**recipe, "world_size": dist.get_world_size() if dist.is_initialized() else 1, **fields}
+    world_size = fields.pop("world_size", dist.get_world_size() if dist.is_initialized() else 1)  # dp.py passes it
+    fields = {"recipe": fields.pop("recipe"), "world_size": world_size, **fields}  # the line's first two keys
     fields = {k: round(v, 6) if isinstance(v, float) else v for k, v in fields.items()}  # floats: 6 places
     return result_line(**fields, device=device.type, images_per_sec=round(speed.images_per_sec, 2),
                        peak_mem_mb=max(peaks), peak_mem_mb_per_rank=peaks, state_bytes_per_rank=held,
