@@ -11,6 +11,8 @@ others' all-reduces (it contributes zeros; each gradient is still divided by the
 over every rank's share) until all are done; then every rank gets the weights of the last rank to finish. What
 Join does not sync is yours: SGD's momentum and the LR schedule of the ranks that sat steps out (both are synced
 below), and any other collective in the loop (none here: the divergence check waits for the epoch's end).
+DDP(broadcast_buffers=False): with Join, DDP's per-forward buffer broadcast costs a blocking all-reduce and a host
+sync every step; BatchNorm's statistics are recomputed and broadcast at each epoch's end instead.
 --sync-bn is not offered: SyncBatchNorm's collectives are not ones Join shadows.
 
 `harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
@@ -153,8 +155,12 @@ def main():
     torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
     # YOUR MODEL goes here: an nn.Module from a batch (N, C, H, W) to logits (N, num_classes).
     model = build_model(args.arch, num_classes, args.image_size).to(device)
+    # New: broadcast_buffers=False. Under Join, DDP's buffer broadcast at each forward first agrees on a rank that has
+    # not joined: a blocking all-reduce and a read on the host, a sync every step. Training-mode BatchNorm normalises
+    # by each batch's own statistics, so its buffers never reach the loss; each rank's drift apart until they are
+    # recomputed and rank 0's broadcast below. A model whose training forward reads a buffer must keep the broadcast.
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                find_unused_parameters=args.find_unused_parameters)
+                find_unused_parameters=args.find_unused_parameters, broadcast_buffers=False)
     torch.manual_seed(args.seed + rank)  # from here on, augmentation and dropout differ per rank
     criterion = torch.nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
@@ -213,11 +219,11 @@ def main():
             while recent:  # popped: each batch leaves GPU memory once used
                 model.module(recent.popleft())
         # -------------------------------------------------------------------------------- eval
-        # DDP copies rank 0's buffers (BatchNorm statistics) to the others as each forward starts, so after the last
-        # step every rank holds its own: evaluate everywhere with rank 0's, which model.pt gets.
+        # New: no buffer broadcast in training (broadcast_buffers=False), so every rank holds its own BatchNorm
+        # statistics: evaluate everywhere with rank 0's, which model.pt gets.
         for buffer in model.module.buffers():
             dist.broadcast(buffer, 0)
-        # model.module: DDP's forward broadcasts buffers, a collective that hangs on an empty shard or a lone rank 0.
+        # model.module: evaluation needs nothing of DDP (its forward broadcasts buffers in the siblings: a collective).
         val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device)
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
                f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "

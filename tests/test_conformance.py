@@ -198,7 +198,8 @@ def test_ddp_reduces_once_per_step_evaluates_outside_the_wrapper_and_never_reads
     counts = ddp_counts(run["counts"])
     if case.recipe not in DDP:  # DataParallel: no process group; fsdp: a process group but no DDP wrapper
         assert counts == ([] if case.recipe == "dp" else [
-            {"grad_allreduces": 0, "eval_forwards": 0, "scaler_host_reads": 0, "allreduce_bytes_per_step": []}
+            {"grad_allreduces": 0, "eval_forwards": 0, "scaler_host_reads": 0, "allreduce_bytes_per_step": [],
+             "buffer_syncs": 0, "common_rank_agreements": 0, "zero_broadcasts_per_step": []}
         ] * case.world)
         return
     steps = ARGS["epochs"] * case.steps_per_epoch
@@ -213,8 +214,13 @@ def test_ddp_reduces_once_per_step_evaluates_outside_the_wrapper_and_never_reads
                     ] * case.world, sent
     # scaler_host_reads: the fp16 cases' GradScaler hands the inf flag to SGD(fused=True) on the device; a plain SGD
     # would make it read the flag on the host once per step (a GPU sync the training loop otherwise never has).
-    assert counts == [{"grad_allreduces": steps * buckets, "eval_forwards": 0, "scaler_host_reads": 0}] * case.world, \
-        counts
+    # BatchNorm's buffers broadcast from rank 0 before the first forward of each optimizer step (DDP's default: a
+    # no_sync forward turns it off for the next; ddp_uneven turns it off, tests/test_uneven.py), and with no Join no
+    # agreement on a rank to take them from. ZeRO: one broadcast per rank per step (parameters_as_bucket_view).
+    zero = [case.world] * steps if case.recipe == "ddp_zero" else []
+    assert counts == [{"grad_allreduces": steps * buckets, "eval_forwards": 0, "scaler_host_reads": 0,
+                       "buffer_syncs": steps, "common_rank_agreements": 0,
+                       "zero_broadcasts_per_step": zero}] * case.world, counts
 
 
 def test_tensorboard_curves_match_the_printed_lines(run):

@@ -12,6 +12,7 @@ import torch
 from conftest import (
     REPO,
     as_if_saved_on_gpu,
+    ddp_counts,
     epoch_lines,
     launch,
     load_recipe,
@@ -343,11 +344,17 @@ def test_zero_checkpoint_from_two_ranks_resumes_on_three_as_plain_ddp_resumes_it
 def test_zero_gives_each_of_three_ranks_about_a_third_of_the_optimizer_state(tmp_path):
     # state_bytes_per_rank = parameters + gradients (whole on every rank) + this rank's momentum shard. resnet18's 62
     # parameter tensors, assigned greedily by size: every momentum on exactly one rank, each rank about 1/3.
+    (tmp_path / "counts").mkdir()
     proc = launch("recipes/ddp_zero.py", "cpu:3", "--arch", "resnet18", "--workers", "0", "--image-size", "8",
-                  "--batch-size", "6", "--synthetic-train", "24", "--synthetic-val", "6", "--max-steps", "1",
-                  "--out-dir", tmp_path)
+                  "--batch-size", "6", "--synthetic-train", "24", "--synthetic-val", "6", "--max-steps", "2",
+                  "--out-dir", tmp_path, env={"PYTHONPATH": str(REPO / "tests/instrument"),
+                                              "COUNT_DDP_DIR": str(tmp_path / "counts")})
     held = result_of(proc)["state_bytes_per_rank"]
     weights = sum(p.numel() * 4 for p in build_model("resnet18", 10, 8).parameters())
+    # parameters_as_bucket_view=True: each step shares the stepped parameters in one broadcast per rank (tests/
+    # instrument counts them), where torch's default makes one per parameter tensor, 62 here.
+    assert len(list(build_model("resnet18", 10, 8).parameters())) == 62
+    assert [c["zero_broadcasts_per_step"] for c in ddp_counts(tmp_path / "counts")] == [[3, 3]] * 3
     shards = [h - 2 * weights for h in held]
     assert sum(shards) == weights, (shards, weights)
     assert max(shards) <= 1.25 * weights / 3 and min(shards) >= 0.75 * weights / 3, [s / weights for s in shards]

@@ -71,6 +71,11 @@ EDITS = [
          "        with Join([model]):\n", "        if True:\n"),
     Edit("join_momentum", "Join syncs the weights, not the momentum of the ranks that sat steps out",
          "dist.broadcast(momentum, src=longest)", "pass"),
+    Edit("join_buffer_sync", "Join with DDP's buffer broadcast: a blocking all-reduce and a host read every forward",
+         "find_unused_parameters=args.find_unused_parameters, broadcast_buffers=False)",
+         "find_unused_parameters=args.find_unused_parameters)"),
+    Edit("zero_bucket_view", "ZeRO broadcasting the stepped parameters one tensor at a time (62 for resnet18)",
+         "parameters_as_bucket_view=True", "parameters_as_bucket_view=False"),
     Edit("comm_hook", "a communication hook chosen but not registered: DDP all-reduces every gradient in fp32",
          'model.register_comm_hook(None, getattr(default_hooks, f"{args.comm_hook}_compress_hook"))', "pass"),
     Edit("powersgd_state", "PowerSGD resumed without its state: no error feedback, a cold random Q",
@@ -104,6 +109,9 @@ RESEED_TESTS = {
     "ddp_comm_hooks": "tests/test_comm_hooks.py::test_powersgd_resumes_on_another_world_size",
 }
 
+# The broadcasts ZeRO's step makes are counted (tests/instrument) by its test on resnet18's 62 parameter tensors.
+ZERO_TESTS = {"zero_bucket_view": "tests/test_recipe_variants.py::"
+                                  "test_zero_gives_each_of_three_ranks_about_a_third_of_the_optimizer_state"}
 # In the conformance run every rank has as many validation batches as the others; tests/test_fsdp.py's runs do not.
 FSDP_TESTS = {"eval_lockstep"}
 # ddp_comm_hooks' conformance runs --comm-hook none (DDP's own all-reduce): the hooks are in tests/test_comm_hooks.py.
@@ -117,6 +125,8 @@ def tests_for(recipe, edit):
         return [RESUME_TESTS[recipe]]
     if edit.name == "resume_reseed" and recipe in RESEED_TESTS:
         return [RESEED_TESTS[recipe]]
+    if edit.name in ZERO_TESTS:
+        return [ZERO_TESTS[edit.name]]
     if edit.name in FSDP_TESTS:
         return ["tests/test_fsdp.py"]
     if edit.name in HOOK_TESTS:

@@ -16,6 +16,11 @@ With COUNT_DDP_DIR set, once torch's DistributedDataParallel is imported, each p
   scaler_host_reads: GradScaler steps that read the inf flag on the host (GradScaler._maybe_opt_step, its
                    .item() per step: the CPU waits for the GPU); an optimizer with _step_supports_amp_scaling
                    (SGD(fused=True)) takes the flag on the device and makes none,
+  buffer_syncs:    DDP's broadcasts of the module's buffers before a forward (DDP._sync_buffers),
+  common_rank_agreements: DDP._find_common_rank calls: under Join, a blocking all_reduce and a host read (.item())
+                   that pick the rank to copy buffers (each forward, with broadcast_buffers) or final weights from,
+  zero_broadcasts_per_step: per ZeroRedundancyOptimizer step, the broadcasts that share the stepped parameters
+                   (its _sync_params: one per parameter tensor, or one per rank with parameters_as_bucket_view),
 and writes them to COUNT_DDP_DIR/rank<R>.json when the recipe calls dist.destroy_process_group().
 With LOG_RNG_DIR set, each time a DataLoader whose sampler has an epoch (DistributedSampler: the training loader)
 starts an epoch, the process appends {"world", "rank", "epoch", "rng"} to LOG_RNG_DIR/<pid>.jsonl, "rng" a digest
@@ -50,10 +55,11 @@ def _patch(ddp_module):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     ddp = ddp_module.DistributedDataParallel
-    counts = {"grad_allreduces": 0, "eval_forwards": 0, "scaler_host_reads": 0}
+    counts = _COUNTS
     per_step = []  # allreduce_bytes_per_step
     wrapped = weakref.WeakSet()
     forward, register, destroy = ddp.forward, ddp.register_comm_hook, dist.destroy_process_group
+    sync_buffers, common_rank = ddp._sync_buffers, ddp._find_common_rank
     lock = threading.Lock()
 
     def counting(hook):
@@ -93,6 +99,14 @@ def _patch(ddp_module):
         counts["scaler_host_reads"] += 1
         return maybe_opt_step(self, *args, **kwargs)
 
+    def counting_sync_buffers(self):
+        counts["buffer_syncs"] += 1
+        return sync_buffers(self)
+
+    def counting_common_rank(self, *args):
+        counts["common_rank_agreements"] += 1
+        return common_rank(self, *args)
+
     def patched_destroy(*args, **kwargs):
         with open(os.path.join(_DIR, f"rank{dist.get_rank()}.json"), "w") as f:
             json.dump({**counts, "allreduce_bytes_per_step": per_step}, f)
@@ -105,6 +119,35 @@ def _patch(ddp_module):
     ddp.forward, ddp.register_comm_hook, dist.destroy_process_group = patched_forward, patched_register, patched_destroy
     default_hooks.dist = powerSGD_hook.dist = CountingDist()
     GradScaler._maybe_opt_step = counting_opt_step
+    ddp._sync_buffers, ddp._find_common_rank = counting_sync_buffers, counting_common_rank
+
+
+def _patch_zero(zero_module):
+    """ZeroRedundancyOptimizer's module gets a `dist` of its own whose broadcast counts into the current step."""
+    import torch.distributed as dist
+
+    zero, sync_params = zero_module.ZeroRedundancyOptimizer, zero_module.ZeroRedundancyOptimizer._sync_params
+    steps, in_step = _COUNTS["zero_broadcasts_per_step"], [False]  # consolidate_state_dict's broadcasts: not counted
+
+    class CountingDist:
+        def __getattr__(self, name):
+            return getattr(dist, name)
+
+        def broadcast(self, *args, **kwargs):
+            if in_step[0]:
+                steps[-1] += 1
+            return dist.broadcast(*args, **kwargs)
+
+    def counting_sync_params(self):
+        steps.append(0)
+        in_step[0] = True
+        try:
+            return sync_params(self)
+        finally:
+            in_step[0] = False
+
+    zero._sync_params = counting_sync_params
+    zero_module.dist = CountingDist()
 
 
 def _patch_loader(loader_module):
@@ -164,7 +207,10 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-_PATCHES = {**({"torch.nn.parallel.distributed": _patch} if _DIR else {}),
+_COUNTS = {"grad_allreduces": 0, "eval_forwards": 0, "scaler_host_reads": 0, "buffer_syncs": 0,
+           "common_rank_agreements": 0, "zero_broadcasts_per_step": []}
+_PATCHES = {**({"torch.nn.parallel.distributed": _patch,
+                "torch.distributed.optim.zero_redundancy_optimizer": _patch_zero} if _DIR else {}),
             **({"torch.utils.data.dataloader": _patch_loader} if _RNG_DIR else {}),
             **({"torch": _patch_load} if _LOADS_DIR else {})}
 if _PATCHES:
