@@ -3,9 +3,12 @@ and what a researcher may delete or swap for their own tooling when copying a re
 as one name, so every such line reads `harness.NAME(...)` and shows itself for what it is.
 
     harness.add_flags(parser)             --max-steps, --tb-dir, --tb-every
-    harness.check_flags(args, world_size) start-up: nan/inf floats, counts below their minimum, an unknown --arch,
-                                          a --batch-size the processes cannot split, --sync-bn without GPUs
+    harness.check_flags(args, world_size) start-up: nan/inf floats, counts below their minimum, an unknown --arch
+                                          or one that cannot take the run's image size, a --batch-size the processes
+                                          cannot split, --sync-bn without GPUs
     harness.check_gpu(device, backend)    the rank's GPU is visible; launch.sh G:N (N ranks share GPU G): gloo
+    harness.check_compiler(device)        torch.compile can build kernels here: a C++ compiler (CPU), a C compiler
+                                          and Python's headers (GPU, for Triton)
     harness.die(message)                  one line on stderr, exit 2 (said once per node)
     with harness.one_line_errors(): ...   around main(): a lost rank, a timeout, Ctrl-C, DDP's unused-parameter
                                           error, a bad file: one line each instead of a traceback per rank
@@ -28,8 +31,9 @@ import torch
 import torch.distributed as dist
 
 from common.checkpoint import check_epochs_left
-from common.data import check_full_batch, default_workers
-from common.models import check_arch
+from common.compiler import missing_compiler
+from common.data import DEFAULT_IMAGE_SIZE, check_full_batch, default_workers
+from common.models import check_arch, check_image_size
 from common.outputs import broadcast_out_dir_check, held_state_bytes, state_bytes
 from common.tensorboard_log import TensorBoard
 from common.utils import (
@@ -71,8 +75,13 @@ def check_flags(args, world_size=1):
         if flags.get(name) is not None and flags[name] <= 0:
             die(f"--{name.replace('_', '-')} {flags[name]} must be > 0")
     if "arch" in flags:
+        # The image size the recipe will fill in (its check_args, after this) when --image-size is left out.
+        default_for = flags.get("dataset") if flags.get("image_size") is None else None
+        size = flags.get("image_size") or DEFAULT_IMAGE_SIZE.get(default_for)
         try:
             check_arch(args.arch)
+            if size is not None:  # ViTs take 224 px only: one line here instead of a traceback per rank in training
+                check_image_size(args.arch, size, default_for)
         except ValueError as exc:
             die(str(exc))
     if flags.get("sync_bn") and not torch.cuda.is_available():  # torch's SyncBatchNorm and DDP refuse CPU tensors
@@ -99,6 +108,14 @@ def check_gpu(device, backend):
     return device, backend
 
 
+def check_compiler(device):
+    """torch.compile's toolchain for `device` (common/compiler.py): one line and exit 2 where it is missing, before
+    any process group. Local."""
+    missing = missing_compiler(device)
+    if missing:
+        die(missing)
+
+
 def gather_result_line(device, speed, model, optimizer, peaks=None, **fields):
     """The one machine-readable line tests, benchmarks and scripts grep for (RESULT {json}): `fields`, the warm-up-free
     images/s and the first step's end (from `speed`, a Throughput), and every rank's peak memory and the bytes of
@@ -115,6 +132,6 @@ def gather_result_line(device, speed, model, optimizer, peaks=None, **fields):
                        first_step_end_unix=speed.first_step_at)
 
 
-__all__ = ["DivergenceCheck", "TensorBoard", "Throughput", "add_flags", "broadcast_out_dir_check", "check_epochs_left",
-           "check_flags", "check_full_batch", "check_gpu", "default_workers", "die", "gather_result_line",
-           "one_line_errors", "peak_memory_mb", "state_bytes"]
+__all__ = ["DivergenceCheck", "TensorBoard", "Throughput", "add_flags", "broadcast_out_dir_check", "check_compiler",
+           "check_epochs_left", "check_flags", "check_full_batch", "check_gpu", "default_workers", "die",
+           "gather_result_line", "one_line_errors", "peak_memory_mb", "state_bytes"]

@@ -28,7 +28,9 @@ What it shows (the rest is recipes/ddp_checkpoint.py, whose checkpoints it keeps
   rounding (1e-7 of the weights), not bitwise as ddp_checkpoint.py's is.
 - Measured, resnet18 on cpu:2 (docs/benchmarks.md): fp32 all-reduces 44.7 MB per step, bf16 and fp16 22.3 MB,
   PowerSGD at rank 1 0.18 MB. What that buys depends on the wire: on one machine's shared memory halving the
-  bytes gained 8%, and PowerSGD's compression cost more time than its bytes saved.
+  bytes gained 8%, and PowerSGD's compression cost more time than its bytes saved. On GPUs torch's PowerSGD hook
+  also waits for the whole device once per bucket per step once it compresses (torch.cuda.synchronize in its
+  decompress; resnet18: 3 buckets), a cost the CPU numbers cannot show.
 
 `harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
 """

@@ -15,7 +15,12 @@ new size compiles again: drop_last keeps training's shape fixed, and dynamic=Fal
 batch a graph of its own rather than a dynamic-shape one. model.pt's keys are the bare model's (torch.compile's
 wrapper would prefix them `_orig_mod.`). At the end it says how many graphs were compiled for training and for
 evaluation, how many again during training (0 here: a recompile means a new shape or a changed guard), and the
-graph breaks (0 here: each splits the model into pieces compiled apart).
+graph breaks, with their reasons (0 here: each splits the model into pieces compiled apart).
+--sync-bn costs one graph break per SyncBatchNorm layer: its training forward drops empty ranks' statistics with a
+boolean mask (`nonzero`, a shape that depends on data; torch 2.14 has no fake-tensor kernel for the ops around it
+either), so each one runs eagerly, with its host sync, between compiled pieces: resnet18, 20 breaks and 21 graphs.
+A SyncBatchNorm inside torch's own containers (nn.Sequential) takes the whole container eager: tiny_bn compiles only
+its fc. Evaluation (no sync in eval mode) compiles whole.
 
 `harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
 """
@@ -32,8 +37,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters  # New: torch.compile's own counts
-from torch._inductor import cpp_builder  # New
-from torch._inductor.exc import InvalidCxxCompiler  # New
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
@@ -118,11 +121,7 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # TF32: fast, fp32's curves
     else:
         device, backend = torch.device("cpu"), "gloo"
-        try:  # New: on the CPU, inductor writes C++ and compiles it: without a compiler the first step would fail
-            cpp_builder.get_cpp_compiler()
-        except InvalidCxxCompiler:
-            harness.die("torch.compile on the CPU needs a C++ compiler and none works here: install g++ "
-                        "(apt install g++) or point CXX at one")
+    harness.check_compiler(device)  # New: torch.compile builds kernels: a C++ compiler (CPU), C and Python.h (GPU)
     timeout = datetime.timedelta(seconds=args.dist_timeout)  # torch's 30 min would leave the others hanging that long
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
@@ -155,7 +154,7 @@ def main():
     # YOUR MODEL goes here: an nn.Module from a batch (N, C, H, W) to logits (N, num_classes).
     model = build_model(args.arch, num_classes, args.image_size).to(device)
     if args.sync_bn:  # before the DDP wrap; each BatchNorm all-gathers its statistics in every training forward
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # New: and each is a graph break (docstring)
     # New: in place, before the wrap (torch.compile(model) would return a new module and leave `model` eager).
     model.compile(dynamic=False)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -241,8 +240,10 @@ def main():
     # New: graphs compiled during training after the first step are recompiles (a new shape, a changed guard).
     graphs, breaks = compiled_graphs()
     recompiles = graphs - first_graphs - eval_graphs
+    why = "; ".join(f"{count} x {reason.splitlines()[0]}" for reason, count in breaks.items())  # New
     print0(f"compile: {graphs} graph(s): {first_graphs} in the first step, {eval_graphs} for evaluation, "
-           f"{recompiles} compiled again during training; {sum(breaks.values())} graph break(s)")
+           f"{recompiles} compiled again during training; {sum(breaks.values())} graph break(s)"
+           + (f" ({why}; TORCH_LOGS=graph_breaks shows where)" if breaks else ""))
     # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
     tb.close()
     print0(harness.gather_result_line(device, speed, model, optimizer, recipe="ddp_compile", steps=step,

@@ -155,10 +155,9 @@ def main():
     torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
     # YOUR MODEL goes here: an nn.Module from a batch (N, C, H, W) to logits (N, num_classes).
     model = build_model(args.arch, num_classes, args.image_size).to(device)
-    # New: broadcast_buffers=False. Under Join, DDP's buffer broadcast at each forward first agrees on a rank that has
-    # not joined: a blocking all-reduce and a read on the host, a sync every step. Training-mode BatchNorm normalises
-    # by each batch's own statistics, so its buffers never reach the loss; each rank's drift apart until they are
-    # recomputed and rank 0's broadcast below. A model whose training forward reads a buffer must keep the broadcast.
+    # New: broadcast_buffers=False: under Join, DDP's buffer broadcast at each forward first agrees on a rank that has
+    # not joined (a blocking all-reduce and a host read: a sync every step). Training-mode BatchNorm never reads its
+    # buffers: recomputed, rank 0's are broadcast below. A model whose training forward reads one keeps the broadcast.
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                 find_unused_parameters=args.find_unused_parameters, broadcast_buffers=False)
     torch.manual_seed(args.seed + rank)  # from here on, augmentation and dropout differ per rank
