@@ -39,10 +39,12 @@ def cuda_unusable():
 def pytest_collection_modifyitems(config, items):
     """The GPU tier runs only when asked for (-m gpu, or any -m naming it): a plain run, or the quick tier's
     -m "not slow", stays on the CPU even on a machine with a GPU. Asked for where CUDA cannot run, it fails with one
-    line instead of skipping every test and passing."""
+    line instead of skipping every test and passing; --collect-only runs nothing, so it lists the tier anywhere
+    (tests/test_gpu_tier.py checks both)."""
     markexpr = config.getoption("markexpr") or ""
     if "gpu" in markexpr:
-        why = cuda_unusable() if "not gpu" not in markexpr else None
+        asked = "not gpu" not in markexpr and not config.getoption("collectonly")
+        why = cuda_unusable() if asked else None
         if why and any(item.get_closest_marker("gpu") for item in items):
             pytest.exit(why, returncode=1)
         return

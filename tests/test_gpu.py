@@ -1,8 +1,13 @@
-"""The GPU tier: `python -m pytest -m gpu` on a machine with a GPU. The default run deselects it; with no GPU,
-every test here is skipped with the reason. Each runs a CUDA path for real and checks numbers: every recipe on
-one GPU under NCCL, N ranks sharing one GPU over gloo (launch.sh G:N), DataLoaderX's CUDA stream, torch.amp
-with CUDA's GradScaler, real apex (vendor/, python-only build) against its torch mode, resume, model
+"""The GPU tier: `python -m pytest -m gpu` on a machine with a GPU. The default run deselects it; asked for where
+CUDA cannot run, it fails with one line (tests/conftest.py). Each test runs a CUDA path for real and checks numbers:
+every recipe in recipes/ on one GPU under NCCL, N ranks sharing one GPU over gloo (launch.sh G:N), --sync-bn in
+every recipe that has it against plain BatchNorm on the whole batch, DataLoaderX's CUDA stream, torch.amp with
+CUDA's GradScaler, real apex (vendor/, python-only build) against its torch mode, resume on the GPU (ddp_checkpoint,
+ddp_zero's consolidated optimizer, ddp_comm_hooks' PowerSGD state, fsdp's shards), Join with uneven ranks, model
 parallelism, and failure drills under NCCL (or gloo over CUDA where there is one GPU).
+
+tests/test_gpu_tier.py checks this file on the CPU: a test per recipe, the flags each launch passes, and that every
+text and RESULT key asserted here is one the code can print, so the first GPU run does not fail on a typo.
 
 Tolerances: cuDNN picks its kernels by timing (cudnn.benchmark) and TF32 rounds fp32 matmul inputs, so GPU runs
 are not bitwise repeatable; where two runs are compared the tolerance says how far apart they may be and why.
@@ -18,9 +23,12 @@ import sys
 import time
 
 import pytest
+import test_comm_hooks as cpu_hooks  # the CPU tests' runs and expectations, reused for the same runs on the GPU
+import test_fsdp as cpu_fsdp
+import test_uneven as cpu_uneven
 import torch
 import torch.multiprocessing as mp
-from conftest import REPO, launch, make_imagefolder, max_diff, params, result_of, scaler_resumed_from
+from conftest import REPO, epoch_losses, launch, make_imagefolder, max_diff, params, result_of, scaler_resumed_from
 from jobs import Job, error_lines, job_mid_epoch, survivors, tracebacks_beyond_multiprocessing
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
@@ -38,6 +46,32 @@ INSTALL_APEX = ("pip install --no-build-isolation --no-deps --config-settings '-
 TINY = ["--arch", "tiny", "--workers", "2", "--batch-size", "64"]
 # Two ranks need two GPUs under NCCL, which refuses two ranks on one; on a one-GPU box they share it over gloo.
 TWO_RANKS = "0,1" if GPUS >= 2 else "0:2"
+TWO_RANKS_BACKEND = "nccl" if GPUS >= 2 else "gloo"
+# Where two runs' weights are compared: TF32 off in cuBLAS and cuDNN (NVIDIA's override, which wins over the recipes'
+# allow_tf32 = True). TF32 rounds matmul and convolution inputs to 10 mantissa bits (2^-11, 5e-4 relative), so a
+# kernel that cudnn.benchmark picks in one run and not the other can round the runs apart by about what these
+# comparisons must tell apart; in fp32 they differ in the last digits. (torch_amp's switch: --amp-dtype fp32.)
+FP32 = {"NVIDIA_TF32_OVERRIDE": "0"}
+# torch.compile on the GPU: inductor generates Triton kernels and compiles them in the first step (minutes cold).
+COMPILE_TIMEOUT = 900
+
+
+def timeout_for(recipe):
+    return COMPILE_TIMEOUT if recipe == "ddp_compile" else 300
+
+
+def learned(state):
+    """A state_dict's parameters, without BatchNorm's statistics (recomputed at each epoch's end, trained or not)."""
+    return {k: v for k, v in state.items() if not k.endswith(("running_mean", "running_var", "num_batches_tracked"))}
+
+
+def initial_weights(arch, num_classes=10, image_size=32, seed=0):
+    """The weights a recipe starts from: each runs torch.manual_seed(args.seed), then build_model(args.arch,
+    num_classes, args.image_size) on the CPU, then moves the model to its device (torch_amp.py's "model" section).
+    tests/test_gpu_tier.py shows on the CPU that a run which cannot move them (--lr 1e-30) saves exactly these."""
+    with torch.random.fork_rng(devices=[]):  # this process's own RNG stream stays as it was
+        torch.manual_seed(seed)
+        return build_model(arch, num_classes, image_size).state_dict()
 
 
 @torch.no_grad()
@@ -52,18 +86,30 @@ def gpu_acc1(model_pt, arch, dataset):
 
 # --------------------------------------------------------------------- every recipe, one GPU, NCCL
 
-ONE_GPU = {  # recipe: extra flags
+ONE_GPU = {  # every recipe in recipes/ (tests/test_gpu_tier.py checks): its extra flags
     "dp": [], "ddp_torchrun": [], "ddp_launch": [], "ddp_spawn": [], "ddp_checkpoint": [],
     "torch_amp": [],  # fp16 + GradScaler('cuda'), the GPU default
     "apex_ddp": [], "apex_amp": ["--opt-level", "O1"],  # apex where it is installed, else torch (the first line)
     "fsdp": ["--amp-dtype", "bf16", "--arch", "tiny_bn"],  # bf16 compute and all-gathers, BatchNorm in fp32
     "mx_face_prefetch": ["--rec", "synthetic", "--image-size", "32"],
+    "ddp_compile": [],  # inductor's Triton kernels, compiled in the first step (COMPILE_TIMEOUT)
+    "ddp_zero": [],  # ZeroRedundancyOptimizer's per-rank broadcast, NCCL
+    "ddp_uneven": [],  # Join on NCCL (one rank: every batch is its own)
+    "ddp_comm_hooks": ["--comm-hook", "powersgd", "--powersgd-start", "2"],  # PowerSGD's CUDA path from step 3
 }
+# Top-1 after 3 epochs, above chance (10%) by a margin: mx_face_prefetch's task is harder; PowerSGD at rank 1 is lossy
+# by design (80.6 on one CPU process, the same flags). The others reach 99-100 on the CPU.
+LEARNS = {"mx_face_prefetch": 30, "ddp_comm_hooks": 60}
+# Evaluated in fp32 (TF32) by eager kernels, as gpu_acc1 scores model.pt. ddp_compile too: its compiled evaluation
+# fuses BatchNorm into the convolution's epilogue, a rounding difference that may flip one more near-tie (0.41).
+FP32_EVAL = {"dp": 0.21, "ddp_torchrun": 0.21, "ddp_launch": 0.21, "ddp_spawn": 0.21, "ddp_checkpoint": 0.21,
+             "apex_ddp": 0.21, "ddp_zero": 0.21, "ddp_uneven": 0.21, "ddp_comm_hooks": 0.21, "ddp_compile": 0.41}
 
 
 @pytest.mark.parametrize("recipe", sorted(ONE_GPU))
 def test_every_recipe_learns_on_one_gpu_with_exact_eval(tmp_path, recipe):
-    proc = launch(f"recipes/{recipe}.py", "0", *TINY, "--epochs", "3", *ONE_GPU[recipe], "--out-dir", tmp_path)
+    proc = launch(f"recipes/{recipe}.py", "0", *TINY, "--epochs", "3", *ONE_GPU[recipe], "--out-dir", tmp_path,
+                  timeout=timeout_for(recipe))
     result = result_of(proc)
     print(f"{recipe}: {json.dumps(result)}")  # README "Verified on GPU": pytest -m gpu -rP
     assert (result["device"], result["world_size"], result["val_samples"]) == ("cuda", 1, 500)
@@ -71,37 +117,57 @@ def test_every_recipe_learns_on_one_gpu_with_exact_eval(tmp_path, recipe):
         assert "setup: world_size=1 backend=nccl device=cuda" in proc.stdout
     # The CUDA allocator's peak for a tiny model: megabytes, where the CPU's max RSS would be hundreds.
     assert 0 < result["peak_mem_mb"] < 300, result
-    assert result["val_acc1"] > (30 if recipe == "mx_face_prefetch" else 80), result  # 10 classes: chance 10%
-    if recipe in ("dp", "ddp_torchrun", "ddp_launch", "ddp_spawn", "ddp_checkpoint", "apex_ddp"):  # fp32 (TF32)
+    assert result["val_acc1"] > LEARNS.get(recipe, 80), result  # 10 classes: chance 10%
+    if recipe in FP32_EVAL:
         # Each rank's shard, all-reduced, equals one process scoring model.pt; a kernel choice may flip one
         # near-tie of 500, so 0.2 (one sample).
         assert gpu_acc1(tmp_path / "model.pt", "tiny", build_datasets("synthetic")[1]) == pytest.approx(
-            result["val_acc1"], abs=0.21)
+            result["val_acc1"], abs=FP32_EVAL[recipe])
+    if recipe == "ddp_compile":
+        # One graph for training (a fixed shape: drop_last), one per evaluation batch size (64, and 500 % 64 = 52),
+        # none compiled again, no graph break: a recompile or a break shows here, a model left eager fails the run.
+        graphs = (result["compiled_graphs"], result["eval_graphs"], result["recompiles"], result["graph_breaks"])
+        assert graphs == (3, 2, 0, 0), result
+        assert re.search(r"^compile: 1 graph\(s\) in [\d.]+ s \(the first step", proc.stdout, re.M), proc.stdout
+    if recipe == "ddp_comm_hooks":
+        assert "comm_hook: powersgd rank=1 from step 3" in proc.stdout  # compressed from the third step on
 
 
 # ------------------------------------------------------------------ N ranks sharing one GPU, gloo
 
 
+# 6 steps of the global batch 32: 2 ranks x 16 or 1 rank x 32 see the same 32 images a step (synthetic data has no
+# augmentation). torch_amp's fp32 mode: no autocast and no TF32.
+SHARED = ["--workers", "0", "--batch-size", "32", "--max-steps", "6", "--lr", "0.05"]
+AMP_FP32 = ["--amp-dtype", "fp32", "--arch", "tiny", *SHARED]
+
+
 def test_two_ranks_sharing_one_gpu_match_one_rank_on_the_full_batch(tmp_path):
-    # torch_amp's fp32 mode: no autocast and no TF32, so only cuDNN's kernel choice (batch 16 vs 32) differs:
-    # fp32 rounding in the last digits, 1e-5 after 6 steps.
-    common = ["--amp-dtype", "fp32", "--arch", "tiny", "--workers", "0", "--batch-size", "32", "--max-steps", "6",
-              "--lr", "0.05"]
-    two = launch("recipes/torch_amp.py", "0:2", *common, "--out-dir", tmp_path / "two")
-    one = launch("recipes/torch_amp.py", "0", *common, "--out-dir", tmp_path / "one")
+    # Only cuDNN's kernel choice (batch 16 vs 32) differs: fp32 rounding in the last digits, 1e-5 after 6 steps.
+    two = launch("recipes/torch_amp.py", "0:2", *AMP_FP32, "--out-dir", tmp_path / "two")
+    one = launch("recipes/torch_amp.py", "0", *AMP_FP32, "--out-dir", tmp_path / "one")
     assert result_of(two)["world_size"] == 2 and result_of(one)["world_size"] == 1
     assert "setup: world_size=2 backend=gloo device=cuda" in two.stdout
     assert "setup: world_size=1 backend=nccl device=cuda" in one.stdout
-    initial = build_model("tiny", 10).state_dict()
+    # Against the weights both runs started from (the recipe's seeded init): 6 steps at lr 0.05 move them by more
+    # than 1e-3 (the same run on the CPU: tests/test_gpu_tier.py), so runs that trained nothing fail here.
+    initial = initial_weights("tiny")
     assert max_diff(params(tmp_path / "one/model.pt"), initial) > 1e-3  # it trained
+    assert max_diff(params(tmp_path / "two/model.pt"), initial) > 1e-3
     assert max_diff(params(tmp_path / "two/model.pt"), params(tmp_path / "one/model.pt")) < 1e-5
 
 
+# --sync-bn: SyncBatchNorm on 2 ranks x 16 computes what plain BatchNorm on 1 rank x 32 does, weights and running
+# statistics, from the same 32 images a step; model.pt loads into the plain-BatchNorm model. The control (plain
+# BatchNorm on 2 ranks, what an ignored --sync-bn gives) is torch_amp's test: its running statistics end more than
+# 1e-3 from the whole batch's (the same runs on the CPU: statistics 3.8e-2 apart, weights 6e-4), so max_diff over
+# both sees it.
+SYNC_BN_ARGS = ["--arch", "tiny_bn", *SHARED]
+
+
 def test_sync_bn_on_two_ranks_matches_batchnorm_on_one_rank_with_the_whole_batch(tmp_path):
-    # Issue 26: --sync-bn (torch's SyncBatchNorm) on 2 ranks x 16 computes what plain BatchNorm on 1 rank x 32 does:
-    # weights and running statistics, from the same 32 images a step. model.pt loads into the plain-BatchNorm model.
-    common = ["--amp-dtype", "fp32", "--arch", "tiny_bn", "--workers", "0", "--batch-size", "32", "--max-steps", "6",
-              "--lr", "0.05"]
+    # Issue 26, torch_amp: torch's SyncBatchNorm, with the unsynced control.
+    common = ["--amp-dtype", "fp32", *SYNC_BN_ARGS]
     two = launch("recipes/torch_amp.py", TWO_RANKS, *common, "--sync-bn", "--out-dir", tmp_path / "two")
     one = launch("recipes/torch_amp.py", "0", *common, "--out-dir", tmp_path / "one")
     plain = launch("recipes/torch_amp.py", TWO_RANKS, *common, "--out-dir", tmp_path / "plain")
@@ -112,6 +178,37 @@ def test_sync_bn_on_two_ranks_matches_batchnorm_on_one_rank_with_the_whole_batch
     assert max_diff(synced, whole) < 1e-4
     stats = [k for k in whole if "running_var" in k]
     assert max_diff({k: unsynced[k] for k in stats}, {k: whole[k] for k in stats}) > 1e-3  # the control
+
+
+SYNC_BN = {  # every other recipe with --sync-bn (tests/test_gpu_tier.py checks the list): its extra flags
+    "ddp_torchrun": [], "ddp_launch": [], "ddp_spawn": [], "ddp_checkpoint": [], "ddp_zero": [],
+    "ddp_comm_hooks": ["--comm-hook", "none"],  # DDP's own fp32 all-reduce: a 16-bit hook rounds 2 ranks' sum apart
+    "apex_ddp": [],  # apex's SyncBatchNorm (convert_syncbn_model) where apex is installed, else torch's
+    "ddp_compile": [],  # SyncBatchNorm inside a compiled model
+}
+# ddp_compile: the whole batch's BatchNorm is one of inductor's generated reductions, the synced one torch's kernels
+# between compiled pieces; a different summation order, still 30x below the control.
+SYNC_BN_ATOL = {"ddp_compile": 1e-3}
+
+
+@pytest.mark.parametrize("recipe", sorted(SYNC_BN))
+def test_sync_bn_of_each_recipe_on_two_ranks_matches_batchnorm_on_one_rank(tmp_path, recipe):
+    args = [*SYNC_BN_ARGS, *SYNC_BN[recipe]]
+    two = launch(f"recipes/{recipe}.py", TWO_RANKS, *args, "--sync-bn", "--out-dir", tmp_path / "two", env=FP32,
+                 timeout=timeout_for(recipe))
+    one = launch(f"recipes/{recipe}.py", "0", *args, "--out-dir", tmp_path / "one", env=FP32,
+                 timeout=timeout_for(recipe))
+    assert result_of(two)["world_size"] == 2 and result_of(one)["world_size"] == 1
+    assert f"setup: world_size=2 backend={TWO_RANKS_BACKEND} device=cuda" in two.stdout
+    synced, whole = params(tmp_path / "two/model.pt"), params(tmp_path / "one/model.pt")
+    build_model("tiny_bn", 10).load_state_dict(synced)  # strict: the keys of plain BatchNorm
+    diff = max_diff(synced, whole)
+    compiled = [line for line in two.stdout.splitlines() if line.startswith("compile: ")]
+    print(f"{recipe} --sync-bn on {TWO_RANKS} vs BatchNorm on 0: {diff:.1e} {compiled}")
+    assert max_diff(learned(whole), learned(initial_weights("tiny_bn"))) > 1e-3  # it trained
+    assert diff < SYNC_BN_ATOL.get(recipe, 1e-4)
+    if recipe == "ddp_compile":  # what its docstring says --sync-bn costs: a graph break (plain BatchNorm: none)
+        assert result_of(two)["graph_breaks"] > 0 and result_of(one)["graph_breaks"] == 0, compiled
 
 
 def _batches_of_one_rank(rank, results):
@@ -152,7 +249,9 @@ def test_torch_amp_fp16_channels_last_with_cuda_grad_scaler_survives_resume(tmp_
     first = launch("recipes/torch_amp.py", "0", *args, "--max-steps", "32")  # epoch 1 of 2 (32 steps each)
     assert result_of(first)["steps"] == 32 and "amp: fp16 autocast=True grad_scaler=True" in first.stdout
     saved = params(tmp_path / "checkpoint.pt")["scaler"]
-    assert saved["scale"] > 0 and saved["_growth_tracker"] > 0, saved  # steps since the last overflow
+    # The tracker counts the steps since the last overflow: 0 if step 32 overflowed (rare, and normal in fp16). The
+    # check that it was restored, not restarted, is the last line's, on the final tracker.
+    assert saved["scale"] > 0 and saved["_growth_tracker"] >= 0, saved
     resumed = launch("recipes/torch_amp.py", "0", *args, "--resume", tmp_path / "checkpoint.pt")
     result = result_of(resumed)
     assert result["steps"] == 64 and result["val_acc1"] > 80
@@ -259,16 +358,127 @@ def test_ddp_checkpoint_resume_on_gpu(tmp_path):
     data = make_imagefolder(tmp_path / "data")
     args = ["--dataset", "imagefolder", "--data-root", data, "--image-size", "16", "--batch-size", "8",
             "--arch", "tiny", "--workers", "2", "--epochs", "3"]
-    straight = launch("recipes/ddp_checkpoint.py", "0", *args, "--out-dir", tmp_path / "straight")
-    first = launch("recipes/ddp_checkpoint.py", "0", *args, "--max-steps", "7", "--out-dir", tmp_path / "resumed")
-    resumed = launch("recipes/ddp_checkpoint.py", "0", *args, "--resume", "auto", "--out-dir", tmp_path / "resumed")
+    straight = launch("recipes/ddp_checkpoint.py", "0", *args, "--out-dir", tmp_path / "straight", env=FP32)
+    first = launch("recipes/ddp_checkpoint.py", "0", *args, "--max-steps", "7", "--out-dir", tmp_path / "resumed",
+                   env=FP32)
+    resumed = launch("recipes/ddp_checkpoint.py", "0", *args, "--resume", "auto", "--out-dir", tmp_path / "resumed",
+                     env=FP32)
     assert result_of(straight)["steps"] == result_of(resumed)["steps"] == 21 and result_of(first)["steps"] == 7
     assert "at epoch 1 step 7" in resumed.stdout
     # The RNG streams (CPU and CUDA) are restored, so the same batches and augmentations follow; cuDNN's
     # timed kernel choice and atomics leave fp32 differences far below 1e-4 after 14 more steps.
     diff = max_diff(params(tmp_path / "straight/model.pt"), params(tmp_path / "resumed/model.pt"))
     print(f"ddp_checkpoint resume on GPU: max weight difference {diff:.2e}")
+    assert max_diff(params(tmp_path / "straight/model.pt"), initial_weights("tiny", 3, 16)) > 1e-3  # it trained
     assert diff < 1e-4
+
+
+def test_ddp_zero_consolidates_every_ranks_shard_and_resumes_on_gpu(tmp_path):
+    # consolidate_state_dict(to=0) gathers each rank's optimizer shard onto rank 0 (under NCCL through CUDA tensors),
+    # which saves the whole SGD state; --resume auto gives each rank its shard back, and its CPU and CUDA RNG streams.
+    # The same run on the CPU: test_conformance.py (ddp_zero's resume), test_recipe_variants.py (2 ranks to 3).
+    args = ["--arch", "tiny_bn", "--workers", "0", "--batch-size", "32", "--epochs", "2", "--synthetic-train", "256"]
+    straight = launch("recipes/ddp_zero.py", TWO_RANKS, *args, "--out-dir", tmp_path / "straight", env=FP32)
+    first = launch("recipes/ddp_zero.py", TWO_RANKS, *args, "--max-steps", "8", "--out-dir", tmp_path / "resumed",
+                   env=FP32)
+    saved = params(tmp_path / "resumed/latest.pt")  # epoch 1's: 256 / 32 = 8 steps
+    resumed = launch("recipes/ddp_zero.py", TWO_RANKS, *args, "--resume", "auto", "--out-dir", tmp_path / "resumed",
+                     env=FP32)
+    assert [result_of(proc)["steps"] for proc in (first, resumed, straight)] == [8, 16, 16]
+    assert f"setup: world_size=2 backend={TWO_RANKS_BACKEND} device=cuda" in first.stdout
+    # Every parameter's momentum, both ranks' shards: rank 0's alone would hold about half of them.
+    n_params = len(list(build_model("tiny_bn", 10).parameters()))
+    assert saved["epoch"] == 1 and sorted(saved["optimizer"]["state"]) == list(range(n_params)), saved["optimizer"]
+    assert all(state["momentum_buffer"].abs().max() > 0 for state in saved["optimizer"]["state"].values())
+    assert f"resume: {tmp_path / 'resumed/latest.pt'} at epoch 1 step 8" in resumed.stdout
+    diff = max_diff(params(tmp_path / "straight/model.pt"), params(tmp_path / "resumed/model.pt"))
+    print(f"ddp_zero resume on {TWO_RANKS}: max weight difference {diff:.2e}")
+    assert max_diff(learned(params(tmp_path / "straight/model.pt")), learned(initial_weights("tiny_bn"))) > 1e-3
+    assert diff < 1e-4
+
+
+# PowerSGD's tolerance on the GPU: fp32 kernels that cudnn.benchmark picks per process, and atomics, round the two
+# runs apart in the last digits, which PowerSGD's power iteration can amplify; still 100x below how far a resume
+# without the saved state ends (0.17 on the CPU, test_comm_hooks.py's control).
+POWERSGD_GPU_RESUME_TOLERANCE = 1e-3
+
+
+def test_ddp_comm_hooks_powersgd_state_survives_a_checkpoint_on_gpu(tmp_path):
+    # test_comm_hooks.py's run on TWO_RANKS: PowerSGD's state (error feedback, P and Q, its step count) in latest.pt,
+    # CUDA tensors saved from the hook and loaded onto each rank's GPU, and the CUDA RNG stream restored.
+    world, per_epoch = 2, cpu_hooks.steps_per_epoch(2)
+    args = ["recipes/ddp_comm_hooks.py", TWO_RANKS, *cpu_hooks.FLAGS, "--batch-size", cpu_hooks.batch_for(world),
+            "--comm-hook", "powersgd"]
+    straight = launch(*args, "--out-dir", tmp_path / "straight", env=FP32)
+    first = launch(*args, "--max-steps", per_epoch, "--out-dir", tmp_path / "pieced", env=FP32)
+    saved = params(tmp_path / "pieced/latest.pt")["comm_hook"]
+    resumed = launch(*args, "--resume", "auto", "--out-dir", tmp_path / "pieced", env=FP32)
+    assert [result_of(proc)["steps"] for proc in (first, resumed, straight)] == [per_epoch, 2 * per_epoch,
+                                                                                 2 * per_epoch]
+    assert f"comm_hook: powersgd rank={cpu_hooks.RANK} from step {cpu_hooks.START + 1}" in straight.stdout
+    # As test_powersgd_state_survives_a_checkpoint checks on the CPU: keyed by parameter, every element's error.
+    assert saved["iter"] == per_epoch
+    init = cpu_hooks.initial()
+    assert {n: t.shape for n, t in saved["error"].items()} == {n: (p.numel(),) for n, p in init.named_parameters()}
+    factors = cpu_hooks.factor_sizes()
+    assert set(saved["p"]) == set(saved["q"]) == set(factors) and factors
+    assert {n: (saved["p"][n].numel(), saved["q"][n].numel()) for n in factors} == factors
+    assert all(saved["error"][n].abs().max() > 0 for n in factors)  # what rank 1 left out, for the next step
+    assert f"resume: {tmp_path / 'pieced/latest.pt'} at epoch 1 step {per_epoch}" in resumed.stdout
+    assert "holds no PowerSGD state" not in resumed.stdout
+    straight_weights = params(tmp_path / "straight/model.pt")
+    gap = cpu_hooks.distance(params(tmp_path / "pieced/model.pt"), straight_weights, init.state_dict())
+    print(f"ddp_comm_hooks PowerSGD resume on {TWO_RANKS}: {gap:.1e} from the uninterrupted run")
+    assert max_diff(straight_weights, init.state_dict()) > 1e-3  # it trained
+    assert gap <= POWERSGD_GPU_RESUME_TOLERANCE
+
+
+def test_fsdp_sharded_checkpoint_resumes_on_gpu(tmp_path):
+    # test_fsdp.py's run on TWO_RANKS: each rank writes its shard with torch.distributed.checkpoint, rank 0 latest.pt;
+    # --resume auto loads the shards onto each GPU and restores the CUDA RNG stream. Bitwise on the CPU; here the
+    # straight and resumed runs' kernels may differ (cudnn.benchmark), fp32 (FP32): last digits.
+    args = ["recipes/fsdp.py", TWO_RANKS, *cpu_fsdp.ARGS]
+    straight = launch(*args, "--out-dir", tmp_path / "straight", env=FP32)
+    first = launch(*args, "--max-steps", cpu_fsdp.PER_EPOCH, "--out-dir", tmp_path / "resumed", env=FP32)
+    resumed = launch(*args, "--resume", "auto", "--out-dir", tmp_path / "resumed", env=FP32)
+    steps = 3 * cpu_fsdp.PER_EPOCH  # --epochs 3
+    assert [result_of(proc)["steps"] for proc in (first, resumed, straight)] == [cpu_fsdp.PER_EPOCH, steps, steps]
+    assert f"setup: world_size=2 backend={TWO_RANKS_BACKEND} device=cuda" in first.stdout
+    assert (f"resume: {tmp_path / 'resumed/checkpoint/latest.pt'} at epoch 1 step {cpu_fsdp.PER_EPOCH}"
+            in resumed.stdout)
+    assert epoch_losses(first.stdout) + epoch_losses(resumed.stdout) == pytest.approx(
+        epoch_losses(straight.stdout), abs=1.5e-4)  # printed with 4 decimals
+    shards = params(tmp_path / "resumed/checkpoint/latest.pt")["shards"]
+    assert len(list((tmp_path / "resumed/checkpoint" / shards).glob("*.distcp"))) == 2  # one per rank
+    weights = params(tmp_path / "resumed/model.pt")
+    build_model("tiny", 10).load_state_dict(weights)  # the full state_dict on rank 0's CPU: plain tensors, no prefix
+    diff = max_diff(params(tmp_path / "straight/model.pt"), weights)
+    print(f"fsdp resume on {TWO_RANKS}: max weight difference {diff:.2e}")
+    assert max_diff(weights, initial_weights("tiny", image_size=16)) > 1e-3  # it trained
+    assert diff < 1e-4
+
+
+def test_ddp_uneven_join_on_gpu_equals_the_reference_over_every_ranks_batches(tmp_path):
+    # test_uneven.py's job on TWO_RANKS: --shard-size 20 deals 128 samples out as 68 and 60, so the ranks have 5 and
+    # 4 batches; Join shadows the short rank's all-reduces (under NCCL on 2 GPUs), its momentum comes from the long
+    # rank. The reference is test_uneven.py's one-process loop over every rank's batches, here on the CPU: the GPU
+    # run must land where it does (fp32 on both: last digits). The same loop averaging the last step over the ranks
+    # still training, not all of them, ends 0.1 away.
+    world, batch = 2, 32
+    proc = launch("recipes/ddp_uneven.py", TWO_RANKS, *cpu_uneven.FLAGS, "--batch-size", batch, "--out-dir", tmp_path,
+                  env=FP32)
+    losses, model, counts = cpu_uneven.reference(world, batch)
+    assert len(set(counts)) > 1, counts  # the ranks' batch counts do differ
+    assert f"steps_per_epoch={max(counts)} batches_per_rank={counts}" in proc.stdout, proc.stdout
+    result = result_of(proc)
+    assert (result["world_size"], result["steps"], result["val_samples"]) == (world, cpu_uneven.EPOCHS * max(counts),
+                                                                             37), result
+    assert f"setup: world_size=2 backend={TWO_RANKS_BACKEND} device=cuda" in proc.stdout
+    assert epoch_losses(proc.stdout) == pytest.approx(losses, abs=1.5e-4)  # printed with 4 decimals
+    diff = max_diff(params(tmp_path / "model.pt"), model.state_dict())
+    print(f"ddp_uneven on {TWO_RANKS}: {diff:.1e} from the CPU reference")
+    assert diff < 1e-4
+    assert result["val_acc1"] > 30, result  # it learns: 10 classes
 
 
 def test_ddp_spawn_model_parallel_or_its_refusal(tmp_path):
