@@ -70,6 +70,7 @@ NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsew
     # Each mutant reruns the recipe's tests: minutes per recipe (5 and 4 here, half the rest of this test).
     "python tools/mutation_check.py --recipes ddp_compile,ddp_zero,ddp_uneven": MUTANTS,
     "python tools/mutation_check.py --recipes ddp_comm_hooks": MUTANTS,
+    "python tools/mutation_check.py --recipes ddp_uneven,ddp_zero --edits join_buffer_sync,zero_bucket_view": MUTANTS,
     "python tools/tune_loader.py --dataset imagefolder --data-root ~/my_data --batch-size 256 --processes 4 "
     "--device cuda": "--device cuda needs a GPU; tests/test_tune_loader.py runs the tool on the CPU",
     # fp16 on a CPU runs, 10-50x slower than fp32: a step of resnet18 takes minutes. The same flags run at small
@@ -84,6 +85,8 @@ NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsew
     "python -m pytest": SUITE,
     'python -m pytest -m "not slow"': SUITE,
     "python -m pytest -m gpu": "the GPU tier: it needs a GPU (tests/test_gpu.py)",
+    "python -m pytest -m gpu --collect-only": "tests/test_gpu_tier.py runs it with the GPUs hidden: exit 0, a test "
+                                              "per recipe",
     "python3 -m venv .venv": "the set-up of the environment this suite runs in (.ci/run makes its own)",
 }
 # Documented failures on a CPU box: (exit code, a line the error output must hold).
