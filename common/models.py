@@ -55,9 +55,9 @@ def check_arch(arch):
 
 
 SMALL_IMAGES = 64  # below this side (px): the small-image ResNet stem, and pad-and-crop (common.data.transforms)
-# Builder arguments by arch. googlenet and inception_v3 otherwise return a namedtuple with auxiliary logits in
-# training, which the recipes' loss refuses (TypeError: cross_entropy_loss(): argument 'input' must be Tensor).
-BUILD_KWARGS = {"googlenet": {"aux_logits": False}, "inception_v3": {"aux_logits": False}}
+# googlenet, inception_v3: no auxiliary logits (a namedtuple in training, which the loss refuses), and their init said.
+BUILD_KWARGS = {"googlenet": {"aux_logits": False, "init_weights": True},
+                "inception_v3": {"aux_logits": False, "init_weights": True}}
 
 
 def build_model(arch, num_classes, image_size=None):

@@ -17,8 +17,8 @@ wrapper would prefix them `_orig_mod.`). At the end it says how many graphs were
 evaluation, how many again during training (0 here: a recompile means a new shape or a changed guard), and the
 graph breaks, with their reasons (0 here: each splits the model into pieces compiled apart).
 --sync-bn costs one graph break per SyncBatchNorm layer: its training forward drops empty ranks' statistics with a
-boolean mask (`nonzero`, a shape that depends on data; torch 2.14 has no fake-tensor kernel for the ops around it
-either), so each one runs eagerly, with its host sync, between compiled pieces: resnet18, 20 breaks and 21 graphs.
+boolean mask (`nonzero`: a shape that depends on data; capturing such shapes only moves the break to the next op),
+so each one runs eagerly, with its host sync, between compiled pieces: resnet18, 20 breaks and 21 graphs.
 A SyncBatchNorm inside torch's own containers (nn.Sequential) takes the whole container eager: tiny_bn compiles only
 its fc. Evaluation (no sync in eval mode) compiles whole.
 
@@ -99,9 +99,9 @@ def evaluate(model, loader, criterion, device):
 
 
 def compiled_graphs():  # New
-    """Graphs dynamo has compiled in this process (DDPOptimizer's per-bucket pieces of one count once), and its graph
-    breaks (the reasons, with counts)."""
-    return counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+    """Graphs dynamo compiled here (DDPOptimizer's pieces of one count once); breaks by their reason's first line."""
+    return counters["stats"]["unique_graphs"], collections.Counter(
+        reason.splitlines()[0] for reason, count in counters["graph_break"].items() for _ in range(count))
 
 
 def main():
@@ -240,7 +240,7 @@ def main():
     # New: graphs compiled during training after the first step are recompiles (a new shape, a changed guard).
     graphs, breaks = compiled_graphs()
     recompiles = graphs - first_graphs - eval_graphs
-    why = "; ".join(f"{count} x {reason.splitlines()[0]}" for reason, count in breaks.items())  # New
+    why = "; ".join(f"{count} x {reason}" for reason, count in breaks.items())  # New
     print0(f"compile: {graphs} graph(s): {first_graphs} in the first step, {eval_graphs} for evaluation, "
            f"{recompiles} compiled again during training; {sum(breaks.values())} graph break(s)"
            + (f" ({why}; TORCH_LOGS=graph_breaks shows where)" if breaks else ""))

@@ -11,7 +11,7 @@ others' all-reduces (it contributes zeros; each gradient is still divided by the
 over every rank's share) until all are done; then every rank gets the weights of the last rank to finish. What
 Join does not sync is yours: SGD's momentum and the LR schedule of the ranks that sat steps out (both are synced
 below), and any other collective in the loop (none here: the divergence check waits for the epoch's end).
-DDP(broadcast_buffers=False): with Join, DDP's per-forward buffer broadcast costs a blocking all-reduce and a host
+DDP(forward_sync_buffers=False): with Join, DDP's per-forward buffer broadcast costs a blocking all-reduce and a host
 sync every step; BatchNorm's statistics are recomputed and broadcast at each epoch's end instead.
 --sync-bn is not offered: SyncBatchNorm's collectives are not ones Join shadows.
 
@@ -155,11 +155,11 @@ def main():
     torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
     # YOUR MODEL goes here: an nn.Module from a batch (N, C, H, W) to logits (N, num_classes).
     model = build_model(args.arch, num_classes, args.image_size).to(device)
-    # New: broadcast_buffers=False: under Join, DDP's buffer broadcast at each forward first agrees on a rank that has
-    # not joined (a blocking all-reduce and a host read: a sync every step). Training-mode BatchNorm never reads its
-    # buffers: recomputed, rank 0's are broadcast below. A model whose training forward reads one keeps the broadcast.
+    # New: forward_sync_buffers=False (torch < 2.13: broadcast_buffers=False). Under Join DDP's buffer broadcast at each
+    # forward first agrees on a rank that has not joined: a blocking all-reduce and a host read, every step. Training
+    # BatchNorm never reads its buffers: recomputed, rank 0's are broadcast below (else keep the broadcast).
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                find_unused_parameters=args.find_unused_parameters, broadcast_buffers=False)
+                find_unused_parameters=args.find_unused_parameters, forward_sync_buffers=False)
     torch.manual_seed(args.seed + rank)  # from here on, augmentation and dropout differ per rank
     criterion = torch.nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
@@ -218,7 +218,7 @@ def main():
             while recent:  # popped: each batch leaves GPU memory once used
                 model.module(recent.popleft())
         # -------------------------------------------------------------------------------- eval
-        # New: no buffer broadcast in training (broadcast_buffers=False), so every rank holds its own BatchNorm
+        # New: no buffer broadcast in training (forward_sync_buffers=False), so every rank holds its own BatchNorm
         # statistics: evaluate everywhere with rank 0's, which model.pt gets.
         for buffer in model.module.buffers():
             dist.broadcast(buffer, 0)

@@ -251,7 +251,7 @@ def test_torch_amp_fp16_channels_last_with_cuda_grad_scaler_survives_resume(tmp_
     saved = params(tmp_path / "checkpoint.pt")["scaler"]
     # The tracker counts the steps since the last overflow: 0 if step 32 overflowed (rare, and normal in fp16). The
     # check that it was restored, not restarted, is the last line's, on the final tracker.
-    assert saved["scale"] > 0 and saved["_growth_tracker"] >= 0, saved
+    assert saved["scale"] > 0 and "_growth_tracker" in saved, saved  # its value: no bound (0 after an overflow)
     resumed = launch("recipes/torch_amp.py", "0", *args, "--resume", tmp_path / "checkpoint.pt")
     result = result_of(resumed)
     assert result["steps"] == 64 and result["val_acc1"] > 80

@@ -49,7 +49,7 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # ddp_compile: 78, then 81 with what --sync-bn costs it (issue 39) in its docstring and the breaks' reasons.
     ("ddp_torchrun", "ddp_compile", 81),
     # ddp_uneven: its training loop is indented under `with Join([model]):` (19 lines, counted twice); 123, then 136
-    # with broadcast_buffers=False and why (issue 39).
+    # with forward_sync_buffers=False and why (issue 39).
     ("ddp_torchrun", "ddp_uneven", 136),
     # fsdp, ddp_zero and ddp_comm_hooks: their checkpoints are ddp_checkpoint's (sharded, consolidated, with PowerSGD's
     # state): read them against that one. ddp_zero 54 and ddp_comm_hooks 93 before issue 39 (the bucket view, and

@@ -96,7 +96,9 @@ def _compiled_resnet18_step(rank, init_file, out):
     model = DDP(model)
     torch.nn.functional.cross_entropy(model(torch.randn(4, 3, 8, 8)), torch.arange(4)).backward()
     if rank == 0:
-        breaks = {reason.splitlines()[0]: n for reason, n in counters["graph_break"].items()}
+        breaks = {}  # by each reason's first line, as ddp_compile prints them
+        for reason, n in counters["graph_break"].items():
+            breaks[reason.splitlines()[0]] = breaks.get(reason.splitlines()[0], 0) + n
         out.write_text(json.dumps({"graphs": counters["stats"]["unique_graphs"], "breaks": breaks}))
     dist.destroy_process_group()
 

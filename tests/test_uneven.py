@@ -80,7 +80,7 @@ def test_join_finishes_and_equals_the_reference_over_every_ranks_batches(tmp_pat
     losses, model, counts = reference(world, batch)
     # tests/instrument counts DDP's forwards with autograd off: evaluation goes around the wrapper (model.module).
     assert [count["eval_forwards"] for count in ddp_counts(counted)] == [0] * world
-    # broadcast_buffers=False: no buffer broadcast before a forward, and so under Join no per-step agreement on the
+    # forward_sync_buffers=False: no buffer broadcast before a forward, and so under Join no per-step agreement on the
     # rank to copy from (a blocking all-reduce and a host read); one agreement per epoch remains, Join's choice of
     # the rank whose final weights every rank takes.
     assert [(c["buffer_syncs"], c["common_rank_agreements"]) for c in ddp_counts(counted)] == [(0, EPOCHS)] * world

@@ -18,7 +18,7 @@ With COUNT_DDP_DIR set, once torch's DistributedDataParallel is imported, each p
                    (SGD(fused=True)) takes the flag on the device and makes none,
   buffer_syncs:    DDP's broadcasts of the module's buffers before a forward (DDP._sync_buffers),
   common_rank_agreements: DDP._find_common_rank calls: under Join, a blocking all_reduce and a host read (.item())
-                   that pick the rank to copy buffers (each forward, with broadcast_buffers) or final weights from,
+                   that pick the rank to copy buffers (each forward, with forward_sync_buffers) or final weights from,
   zero_broadcasts_per_step: per ZeroRedundancyOptimizer step, the broadcasts that share the stepped parameters
                    (its _sync_params: one per parameter tensor, or one per rank with parameters_as_bucket_view),
 and writes them to COUNT_DDP_DIR/rank<R>.json when the recipe calls dist.destroy_process_group().
