@@ -105,3 +105,27 @@ def test_launch_of_a_vit_at_the_default_size_says_one_line_and_exits_2():
     assert error_lines(proc.stderr) == ["error: --arch vit_b_16 needs 224 px images, not 32 px (the default for "
                                         "--dataset synthetic): add --image-size 224"], proc.stderr
     assert "Traceback" not in proc.stderr and "AssertionError" not in proc.stderr and "setup:" not in proc.stdout
+
+
+def test_an_arch_the_meta_device_cannot_run_is_let_through_for_the_real_run_to_judge(monkeypatch):
+    # An op without a meta kernel (a future torchvision's, say) must not refuse a run that may well work: let through.
+    def cannot(arch, small):
+        raise NotImplementedError("no meta kernel")
+
+    monkeypatch.setattr(models, "_meta_model", cannot)
+    models.image_size_needed.cache_clear()
+    try:
+        assert models.image_size_needed("vit_b_16", 32) is None
+        check_image_size("vit_b_16", 32, "synthetic")  # no error: the real run says what is wrong
+    finally:
+        models.image_size_needed.cache_clear()
+
+
+def test_an_arch_that_fails_at_every_size_tried_is_let_through_too(monkeypatch):
+    # No size to suggest: refusing with a size that does not work either would send the user round in circles.
+    monkeypatch.setattr(models, "_size_error", lambda arch, size: AssertionError(f"Wrong image height {size}"))
+    models.image_size_needed.cache_clear()
+    try:
+        assert models.image_size_needed("alexnet", 32) is None
+    finally:
+        models.image_size_needed.cache_clear()
