@@ -63,6 +63,7 @@ def test_the_tier_runs_sync_bn_in_every_recipe_that_has_it():
     assert len(sync_bn_recipes()) >= 9  # ddp_torchrun, its launcher siblings, and 6 more today
 
 
+@pytest.mark.slow  # a pytest of its own: 5-10 s
 def test_collect_only_lists_the_tier_without_cuda():
     proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q", "-p",
                            "no:cacheprovider"], cwd=REPO, env=without_cuda(), capture_output=True, text=True,
@@ -79,6 +80,7 @@ def test_collect_only_lists_the_tier_without_cuda():
     assert re.search(rf"^{len(listed)}/\d+ tests collected \(\d+ deselected\)", proc.stdout, re.M), proc.stdout[-500:]
 
 
+@pytest.mark.slow  # a pytest of its own: 5-10 s
 def test_a_gpu_run_without_cuda_fails_with_one_line():
     # A real -m gpu run where CUDA cannot run must fail, not skip every test and pass (tests/conftest.py).
     import torch
