@@ -16,6 +16,7 @@ from tools.procs import run_group
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "launch.sh"
+RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.py"))  # every recipe, by name
 
 
 def cuda_unusable():

@@ -5,12 +5,11 @@ only: no weights, no data), and the same line through the real launcher instead 
 import re
 import time
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 import torchvision
-from conftest import launch, load_recipe
+from conftest import RECIPES, launch, load_recipe
 from jobs import error_lines
 
 from common import models
@@ -80,9 +79,6 @@ def test_a_size_too_large_or_given_by_hand_is_refused_too():
     assert str(small.value) == "--arch vgg11 needs images of at least 32 px, not 16 px: use --image-size 32 or more"
     check_image_size("vit_b_16", 224)
     check_image_size("tiny", 1)
-
-
-RECIPES = sorted(p.stem for p in (Path(__file__).parents[1] / "recipes").glob("*.py"))
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -16,14 +16,12 @@ import re
 import pytest
 import torch
 import torchvision.transforms as T
-from conftest import REPO, launch, load_recipe, result_of
+from conftest import RECIPES, launch, load_recipe, result_of
 
 from common.data import transforms
 from common.models import build_model
 from common.schedule import default_lr, warmup_cosine, warmup_steps
 from tools.real_data import export
-
-RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.py"))
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,8 @@ import sys
 
 import pytest
 import test_gpu as tier
-from conftest import REPO, launch, load_recipe, max_diff, params
+from conftest import RECIPES, REPO, launch, load_recipe, max_diff, params
 
-RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.py"))
 # Where the texts the tier expects come from: the recipes, the code they share, the launcher's helpers, the faults
 # the drills inject.
 SOURCES = [*sorted((REPO / "recipes").glob("*.py")), *sorted((REPO / "common").glob("*.py")),

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 from conftest import (
+    RECIPES,
     REPO,
     as_if_saved_on_gpu,
     ddp_counts,
@@ -76,7 +77,7 @@ def test_the_flagship_imports_few_names_from_common_and_stays_short():
     assert len(diff.splitlines()) <= 229
 
 
-@pytest.mark.parametrize("recipe", sorted(p.stem for p in (REPO / "recipes").glob("*.py")))
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_each_sibling_marks_its_additions_with_one_tag(recipe):
     # The flagship has none; a sibling marks what it adds `# New` (a line) or `# New: why` (a block below it), and
     # no other spelling, so a reader can grep one tag.
@@ -89,7 +90,7 @@ def test_each_sibling_marks_its_additions_with_one_tag(recipe):
     assert "YOUR DATA goes here" in text and "YOUR MODEL goes here" in text  # the seams, with what they must return
 
 
-@pytest.mark.parametrize("recipe", sorted(p.stem for p in (REPO / "recipes").glob("*.py")))
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_follows_the_contract(recipe):
     text = (REPO / "recipes" / f"{recipe}.py").read_text()
     assert text.startswith('"""') and f"./launch.sh recipes/{recipe}.py" in text.split('"""')[1]

@@ -81,17 +81,10 @@ def _patch(ddp_module):
             per_step.append(0)
         return forward(self, *args, **kwargs)
 
-    class CountingDist:
-        """torch.distributed, but all_reduce counts the bytes into the current step."""
-
-        def __getattr__(self, name):
-            return getattr(dist, name)
-
-        def all_reduce(self, tensor, *args, **kwargs):
-            with lock:
-                if per_step:
-                    per_step[-1] += tensor.numel() * tensor.element_size()
-            return dist.all_reduce(tensor, *args, **kwargs)
+    def count_bytes(tensor, *args, **kwargs):  # all_reduce's bytes, into the current step
+        with lock:
+            if per_step:
+                per_step[-1] += tensor.numel() * tensor.element_size()
 
     maybe_opt_step = GradScaler._maybe_opt_step
 
@@ -117,26 +110,32 @@ def _patch(ddp_module):
         return destroy(*args, **kwargs)
 
     ddp.forward, ddp.register_comm_hook, dist.destroy_process_group = patched_forward, patched_register, patched_destroy
-    default_hooks.dist = powerSGD_hook.dist = CountingDist()
+    default_hooks.dist = powerSGD_hook.dist = _counting_dist("all_reduce", count_bytes)
     GradScaler._maybe_opt_step = counting_opt_step
     ddp._sync_buffers, ddp._find_common_rank = counting_sync_buffers, counting_common_rank
 
 
-def _patch_zero(zero_module):
-    """ZeroRedundancyOptimizer's module gets a `dist` of its own whose broadcast counts into the current step."""
+def _counting_dist(name, count):
+    """A `dist` for one of torch's modules to use instead of torch.distributed: the same, but its `name` function
+    calls count(*args, **kwargs) first. torch.distributed itself is untouched (the recipes' own calls)."""
     import torch.distributed as dist
 
+    def counted(self, *args, **kwargs):
+        count(*args, **kwargs)
+        return getattr(dist, name)(*args, **kwargs)
+
+    proxy = type("CountingDist", (), {"__getattr__": lambda self, attr: getattr(dist, attr), name: counted})
+    return proxy()
+
+
+def _patch_zero(zero_module):
+    """ZeroRedundancyOptimizer's module gets a `dist` of its own whose broadcast counts into the current step."""
     zero, sync_params = zero_module.ZeroRedundancyOptimizer, zero_module.ZeroRedundancyOptimizer._sync_params
     steps, in_step = _COUNTS["zero_broadcasts_per_step"], [False]  # consolidate_state_dict's broadcasts: not counted
 
-    class CountingDist:
-        def __getattr__(self, name):
-            return getattr(dist, name)
-
-        def broadcast(self, *args, **kwargs):
-            if in_step[0]:
-                steps[-1] += 1
-            return dist.broadcast(*args, **kwargs)
+    def count_broadcast(*args, **kwargs):
+        if in_step[0]:
+            steps[-1] += 1
 
     def counting_sync_params(self):
         steps.append(0)
@@ -147,7 +146,7 @@ def _patch_zero(zero_module):
             in_step[0] = False
 
     zero._sync_params = counting_sync_params
-    zero_module.dist = CountingDist()
+    zero_module.dist = _counting_dist("broadcast", count_broadcast)
 
 
 def _patch_loader(loader_module):
