@@ -8,8 +8,11 @@ import json
 import math
 import os
 import resource
+import signal
 import sys
+import threading
 import time
+import traceback
 import weakref
 
 import torch
@@ -100,6 +103,36 @@ def _leave(code):
     os._exit(code)
 
 
+def _quiet_pin_memory_thread(previous):
+    """A threading.excepthook that drops one exception: the DataLoader's pin-memory thread (CUDA runs, pin_memory=True)
+    dying of an OSError or EOFError while it unpickles a batch, because the worker that sent it has exited. A batch
+    crosses the process boundary as a file descriptor the receiver fetches from the sender, so a worker that is gone
+    leaves "ConnectionRefusedError" (or FileNotFoundError) in the thread. Ctrl-C does exactly that: the signal reaches
+    each rank's workers and main thread at once, and without this every rank prints half a traceback before it exits
+    (tests/test_gpu.py drill 7). Nothing is lost: a worker that died otherwise is reported by the DataLoader itself in
+    the main thread ("DataLoader worker (pid N) is killed by signal", or "Pin memory thread exited unexpectedly")."""
+    def hook(args):
+        gone = args.exc_type is not None and issubclass(args.exc_type, (OSError, EOFError))
+        if gone and any(frame.name == "_pin_memory_loop" for frame in traceback.extract_tb(args.exc_traceback)):
+            return
+        previous(args)
+    hook.quiet_pin_memory = True
+    return hook
+
+
+def _ctrl_c_leaves(pid):
+    """A SIGINT handler for a rank of a job: leave at once, exit 130, wherever the signal lands. Python's own handler
+    raises KeyboardInterrupt at the next bytecode, and that can be inside contextlib's __exit__ while a rank is
+    already unwinding from an error (a peer that took Ctrl-C first reset the connection): then it escapes
+    one_line_errors with a traceback on that rank (tests/test_gpu.py drill 7). In another process (a DataLoader worker
+    forked from this one) and before the process group starts: KeyboardInterrupt, as Python's handler would."""
+    def handler(signum, frame):
+        if os.getpid() == pid and dist.is_available() and dist.is_initialized():
+            _leave(130)
+        raise KeyboardInterrupt
+    return handler
+
+
 @contextlib.contextmanager
 def one_line_errors(ctrl_c=True):
     """Around main(): the failures a user causes or meets get one line and an exit code instead of a traceback
@@ -112,7 +145,16 @@ def one_line_errors(ctrl_c=True):
     every object torch and torchvision made in one last collection, 0.5-0.9 s of CPU in each process of a job.
     Nothing the recipes need is left to it: their files, loaders and process group are closed by then. It is for a
     script's main(), which the process leaves next: code that goes on running after it (a notebook) would never
-    collect the reference cycles alive at that moment."""
+    collect the reference cycles alive at that moment.
+
+    While main() runs, a DataLoader pin-memory thread whose worker is gone dies quietly (_quiet_pin_memory_thread)."""
+    if not getattr(threading.excepthook, "quiet_pin_memory", False):  # once per process, for its lifetime
+        threading.excepthook = _quiet_pin_memory_thread(threading.excepthook)
+    previous_sigint = signal.getsignal(signal.SIGINT)
+    own_sigint = (ctrl_c and previous_sigint is signal.default_int_handler
+                  and threading.current_thread() is threading.main_thread())
+    if own_sigint:  # Ctrl-C leaves quietly wherever it lands, not only where KeyboardInterrupt reaches the except below
+        signal.signal(signal.SIGINT, _ctrl_c_leaves(os.getpid()))
     try:
         yield
         gc.freeze()
@@ -137,6 +179,9 @@ def one_line_errors(ctrl_c=True):
         else:
             raise
         _leave(1)
+    finally:
+        if own_sigint:
+            signal.signal(signal.SIGINT, previous_sigint)
 
 
 def _unused_parameters(exc):

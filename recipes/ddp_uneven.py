@@ -22,6 +22,7 @@ sync every step; BatchNorm's statistics are recomputed and broadcast at each epo
 import argparse
 import collections
 import datetime
+import inspect
 import os
 import sys
 from pathlib import Path
@@ -155,11 +156,14 @@ def main():
     torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
     # YOUR MODEL goes here: an nn.Module from a batch (N, C, H, W) to logits (N, num_classes).
     model = build_model(args.arch, num_classes, args.image_size).to(device)
-    # New: forward_sync_buffers=False (torch < 2.13: broadcast_buffers=False). Under Join DDP's buffer broadcast at each
-    # forward first agrees on a rank that has not joined: a blocking all-reduce and a host read, every step. Training
-    # BatchNorm never reads its buffers: recomputed, rank 0's are broadcast below (else keep the broadcast).
+    # New: no buffer broadcast at each forward. Under Join it first agrees on a rank that has not joined: a blocking
+    # all-reduce and a host read, every step. Training BatchNorm never reads its buffers: recomputed, rank 0's are
+    # broadcast below (else keep the broadcast). The keyword is forward_sync_buffers from torch 2.13, before that
+    # broadcast_buffers (deprecated in 2.14, a FutureWarning on every rank).
+    no_buffer_sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else \
+        "broadcast_buffers"
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                find_unused_parameters=args.find_unused_parameters, forward_sync_buffers=False)
+                find_unused_parameters=args.find_unused_parameters, **{no_buffer_sync: False})
     torch.manual_seed(args.seed + rank)  # from here on, augmentation and dropout differ per rank
     criterion = torch.nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)

@@ -15,7 +15,10 @@ What it shows (the rest is recipes/ddp_checkpoint.py):
   gradients are reduce-scattered, so each rank's optimizer steps its own shard.
 - fully_shard on every block first, then on the root, which takes what is left (stem, head); on the root alone it
   gathers the whole model at once and saves no memory (and a block sharded after its parent is refused). All calls
-  share one DeviceMesh (without mesh= each builds its own process group under launch.sh G:N).
+  share one DeviceMesh (without mesh= each call builds its own).
+- Not on ranks that share a GPU (launch.sh G:N, gloo over CUDA): refused with one line. There every DTensor
+  collective dies with SIGSEGV (measured on an H200, torch 2.11: training, with FSDP2's own all-gathers, ran;
+  gathering model.pt crashed). One rank per GPU (NCCL), or cpu:N.
 - --amp-dtype bf16: MixedPrecisionPolicy computes and all-gathers in bf16 and reduces gradients in fp32; shards and
   optimizer state stay fp32. BatchNorm stays fp32 too (bf16 weights beside its fp32 running statistics fail:
   "expected scalar type BFloat16 but found Float"), one group per block's BatchNorm layers (fully_shard on a list):
@@ -197,7 +200,7 @@ def main():
     check_args(args, world_size)
     if torch.cuda.is_available():
         device, backend = torch.device("cuda", local_rank), "nccl"  # one GPU per process; NCCL between GPUs
-        device, backend = harness.check_gpu(device, backend)  # visible? (launch.sh G:N: N ranks on GPU G, gloo)
+        device, backend = harness.check_gpu(device, backend, dtensor=True)  # visible? not launch.sh G:N (gloo)?
         torch.cuda.set_device(device)  # first CUDA call, or each process also opens a context on GPU 0 (write-up 000)
         torch.backends.cudnn.benchmark = True  # fixed-size inputs: cuDNN times its kernels once, keeps the fastest
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # TF32: fast, fp32's curves
@@ -240,7 +243,7 @@ def main():
     torch.manual_seed(args.seed)  # same initial weights everywhere: each rank keeps its slice of them
     # YOUR MODEL goes here: an nn.Module from a batch (N, C, H, W) to logits (N, num_classes).
     model = build_model(args.arch, num_classes, args.image_size).to(device)
-    # One mesh for every fully_shard call: without mesh= each builds its own (under G:N a new gloo group each).
+    # One mesh for every fully_shard call: without mesh= each builds its own.
     shard(model, init_device_mesh(device.type, (world_size,)), args.amp_dtype, args.reshard_after_forward)
     torch.manual_seed(args.seed + rank)  # from here on, augmentation and dropout differ per rank
     criterion = torch.nn.CrossEntropyLoss()

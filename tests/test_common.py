@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import pickle
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -99,6 +100,91 @@ def test_a_lost_or_hung_peer_gets_one_line_in_gloo_and_nccl_words(error, says, m
 def test_other_runtime_errors_keep_their_traceback():
     with pytest.raises(RuntimeError, match="CUDA out of memory"), one_line_errors():
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+PIN_THREAD_SCRIPT = """
+import os, queue, sys, threading, time
+import torch.multiprocessing as mp
+import torch
+from torch.utils.data._utils.pin_memory import _pin_memory_loop  # the DataLoader's own pin-memory thread
+from common.utils import one_line_errors
+
+def worker(q):  # a DataLoader worker: sends a batch (its storage as a file descriptor), then exits, as on Ctrl-C
+    q.put((0, torch.ones(1000)))
+    time.sleep(0.5)
+    os._exit(0)
+
+class Broken:  # a queue that fails for another reason: that traceback must stay
+    def get(self, timeout):
+        raise ValueError("not a dead worker")
+
+def pin_thread(in_queue):  # device -1: no accelerator to select, the rest of the loop as on a GPU
+    thread = threading.Thread(target=_pin_memory_loop, args=(in_queue, queue.Queue(), -1, threading.Event(), "cpu"))
+    thread.start()
+    thread.join(30)
+    print("thread ended:", not thread.is_alive(), file=sys.stderr, flush=True)
+
+def dead_worker_queue():
+    q = mp.get_context("fork").Queue()
+    p = mp.get_context("fork").Process(target=worker, args=(q,))
+    p.start()
+    p.join()
+    return q
+
+if __name__ == "__main__":
+    print("== outside", file=sys.stderr, flush=True)
+    pin_thread(dead_worker_queue())
+    with one_line_errors():
+        print("== inside", file=sys.stderr, flush=True)
+        pin_thread(dead_worker_queue())
+        print("== other", file=sys.stderr, flush=True)
+        pin_thread(Broken())
+"""
+
+
+def test_a_pin_memory_thread_whose_worker_is_gone_dies_quietly_under_one_line_errors(tmp_path):
+    # Ctrl-C on a GPU run (drill 7 in tests/test_gpu.py): each rank's DataLoader workers exit on the signal, and the
+    # pin-memory thread, unpickling a batch a dead worker sent, dies of ConnectionRefusedError with a traceback on
+    # every rank. Reproduced here with torch's own thread function and a real worker process.
+    script = tmp_path / "pin.py"
+    script.write_text(PIN_THREAD_SCRIPT)
+    proc = subprocess.run([sys.executable, script], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    outside, rest = proc.stderr.split("== inside")
+    inside, other = rest.split("== other")
+    # The control: without one_line_errors the thread prints the dead worker's error.
+    assert "in _pin_memory_loop" in outside and re.search(r"(ConnectionRefusedError|FileNotFoundError)", outside)
+    assert inside.split() == ["thread", "ended:", "True"], inside  # the same death, nothing printed
+    assert "ValueError: not a dead worker" in other and "Traceback" in other  # another error keeps its traceback
+
+
+CTRL_C_RACE_SCRIPT = """
+import os, signal, sys
+import torch.distributed as dist
+from common.utils import one_line_errors
+
+def sigint_in_contextlib_exit(frame, event, arg):  # the signal lands as contextlib's __exit__ starts
+    if event == "call" and frame.f_code.co_name == "__exit__" and frame.f_code.co_filename.endswith("contextlib.py"):
+        sys.setprofile(None)
+        os.kill(os.getpid(), signal.SIGINT)
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+with one_line_errors():
+    sys.setprofile(sigint_in_contextlib_exit)
+    raise RuntimeError("[gloo/transport/tcp/pair.cc:538] Read error [127.0.0.1]:5857: Connection reset by peer")
+"""
+
+
+def test_ctrl_c_that_lands_while_a_rank_unwinds_from_a_lost_peer_still_exits_130_quietly(tmp_path):
+    # Drill 7 on a GPU (tests/test_gpu.py): the rank that took Ctrl-C first left, its peer's collective failed
+    # ("Connection reset by peer"), and its own SIGINT landed inside contextlib's __exit__, before one_line_errors'
+    # except clauses: KeyboardInterrupt with a traceback. Here the signal is sent at exactly that point.
+    script = tmp_path / "race.py"
+    script.write_text(CTRL_C_RACE_SCRIPT)
+    proc = subprocess.run([sys.executable, script], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (130, "", "")
 
 
 def _float64_scalars():

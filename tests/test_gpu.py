@@ -97,6 +97,11 @@ ONE_GPU = {  # every recipe in recipes/ (tests/test_gpu_tier.py checks): its ext
     "ddp_uneven": [],  # Join on NCCL (one rank: every batch is its own)
     "ddp_comm_hooks": ["--comm-hook", "powersgd", "--powersgd-start", "2"],  # PowerSGD's CUDA path from step 3
 }
+# PowerSGD's hook runs its matrix products in Future callbacks, and torch runs each callback on the next stream of its
+# pool of 32; cuBLAS keeps a workspace for every stream it has run on (32 MiB on Hopper). Two callbacks a step: 64 MB
+# more each step until all 32 streams hold one (H200, torch 2.11: 1120.6 MB at the end where the other recipes
+# peak at 84-114), then no more. recipes/ddp_comm_hooks.py's docstring says so.
+PEAK_MEM_MB = {"ddp_comm_hooks": 300 + 32 * 32}
 # Top-1 after 3 epochs, above chance (10%) by a margin: mx_face_prefetch's task is harder; PowerSGD at rank 1 is lossy
 # by design (80.6 on one CPU process, the same flags). The others reach 99-100 on the CPU.
 LEARNS = {"mx_face_prefetch": 30, "ddp_comm_hooks": 60}
@@ -115,8 +120,9 @@ def test_every_recipe_learns_on_one_gpu_with_exact_eval(tmp_path, recipe):
     assert (result["device"], result["world_size"], result["val_samples"]) == ("cuda", 1, 500)
     if recipe != "dp":
         assert "setup: world_size=1 backend=nccl device=cuda" in proc.stdout
-    # The CUDA allocator's peak for a tiny model: megabytes, where the CPU's max RSS would be hundreds.
-    assert 0 < result["peak_mem_mb"] < 300, result
+    # The CUDA allocator's peak for a tiny model: megabytes, where the CPU's max RSS would be hundreds. PowerSGD's
+    # (PEAK_MEM_MB) holds cuBLAS workspaces besides.
+    assert 0 < result["peak_mem_mb"] < PEAK_MEM_MB.get(recipe, 300), result
     assert result["val_acc1"] > LEARNS.get(recipe, 80), result  # 10 classes: chance 10%
     if recipe in FP32_EVAL:
         # Each rank's shard, all-reduced, equals one process scoring model.pt; a kernel choice may flip one
@@ -433,8 +439,19 @@ def test_ddp_comm_hooks_powersgd_state_survives_a_checkpoint_on_gpu(tmp_path):
     assert gap <= POWERSGD_GPU_RESUME_TOLERANCE
 
 
+def test_fsdp_refuses_ranks_sharing_one_gpu(tmp_path):
+    # Over gloo on CUDA every DTensor collective died with SIGSEGV (H200, torch 2.11): 0:2 trained, then crashed
+    # gathering model.pt. harness.check_gpu(..., dtensor=True) refuses it before the process group.
+    proc = launch("recipes/fsdp.py", "0:2", *cpu_fsdp.ARGS, "--out-dir", tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert error_lines(proc.stderr) == ["error: fsdp.py cannot run 2 ranks on one GPU (launch.sh G:N, gloo over CUDA): "
+                                        "torch's DTensor collectives crash there (SIGSEGV); run one rank per GPU (0,1) "
+                                        "or try it on cpu:N"], proc.stderr
+
+
+@pytest.mark.skipif(GPUS < 2, reason="fsdp.py needs one GPU per rank (NCCL); ranks sharing one are refused")
 def test_fsdp_sharded_checkpoint_resumes_on_gpu(tmp_path):
-    # test_fsdp.py's run on TWO_RANKS: each rank writes its shard with torch.distributed.checkpoint, rank 0 latest.pt;
+    # test_fsdp.py's run on two GPUs: each rank writes its shard with torch.distributed.checkpoint, rank 0 latest.pt;
     # --resume auto loads the shards onto each GPU and restores the CUDA RNG stream. Bitwise on the CPU; here the
     # straight and resumed runs' kernels may differ (cudnn.benchmark), fp32 (FP32): last digits.
     args = ["recipes/fsdp.py", TWO_RANKS, *cpu_fsdp.ARGS]

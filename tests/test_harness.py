@@ -4,6 +4,7 @@ rank 0 alone (under `if is_main:`, a researcher's first edit) without waiting fo
 import argparse
 import ast
 import datetime
+import sys
 import time
 from pathlib import Path
 
@@ -208,6 +209,24 @@ def test_check_gpu_keeps_the_rank_s_gpu_shares_one_under_launch_sh_g_n_and_refus
     assert exc.value.code == 2
     assert capsys.readouterr().err == ("[rank 0] error: this rank's GPU is cuda:4 but only 4 GPUs are visible: start "
                                        "one process per listed GPU (./launch.sh RECIPE 0,1 does)\n")
+
+
+def test_check_gpu_refuses_ranks_sharing_a_gpu_for_a_dtensor_recipe(monkeypatch, capsys):
+    # fsdp.py on launch.sh 0:2 trained, then died with SIGSEGV gathering model.pt (gloo over CUDA, H200, torch 2.11).
+    from common import harness
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(sys, "argv", ["recipes/fsdp.py"])
+    monkeypatch.setenv("RANKS_PER_GPU", "1")  # one rank per GPU: NCCL, as before
+    assert harness.check_gpu(torch.device("cuda", 0), "nccl", dtensor=True) == (torch.device("cuda", 0), "nccl")
+    monkeypatch.setenv("RANKS_PER_GPU", "2")
+    assert harness.check_gpu(torch.device("cuda", 1), "nccl") == (torch.device("cuda", 0), "gloo")  # DDP: shares it
+    with pytest.raises(SystemExit) as exc:
+        harness.check_gpu(torch.device("cuda", 1), "nccl", dtensor=True)
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: fsdp.py cannot run 2 ranks on one GPU (launch.sh G:N, gloo over CUDA): torch's DTensor "
+        "collectives crash there (SIGSEGV); run one rank per GPU (0,1) or try it on cpu:N\n")
 
 
 @pytest.mark.parametrize(("flags", "world", "says"), [

@@ -72,7 +72,7 @@ EDITS = [
     Edit("join_momentum", "Join syncs the weights, not the momentum of the ranks that sat steps out",
          "dist.broadcast(momentum, src=longest)", "pass"),
     Edit("join_buffer_sync", "Join with DDP's buffer broadcast: a blocking all-reduce and a host read every forward",
-         "find_unused_parameters=args.find_unused_parameters, forward_sync_buffers=False)",
+         "find_unused_parameters=args.find_unused_parameters, **{no_buffer_sync: False})",
          "find_unused_parameters=args.find_unused_parameters)"),
     Edit("zero_bucket_view", "ZeRO broadcasting the stepped parameters one tensor at a time (62 for resnet18)",
          "parameters_as_bucket_view=True", "parameters_as_bucket_view=False"),
