@@ -51,7 +51,7 @@ from common.utils import (
 # The smallest value each counting flag takes, by argparse dest; check_flags() checks those a recipe has.
 AT_LEAST = {"epochs": 1, "workers": 0, "accum_steps": 1, "prefetch": 1, "embedding_size": 1, "max_steps": 1,
             "image_size": 1, "synthetic_train": 1, "synthetic_val": 1, "tb_every": 1, "warmup_epochs": 0,
-            "shard_size": 1}
+            "shard_size": 1, "steps": 1, "warmup_steps": 0, "eval_every": 1, "val_windows": 1}
 ABOVE_ZERO = ("lr", "dist_timeout", "clip_grad")  # rates and seconds: 0 is never meant
 
 
@@ -125,18 +125,19 @@ def check_compiler(device):
         die(missing)
 
 
-def gather_result_line(device, speed, model, optimizer, peaks=None, **fields):
+def gather_result_line(device, speed, model, optimizer, peaks=None, rate_key="images_per_sec", **fields):
     """The one machine-readable line tests, benchmarks and scripts grep for (RESULT {json}): `fields`, the warm-up-free
     images/s and the first step's end (from `speed`, a Throughput), and every rank's peak memory and the bytes of
     parameters, gradients and optimizer state it holds (a sharded tensor counts its local shard: FSDP and DDP
     compare exactly). A COLLECTIVE: every rank calls it (two all-gathers); rank 0 prints what it returns. peaks: the
-    peaks in MB where one process drives several GPUs (dp.py), instead of gathering each process's own."""
+    peaks in MB where one process drives several GPUs (dp.py), instead of gathering each process's own. rate_key:
+    the name of speed's rate (the language models count tokens: "tokens_per_sec")."""
     peaks = peaks or [round(p, 1) for p in gather_values(peak_memory_mb(device), device)]
     held = [int(b) for b in gather_values(held_state_bytes(model, optimizer), device)]
     world_size = fields.pop("world_size", dist.get_world_size() if dist.is_initialized() else 1)  # dp.py passes it
     fields = {"recipe": fields.pop("recipe"), "world_size": world_size, **fields}  # the line's first two keys
     fields = {k: round(v, 6) if isinstance(v, float) else v for k, v in fields.items()}  # floats: 6 places
-    return result_line(**fields, device=device.type, images_per_sec=round(speed.images_per_sec, 2),
+    return result_line(**fields, device=device.type, **{rate_key: round(speed.images_per_sec, 2)},
                        peak_mem_mb=max(peaks), peak_mem_mb_per_rank=peaks, state_bytes_per_rank=held,
                        first_step_end_unix=speed.first_step_at)
 

@@ -17,6 +17,8 @@ from tools.procs import run_group
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "launch.sh"
 RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.py"))  # every recipe, by name
+LM_RECIPES = [r for r in RECIPES if r.startswith("lm_")]  # the language-model family (tests/test_lm*.py)
+IMAGE_RECIPES = [r for r in RECIPES if r not in LM_RECIPES]  # the image classifiers: --arch, --dataset, epochs
 
 
 def cuda_unusable():

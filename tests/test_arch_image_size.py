@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 import torchvision
-from conftest import RECIPES, launch, load_recipe
+from conftest import IMAGE_RECIPES, launch, load_recipe
 from jobs import error_lines
 
 from common import models
@@ -81,7 +81,7 @@ def test_a_size_too_large_or_given_by_hand_is_refused_too():
     check_image_size("tiny", 1)
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", IMAGE_RECIPES)
 def test_every_recipe_refuses_an_arch_that_cannot_take_its_default_size_in_check_args(recipe, capsys):
     module = load_recipe(recipe)
     with pytest.raises(SystemExit) as leaving:

@@ -16,7 +16,7 @@ import re
 import pytest
 import torch
 import torchvision.transforms as T
-from conftest import RECIPES, launch, load_recipe, result_of
+from conftest import IMAGE_RECIPES, launch, load_recipe, result_of
 
 from common.data import transforms
 from common.models import build_model
@@ -55,7 +55,7 @@ THREE_HERE = {"fsdp", "apex_amp"}
 # siblings share its lines, which the flagship's run and their own 1- and 3-process runs already cover. ddp_compile
 # at 5 would compile resnet18 five times at once on 2 cores: 90 s of the suite for lines the flagship runs.
 FIVE_HERE = {"dp", "ddp_torchrun", "ddp_launch", "ddp_spawn", "torch_amp", "fsdp"}
-CASES = [(recipe, n) for recipe in RECIPES
+CASES = [(recipe, n) for recipe in IMAGE_RECIPES
          for n in (1, *((3,) if recipe in THREE_HERE else ()), *((5,) if recipe in FIVE_HERE else ()))]
 
 
@@ -80,7 +80,7 @@ def test_every_recipe_runs_at_its_defaults_on_any_process_count(recipe, processe
 
 
 def test_the_defaults_resolve_by_world_size_and_image_size():
-    for recipe in RECIPES:
+    for recipe in IMAGE_RECIPES:  # the language models' defaults: tests/test_lm.py
         module = load_recipe(recipe)
         for world in (1, 2, 3, 5, 8):
             args = module.parse_args([])

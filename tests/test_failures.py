@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import RECIPES, REPO, launch, make_imagefolder, run_direct
+from conftest import IMAGE_RECIPES, REPO, launch, make_imagefolder, run_direct
 from jobs import Job, error_lines, job_mid_epoch, signal_all, survivors, tracebacks_beyond_multiprocessing
 
 from common.recordio import IndexedRecordReader
@@ -320,7 +320,7 @@ def trained(stdout):
     return re.search(r"^epoch=", stdout, re.M) is not None
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", IMAGE_RECIPES)  # the language models: tests/test_lm.py
 def test_every_recipe_checks_its_out_dir_before_the_first_step(tmp_path, recipe):
     in_the_way = tmp_path / "runs_x"
     in_the_way.write_text("a file where the out-dir should go\n")

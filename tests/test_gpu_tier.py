@@ -44,7 +44,7 @@ def without_cuda():
 
 
 def test_the_tier_runs_every_recipe_on_one_gpu():
-    assert sorted(tier.ONE_GPU) == RECIPES
+    assert sorted([*tier.ONE_GPU, *tier.LM_ONE_GPU]) == RECIPES
 
 
 def sync_bn_recipes():
@@ -70,8 +70,10 @@ def test_collect_only_lists_the_tier_without_cuda():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     listed = [line for line in proc.stdout.splitlines() if "::" in line]
     assert not [line for line in listed if line.startswith("tests/test_gpu_tier.py::")]  # the tier alone: -m gpu
-    for recipe in RECIPES:
+    for recipe in tier.ONE_GPU:
         assert f"tests/test_gpu.py::test_every_recipe_learns_on_one_gpu_with_exact_eval[{recipe}]" in listed
+    for recipe in tier.LM_ONE_GPU:
+        assert f"tests/test_gpu.py::test_every_language_model_learns_on_one_gpu[{recipe}]" in listed
     for recipe in tier.SYNC_BN:
         assert f"tests/test_gpu.py::test_sync_bn_of_each_recipe_on_two_ranks_matches_batchnorm_on_one_rank[{recipe}]" \
             in listed

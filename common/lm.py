@@ -1,0 +1,222 @@
+"""The language-model family's workload (recipes/lm_*.py): a small decoder-only transformer over bytes, real text
+without a download, and batches that depend only on (seed, step, data-parallel rank). Not the lesson: no collective.
+
+- Tokens are bytes (a vocabulary of 256): no tokenizer file, any UTF-8 text works.
+- The default text is the Python standard library's own source (the files common/lm_corpus.txt lists), which every
+  machine with Python has; --text takes a file or a folder instead (its UTF-8 files, recursively, each followed by
+  a blank line; hidden ones and files that are not UTF-8, such as __pycache__, are left out and counted).
+- Train/val split: the last VAL_FRACTION of the bytes is validation, the rest training; fixed, no shuffling.
+- Step k's batch: window starts drawn by a generator seeded with (seed, k), the global batch of them; data-parallel
+  rank r of D takes the r-th of D equal slices. Ranks of one tensor-parallel group pass the same r, so they see the
+  same sequences; a resumed run draws what the uninterrupted one would have.
+- Validation: fixed, non-overlapping windows from the validation split, rank r of D scoring windows r, r + D, ...,
+  so each is scored exactly once however many ranks there are.
+"""
+
+import hashlib
+import math
+import sysconfig
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+CORPUS_LIST = Path(__file__).with_name("lm_corpus.txt")
+VAL_FRACTION = 0.05
+VOCAB = 256  # bytes
+
+
+# ------------------------------------------------------------------------------------------- text
+class TextError(ValueError):
+    """A --text problem, said in one line (the recipes pass it to harness.die)."""
+
+
+def corpus_files():
+    """(the stdlib's files the corpus lists, the header's python version, byte count and sha256)."""
+    lines = CORPUS_LIST.read_text().splitlines()
+    header = next(line for line in lines if line.startswith("# python "))
+    _, _, version, _, size, _, digest = header.split()
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [root / name for name in lines if name and not name.startswith("#")], version, int(size), digest
+
+
+def read_text(path=None):
+    """(the text's bytes as a uint8 tensor, a one-line description). path: a UTF-8 file, a folder (its files, sorted,
+    recursively), or None for the default corpus. Raises TextError for a missing or empty path or a file that is not
+    UTF-8."""
+    if path is None:
+        files, version, size, digest = corpus_files()
+        missing = [f for f in files if not f.is_file()]
+        if missing:
+            raise TextError(f"the default corpus needs {missing[0]} (and {len(missing) - 1} more), which this Python "
+                            f"does not have (listed in {CORPUS_LIST.name} from Python {version}); pass --text FILE|DIR")
+        data = b"".join(f.read_bytes() + b"\n\n" for f in files)
+        got = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
+        same = "the docs' corpus" if got == digest else f"not the docs' corpus, Python {version}'s: numbers differ"
+        where = f"the Python standard library ({len(files)} files of {sysconfig.get_paths()['stdlib']}; {same})"
+    else:
+        root = Path(path)
+        if not root.exists():
+            raise TextError(f"--text {path}: no such file or folder")
+        if root.is_dir():  # its files, recursively, less hidden ones (.git) and any that is not UTF-8 (__pycache__)
+            files = sorted(f for f in root.rglob("*") if f.is_file()
+                           and not any(part.startswith(".") for part in f.relative_to(root).parts))
+        else:
+            files = [root]
+        parts, skipped = [], []
+        for f in files:
+            raw = f.read_bytes()
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                if root.is_dir():
+                    skipped.append(f.name)
+                    continue
+                raise TextError(f"--text {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+            parts.append(raw + b"\n\n")
+        if not parts:
+            raise TextError(f"--text {path}: the folder has no UTF-8 text files"
+                            + (f" ({len(skipped)} others, e.g. {skipped[0]})" if skipped else ""))
+        data = b"".join(parts)
+        where = f"{path} ({len(parts)} file{'s' if len(parts) > 1 else ''}" + (
+            f"; {len(skipped)} not UTF-8 left out, e.g. {skipped[0]})" if skipped else ")")
+    if not data.strip():
+        raise TextError(f"--text {path}: empty" if path else "the default corpus is empty")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8), where
+
+
+def split(data):
+    """(train, val): the last VAL_FRACTION of the bytes is validation."""
+    cut = len(data) - max(1, int(len(data) * VAL_FRACTION))
+    return data[:cut], data[cut:]
+
+
+def check_text(train, val, seq_len, val_windows):
+    """One line if the text is too short for a few windows of --seq-len on either side of the split."""
+    need = 4 * (seq_len + 1)
+    if len(train) < need or len(val) < seq_len + 1:
+        raise TextError(f"the text is too short for --seq-len {seq_len}: {len(train)} training and {len(val)} "
+                        f"validation bytes, where at least {need} and {seq_len + 1} are needed (validation is the "
+                        f"last {VAL_FRACTION:.0%}); use a longer text or a smaller --seq-len")
+
+
+def train_batch(train, step, seed, batch_size, seq_len, dp_rank, dp_size):
+    """Step `step`'s sequences for data-parallel rank dp_rank of dp_size: (inputs, targets), each (B / D, seq_len)
+    int64. The global batch's starts come from a generator seeded with (seed, step) alone."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, len(train) - seq_len - 1, (batch_size,), generator=g)
+    mine = starts.view(dp_size, batch_size // dp_size)[dp_rank]
+    rows = torch.stack([train[s:s + seq_len + 1] for s in mine.tolist()]).long()
+    return rows[:, :-1], rows[:, 1:]
+
+
+def val_windows(val, seq_len, count):
+    """The validation set: up to `count` non-overlapping windows from the start of the split, (inputs, targets)."""
+    n = min(count, (len(val) - 1) // seq_len)
+    rows = val[:n * seq_len + 1]
+    inputs = rows[:-1].view(n, seq_len).long()
+    targets = rows[1:].view(n, seq_len).long()
+    return inputs, targets
+
+
+# ------------------------------------------------------------------------------------------- model
+class Attention(nn.Module):
+    """Causal self-attention with separate q/k/v projections (a fused qkv cut column-wise would give rank 0 all of Q
+    and part of K). Heads are inferred with -1 in view(): under tensor parallelism each rank holds n_head / tp of
+    them, and the same code runs on its local share."""
+
+    def __init__(self, d_model, n_head):
+        super().__init__()
+        self.head_dim = d_model // n_head
+        self.wq = nn.Linear(d_model, d_model)
+        self.wk = nn.Linear(d_model, d_model)
+        self.wv = nn.Linear(d_model, d_model)
+        self.wo = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (w(x).view(B, T, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model):
+        super().__init__()
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.proj = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+
+    def __init__(self, d_model, n_head):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = Attention(d_model, n_head)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = MLP(d_model)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Transformer(nn.Module):
+    """Token and position embeddings, n_layer blocks (a ModuleDict: names that survive cutting the model into
+    pipeline stages), a final norm and an untied head. forward(tokens (B, T)) -> logits (B, T, VOCAB): the loss is
+    the recipe's, so tensor parallelism can compute it inside loss_parallel()."""
+
+    def __init__(self, n_layer, n_head, d_model, block_size, vocab=VOCAB):
+        super().__init__()
+        self.block_size = block_size
+        self.tok_emb = nn.Embedding(vocab, d_model)
+        self.pos_emb = nn.Embedding(block_size, d_model)
+        self.blocks = nn.ModuleDict({str(i): Block(d_model, n_head) for i in range(n_layer)})
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+        self.init_weights(n_layer)
+
+    @torch.no_grad()
+    def init_weights(self, n_layer):
+        """GPT-2's: normal(0, 0.02) weights, zero biases, unit norms; each residual branch's last projection scaled
+        by 1/sqrt(2 n_layer), so the residual stream's variance does not grow with depth."""
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif ".ln" in name or name.startswith("ln_f"):
+                p.fill_(1.0)
+            else:
+                std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("wo.weight", "proj.weight")) else 0.02
+                p.normal_(0.0, std)
+
+    def forward(self, tokens):
+        positions = torch.arange(tokens.size(1), device=tokens.device)
+        x = self.tok_emb(tokens) + self.pos_emb(positions)
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def check_model_flags(n_layer, n_head, d_model, seq_len, block_size, parallel=1, parallel_flag="--tp"):
+    """One line (ValueError) for a model that cannot be built or cut: heads that do not divide the width, a sequence
+    longer than the positions, a parallel degree that does not divide the heads or the MLP's width."""
+    for name, value in (("--n-layer", n_layer), ("--n-head", n_head), ("--d-model", d_model), ("--seq-len", seq_len),
+                        ("--block-size", block_size)):
+        if value < 1:
+            raise ValueError(f"{name} {value} must be >= 1")
+    if d_model % n_head:
+        raise ValueError(f"--n-head {n_head} must divide --d-model {d_model} (each head takes d_model / n_head)")
+    if seq_len > block_size:
+        raise ValueError(f"--seq-len {seq_len} is above --block-size {block_size}, the positions the model has")
+    if n_head % parallel or (4 * d_model) % parallel:
+        raise ValueError(f"{parallel_flag} {parallel} must divide --n-head {n_head} and the MLP width 4 x --d-model "
+                         f"= {4 * d_model}: each rank takes a whole share of the heads and of the MLP")
+
+
+def bits_per_byte(nats):
+    return nats / math.log(2)

@@ -1,0 +1,235 @@
+"""A language model on real text with DistributedDataParallel: the base of the language-model family.
+
+    ./launch.sh recipes/lm_ddp.py 0,1,3                                  # GPUs 0, 1 and 3, the default corpus
+    ./launch.sh recipes/lm_ddp.py 0 --text ~/my_corpus/ --steps 5000     # one GPU, your text (a file or a folder)
+    ./launch.sh recipes/lm_ddp.py cpu:2                                  # 2 CPU processes (gloo): minutes
+    ./launch.sh recipes/lm_ddp.py cpu:2 --max-steps 100 --resume auto    # a short run; run it again to go on
+
+What it shows, against ddp_torchrun.py (diff them: the lesson is what a transformer on text changes):
+- Text, not images: a decoder-only transformer over bytes (common/lm.py: a vocabulary of 256, no tokenizer), the
+  Python standard library's own source as the default corpus (no download), --text for yours. --batch-size is the
+  GLOBAL batch in sequences of --seq-len bytes.
+- Steps, not epochs: --steps is the schedule's length (warm-up, then cosine); step k's sequences depend only on
+  --seed, k and the rank, so a resumed run sees what the uninterrupted one would have, and --max-steps stops early
+  with a checkpoint that --resume auto goes on from, exactly.
+- AdamW with weight decay on the matrices only (not on biases, norms or embeddings), gradient clipping by the global
+  norm (after DDP's all-reduce every rank clips the same gradient), --amp-dtype bf16 (autocast; no loss scaler).
+- Validation on fixed windows, each scored once across ranks: loss in nats per byte and bits per byte (val_bpb).
+- --activation-checkpointing: each block's activations are recomputed in backward instead of kept (the
+  non-reentrant torch.utils.checkpoint: under DDP the reentrant one fails with "Expected to mark a variable ready
+  only once" when a block is checkpointed twice or a parameter is unused; docs/lm.md).
+`harness.` lines are plumbing, not the lesson (common/harness.py); siblings of lm_ddp.py mark theirs `# New:`.
+"""
+# launcher: torchrun
+
+import argparse
+import datetime
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
+from common import harness  # plumbing, not the lesson: every line that uses it says so
+from common.checkpoint import find_resume, load_same_flags, save_atomic
+from common.lm import (
+    TextError,
+    Transformer,
+    bits_per_byte,
+    check_model_flags,
+    check_text,
+    read_text,
+    split,
+    train_batch,
+    val_windows,
+)
+from common.schedule import warmup_cosine
+from common.utils import AverageMeter, print0
+
+# What a resumed run must share with the run that saved (the model, the data and the schedule); not the world size.
+SAME_ON_RESUME = ("text", "n_layer", "n_head", "d_model", "block_size", "seq_len", "batch_size", "steps",
+                  "warmup_steps", "lr", "weight_decay", "clip_grad", "seed", "amp_dtype")
+
+
+# ------------------------------------------------------------------------------------------- args
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--text", help="a UTF-8 file or a folder of them (default: the Python standard library's source)")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=256, help="positions the model has: the longest --seq-len")
+    p.add_argument("--seq-len", type=int, default=128, help="bytes per training sequence")
+    p.add_argument("--batch-size", type=int, help="GLOBAL batch in sequences, split across processes (default: 32; 30 "
+                   "on 3)")
+    p.add_argument("--steps", type=int, default=1000, help="optimizer steps: the schedule's length")
+    p.add_argument("--warmup-steps", type=int, help="linear warm-up, then cosine to 0 (default: --steps / 20)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's, on the weight matrices only")
+    p.add_argument("--clip-grad", type=float, default=1.0, help="clip the gradient's global norm to this")
+    p.add_argument("--amp-dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast, no loss scaler")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
+    p.add_argument("--eval-every", type=int, default=250, help="validate (and save) every N steps, and at the end")
+    p.add_argument("--val-windows", type=int, default=128, help="validation windows of --seq-len (fixed)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default="runs/lm_ddp", help="model.pt and latest.pt (the resume point)")
+    p.add_argument("--resume", help="latest.pt of an earlier run, or 'auto': OUT_DIR/latest.pt if it exists")
+    p.add_argument("--max-steps", type=int, help="stop after this step, saving where it stops (--resume auto goes on)")
+    p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
+    return p.parse_args(argv)
+
+
+def check_args(args, world_size):
+    harness.check_flags(args, world_size)  # nan/inf, a bad count, an uneven --batch-size
+    if args.batch_size is None:  # the default, rounded down so that it divides: 30 on 3 GPUs, not an error
+        args.batch_size = max(1, 32 // world_size) * world_size
+    if args.warmup_steps is None:
+        args.warmup_steps = args.steps // 20
+    try:
+        check_model_flags(args.n_layer, args.n_head, args.d_model, args.seq_len, args.block_size)
+    except ValueError as exc:
+        harness.die(str(exc))
+
+
+# ------------------------------------------------------------------------------------------- eval
+@torch.no_grad()
+def evaluate(model, inputs, targets, rank, world_size, batch, device, amp):
+    """Mean loss per byte over every validation window: rank r scores windows r, r + N, ...; the sums are
+    all-reduced (every rank calls it)."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # summed loss, bytes
+    mine_x, mine_y = inputs[rank::world_size], targets[rank::world_size]
+    for i in range(0, len(mine_x), batch):
+        x, y = mine_x[i:i + batch].to(device), mine_y[i:i + batch].to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            logits = model(x)
+        total[0] += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+        total[1] += y.numel()
+    dist.all_reduce(total)
+    model.train()
+    return (total[0] / total[1]).item()
+
+
+def main():
+    args = parse_args()
+    # ------------------------------------------------------------------------ distributed setup
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    is_main = rank == 0
+    check_args(args, world_size)
+    if torch.cuda.is_available():
+        device, backend = torch.device("cuda", local_rank), "nccl"  # one GPU per process; NCCL between GPUs
+        device, backend = harness.check_gpu(device, backend)  # visible? (launch.sh G:N: N ranks on GPU G, gloo)
+        torch.cuda.set_device(device)  # first CUDA call, or each process also opens a context on GPU 0 (write-up 000)
+        torch.backends.cuda.matmul.allow_tf32 = True  # TF32: fast, fp32's curves
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    timeout = datetime.timedelta(seconds=args.dist_timeout)  # torch's 30 min would leave the others hanging that long
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    batch_per_process = args.batch_size // world_size
+    print0(f"setup: world_size={world_size} backend={backend} device={device.type} global_batch={args.batch_size} "
+           f"({batch_per_process} per process x {world_size}) sequences of {args.seq_len} bytes")
+    # ------------------------------------------------------------------------------------ data
+    # YOUR DATA goes here: text as bytes in a uint8 tensor (read_text: a file, a folder, or the default corpus). Every rank
+    # reads it whole: a few MB. A corpus of GBs would be memory-mapped instead (np.memmap), as nanoGPT does.
+    try:
+        text, where = read_text(args.text)
+        train_text, val_text = split(text)
+        check_text(train_text, val_text, args.seq_len, args.val_windows)
+    except TextError as exc:
+        harness.die(str(exc))
+    val_x, val_y = val_windows(val_text, args.seq_len, args.val_windows)
+    print0(f"data: {where} train={len(train_text)} val={len(val_text)} bytes, {len(val_x)} validation windows")
+    # ----------------------------------------------------------------------------------- model
+    torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
+    # YOUR MODEL goes here: an nn.Module from tokens (B, T) to logits (B, T, vocab).
+    model = Transformer(args.n_layer, args.n_head, args.d_model, args.block_size).to(device)
+    if args.activation_checkpointing:  # before DDP: each block's forward runs again in backward, nothing kept inside
+        for name, block in model.blocks.items():  # non-reentrant (checkpoint_wrapper's default): DDP-safe
+            model.blocks[name] = checkpoint_wrapper(block)  # state_dict keys stay as without it
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    # Weight decay on the matrices (2-D) only: decaying biases, norms' gains or embeddings only hurts (GPT-2, nanoGPT).
+    matrices = [p for n, p in model.named_parameters() if p.dim() >= 2 and "emb" not in n]
+    others = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "emb" not in n)]
+    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": args.weight_decay},
+                                   {"params": others, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+    start_step = 0
+    latest = os.path.join(args.out_dir, "latest.pt")
+    resume = find_resume(args.resume, latest) if args.resume else None
+    if resume:  # every rank loads the same file: no broadcast needed
+        flags = {k: getattr(args, k) for k in SAME_ON_RESUME}
+        ckpt = load_same_flags(resume, device, flags, require=("model", "optimizer"))  # one line if not, or other flags
+        model.module.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        start_step = ckpt["step"]
+        print0(f"resume: {resume} at step {start_step}")
+    # The rate per step: warm-up, then cosine over --steps; a resumed run takes up the schedule where it stopped.
+    scheduler = warmup_cosine(optimizer, 1, args.steps, args.warmup_steps / args.steps, start_step=start_step)
+    harness.broadcast_out_dir_check(args.out_dir, is_main, {"model.pt": harness.state_bytes(model.module),
+                                                            "latest.pt": 3 * harness.state_bytes(model.module)})
+    amp = args.amp_dtype == "bf16"
+    # ----------------------------------------------------------------------------------- train
+    last = min(args.steps, args.max_steps or args.steps)
+    step, speed = start_step, harness.Throughput(device)
+    diverged = harness.DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
+    loss_meter = AverageMeter()
+    val_loss = None
+    speed.start()
+    while step < last:
+        # The same (seed, step) on every rank: rank r takes the r-th slice of one global batch.
+        x, y = (t.to(device, non_blocking=True)
+                for t in train_batch(train_text, step, args.seed, args.batch_size, args.seq_len, rank, world_size))
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())  # fp32 softmax over the 256 bytes
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # DDP averages gradients across ranks during backward
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)  # the same averaged gradient everywhere
+        optimizer.step()
+        scheduler.step()
+        loss_meter.update(loss, 1)  # a tensor: summed on the device, no sync per step
+        step += 1
+        diverged.update(step, loss)
+        speed.step(args.batch_size * args.seq_len)  # tokens (bytes)
+        if step % args.eval_every == 0 or step == last:
+            # -------------------------------------------------------------------------------- eval
+            speed.stop()
+            loss_meter.all_reduce(device)
+            diverged.all_reduce_and_check(0, step, model=model)  # before eval and any save
+            val_loss = evaluate(model.module, val_x, val_y, rank, world_size, batch_per_process, device, amp)
+            print0(f"step={step}/{args.steps} train_loss={loss_meter.avg:.4f} val_loss={val_loss:.4f} "
+                   f"val_bpb={bits_per_byte(val_loss):.4f} lr={scheduler.get_last_lr()[0]:.2e} "
+                   f"tok/s={speed.images_per_sec:.0f} eta={speed.eta(last - step)}")
+            # -------------------------------------------------------------------------------- save
+            if is_main:  # the resume point: weights, AdamW's moments, the step (the data follows from it)
+                os.makedirs(args.out_dir, exist_ok=True)
+                save_atomic({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                             "epoch": 0, "flags": {k: getattr(args, k) for k in SAME_ON_RESUME}}, latest)
+                torch.save(model.module.state_dict(), os.path.join(args.out_dir, "model.pt"))
+                print0(f"saved: {latest} and model.pt at step {step}")
+            train_loss, loss_meter = loss_meter.avg, AverageMeter()
+            speed.start()
+    speed.stop()
+    # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
+    if val_loss is None:  # resumed at or past --max-steps / --steps: nothing left to train
+        val_loss = evaluate(model.module, val_x, val_y, rank, world_size, batch_per_process, device, amp)
+        train_loss = None
+    print0(harness.gather_result_line(device, speed, model, optimizer, recipe="lm_ddp", steps=step,
+                                      start_step=start_step, train_loss=train_loss, val_loss=val_loss,
+                                      val_bpb=bits_per_byte(val_loss), val_windows=len(val_x),
+                                      rate_key="tokens_per_sec"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    with harness.one_line_errors():  # a bad file, a lost rank, Ctrl-C: one line each, not a traceback per rank
+        main()

@@ -1,0 +1,248 @@
+"""The language-model base recipe (recipes/lm_ddp.py) against a single-process reference loop, on real text.
+
+The reference below is the plainest loop that trains common/lm.py's Transformer: one process, no DDP, the batches
+common.lm.train_batch draws for (seed, step), AdamW with the recipe's groups, the warm-up + cosine schedule, global
+norm clipping. lm_ddp.py on 1, 2 and 3 processes must end where it ends: DDP averages the ranks' mean gradients, which
+equals the whole batch's mean gradient up to the order of float additions (1e-6 after 8 steps; a wrong shard, a
+missing all-reduce or a rank that drew other windows moves weights by 1e-3 and more).
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import LM_RECIPES, launch, load_recipe, max_diff, params, result_of, run_direct
+from jobs import error_lines
+
+from common.lm import Transformer, read_text, split, train_batch, val_windows
+from common.schedule import warmup_cosine
+
+TINY = dict(n_layer=2, n_head=4, d_model=32, block_size=32, seq_len=16, batch_size=12, steps=8, warmup_steps=2,
+            lr=3e-3, weight_decay=0.1, clip_grad=1.0, seed=0, val_windows=12)
+FLAGS = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()] + ["--eval-every", "4"]
+TOLERANCE = 1e-5  # fp32 weights after 8 AdamW steps; measured 1e-7 to 1e-6 (the order of the gradient sums)
+
+
+def reference(steps=TINY["steps"], **over):
+    """(state_dict, val_loss, per-step losses) of the single-process loop."""
+    c = {**TINY, **over}
+    train, val = split(read_text(None)[0])
+    torch.manual_seed(c["seed"])
+    model = Transformer(c["n_layer"], c["n_head"], c["d_model"], c["block_size"])
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "emb" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "emb" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": c["weight_decay"]},
+                             {"params": rest, "weight_decay": 0.0}], lr=c["lr"], betas=(0.9, 0.95))
+    sched = warmup_cosine(opt, 1, c["steps"], c["warmup_steps"] / c["steps"])
+    losses = []
+    for step in range(steps):
+        x, y = train_batch(train, step, c["seed"], c["batch_size"], c["seq_len"], 0, 1)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), c["clip_grad"])
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    with torch.no_grad():
+        vx, vy = val_windows(val, c["seq_len"], c["val_windows"])
+        val_loss = F.cross_entropy(model(vx).flatten(0, 1), vy.flatten()).item()
+    return model.state_dict(), val_loss, losses
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return reference()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_lm_ddp_equals_the_single_process_reference(tmp_path, ref, world):
+    weights, val_loss, _ = ref
+    proc = launch("recipes/lm_ddp.py", f"cpu:{world}", *FLAGS, "--out-dir", tmp_path)
+    result = result_of(proc)
+    assert (result["world_size"], result["steps"], result["start_step"], result["val_windows"]) == (world, 8, 0, 12)
+    assert result["val_loss"] == pytest.approx(val_loss, rel=1e-5)
+    assert result["val_bpb"] == pytest.approx(val_loss / math.log(2), rel=1e-5)
+    saved = params(tmp_path / "model.pt")
+    assert max_diff(saved, weights) < TOLERANCE
+    # The control: the reference moved the weights well beyond the tolerance.
+    torch.manual_seed(0)
+    initial = Transformer(2, 4, 32, 32).state_dict()
+    assert max_diff(weights, initial) > 1e-3
+    assert "steps=" not in proc.stdout  # the log says step=k/steps
+    assert [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("step=")] == ["step=4/8",
+                                                                                                 "step=8/8"]
+
+
+def test_lm_ddp_resumes_exactly_and_activation_checkpointing_changes_nothing(tmp_path):
+    # 2 processes: 4 steps, stop, --resume auto to 8, equal to the straight run bitwise (the data follow from the
+    # step; AdamW's moments and the schedule are in latest.pt). Then the straight run again with every block
+    # recomputed in backward: the same floating-point operations, so the same weights bitwise.
+    straight = launch("recipes/lm_ddp.py", "cpu:2", *FLAGS, "--out-dir", tmp_path / "straight")
+    first = launch("recipes/lm_ddp.py", "cpu:2", *FLAGS, "--max-steps", "4", "--out-dir", tmp_path / "pieced")
+    resumed = launch("recipes/lm_ddp.py", "cpu:2", *FLAGS, "--resume", "auto", "--out-dir", tmp_path / "pieced")
+    ac = launch("recipes/lm_ddp.py", "cpu:2", *FLAGS, "--activation-checkpointing", "--out-dir", tmp_path / "ac")
+    assert (result_of(first)["steps"], result_of(resumed)["start_step"], result_of(resumed)["steps"]) == (4, 4, 8)
+    assert f"resume: {tmp_path / 'pieced/latest.pt'} at step 4" in resumed.stdout
+    want = params(tmp_path / "straight/model.pt")
+    assert max_diff(params(tmp_path / "pieced/model.pt"), want) == 0
+    assert max_diff(params(tmp_path / "ac/model.pt"), want) == 0
+    assert result_of(ac)["val_loss"] == result_of(straight)["val_loss"]
+    # A resume with another schedule is refused: the steps it saved would mean another rate.
+    other = launch("recipes/lm_ddp.py", "cpu:2", *FLAGS, "--steps", "9", "--resume", "auto",
+                   "--out-dir", tmp_path / "pieced")
+    assert other.returncode == 2
+    assert error_lines(other.stderr) == [
+        f"error: {tmp_path / 'pieced/latest.pt'} was written with --steps 8 (this run: 9); resume with the same flags"]
+
+
+def test_activation_checkpointing_saves_the_blocks_activations():
+    # What --activation-checkpointing buys, counted exactly: the bytes autograd keeps for backward
+    # (saved_tensors_hooks), with and without each block wrapped. Only the blocks' inputs are kept then.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    def saved_bytes(wrap):
+        torch.manual_seed(0)
+        model = Transformer(4, 4, 64, 64)
+        if wrap:
+            for name, block in model.blocks.items():
+                model.blocks[name] = checkpoint_wrapper(block)
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        x = torch.randint(0, 256, (8, 64))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
+        loss.backward()
+        return total
+
+    plain, checkpointed = saved_bytes(False), saved_bytes(True)
+    assert checkpointed < plain / 3, (plain, checkpointed)
+
+
+def test_reentrant_checkpoint_under_ddp_fails_where_the_non_reentrant_one_works():
+    # The DDP pitfall docs/lm.md teaches (pytorch/pytorch#84589): a model with a parameter some steps do not use needs
+    # find_unused_parameters=True, and then a block checkpointed with the reentrant implementation makes DDP's
+    # reducer see its parameters ready twice (once in the forward's graph search, once in the recomputation).
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(torch.nn.Module):
+        def __init__(self, reentrant):
+            super().__init__()
+            self.block = torch.nn.Linear(8, 8)
+            self.unused = torch.nn.Linear(8, 8)  # e.g. an auxiliary head this step skips
+            self.reentrant = reentrant
+
+        def forward(self, x):
+            return checkpoint(self.block, x, use_reentrant=self.reentrant)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        outcomes = {}
+        for reentrant in (True, False):
+            model = DDP(Net(reentrant), find_unused_parameters=True)
+            try:
+                for _ in range(2):
+                    model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+                outcomes[reentrant] = "ok"
+            except RuntimeError as exc:
+                outcomes[reentrant] = str(exc).splitlines()[0]
+    finally:
+        dist.destroy_process_group()
+    assert outcomes[False] == "ok"
+    assert outcomes[True].startswith("Expected to mark a variable ready only once"), outcomes[True]
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--text", "/nonexistent/corpus"], "error: --text /nonexistent/corpus: no such file or folder"),
+    (["--seq-len", "300"], "error: --seq-len 300 is above --block-size 256, the positions the model has"),
+    (["--n-head", "5"], "error: --n-head 5 must divide --d-model 128 (each head takes d_model / n_head)"),
+    (["--steps", "0"], "error: --steps 0 must be >= 1"),
+])
+def test_bad_input_is_one_line_and_exit_2(flags, says):
+    proc = run_direct("lm_ddp", *flags, "--out-dir", "/tmp/unused")
+    assert proc.returncode == 2, proc.stderr
+    assert error_lines(proc.stderr) == [says]
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_text_too_short_or_empty_or_not_utf8_is_one_line(tmp_path):
+    short, empty, binary = tmp_path / "short.txt", tmp_path / "empty", tmp_path / "binary.txt"
+    short.write_text("print('hello')\n" * 20)
+    empty.mkdir()
+    binary.write_bytes(b"caf\xe9 " * 1000)
+    said = {}
+    for path in (short, empty, binary):
+        proc = run_direct("lm_ddp", "--text", path, "--out-dir", tmp_path / "out")
+        assert proc.returncode == 2, proc.stderr
+        said[path.name] = error_lines(proc.stderr)
+    assert said["short.txt"] == [
+        "error: the text is too short for --seq-len 128: 287 training and 15 validation bytes, where at least 516 and "
+        "129 are needed (validation is the last 5%); use a longer text or a smaller --seq-len"]
+    assert said["empty"] == [f"error: --text {empty}: the folder has no UTF-8 text files"]
+    assert said["binary.txt"] == [f"error: --text {binary}: not UTF-8 text (invalid continuation byte at byte 3)"]
+
+
+def test_a_text_folder_takes_its_utf8_files_and_says_what_it_left_out(tmp_path):
+    from common.lm import read_text
+
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.txt").write_text("héllo\n")
+    (tmp_path / "sub" / "b.pyc").write_bytes(b"\xa7\r\r\n" + bytes(range(256)))
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    data, where = read_text(tmp_path)
+    assert bytes(data.tolist()) == "x = 1\n\n\nhéllo\n\n\n".encode()  # sorted paths, each and a blank line
+    assert where == f"{tmp_path} (2 files; 1 not UTF-8 left out, e.g. b.pyc)"
+
+
+@pytest.mark.parametrize("recipe", LM_RECIPES)
+def test_every_language_model_checks_its_out_dir_before_the_first_step(tmp_path, recipe):
+    in_the_way = tmp_path / "runs_x"
+    in_the_way.write_text("a file where the out-dir should go\n")
+    proc = run_direct(recipe, *FLAGS, "--out-dir", in_the_way, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert error_lines(proc.stderr) == [f"error: --out-dir {in_the_way} is a file, not a folder; pass a folder to "
+                                        "write to"]
+    assert "step=" not in proc.stdout
+
+
+def test_the_default_batch_divides_on_any_process_count():
+    module = load_recipe("lm_ddp")
+    for world in (1, 2, 3, 5, 8):
+        args = module.parse_args([])
+        module.check_args(args, world)
+        assert (args.batch_size, args.warmup_steps) == (32 // world * world, 50), (world, args.batch_size)
+
+
+def test_the_ngram_bar_equals_a_plain_count_of_the_same_model():
+    # tools/ngram_bpb.py's vectorised counts against the model written out with dicts, on real text (a stdlib file).
+    import collections
+    import sysconfig
+    from pathlib import Path
+
+    import numpy as np
+
+    from tools.ngram_bpb import ngram_bpb
+
+    raw = np.frombuffer((Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_bytes(), dtype=np.uint8)
+    train, val = raw[:15000], raw[15000:17000]
+    for context, k in ((0, 1.0), (1, 0.5), (3, 0.1)):
+        pairs, contexts = collections.Counter(), collections.Counter()
+        for i in range(context, len(train)):
+            c = bytes(train[i - context:i])
+            pairs[c, train[i]] += 1
+            contexts[c] += 1
+        text = np.concatenate([train[len(train) - context:], val])
+        bits = [-math.log2((pairs[bytes(text[i - context:i]), text[i]] + k) / (contexts[bytes(text[i - context:i])]
+                                                                             + 256 * k))
+                for i in range(context + 1, context + 1 + 1000)]
+        assert ngram_bpb(train, val, context, k, 1, 1000) == pytest.approx(sum(bits) / len(bits), rel=1e-9)
