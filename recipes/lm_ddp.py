@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
@@ -139,8 +139,8 @@ def main():
     print0(f"setup: world_size={world_size} backend={backend} device={device.type} global_batch={args.batch_size} "
            f"({batch_per_process} per process x {world_size}) sequences of {args.seq_len} bytes")
     # ------------------------------------------------------------------------------------ data
-    # YOUR DATA goes here: text as bytes in a uint8 tensor (read_text: a file, a folder, or the default corpus). Every rank
-    # reads it whole: a few MB. A corpus of GBs would be memory-mapped instead (np.memmap), as nanoGPT does.
+    # YOUR DATA goes here: text as bytes in a uint8 tensor (read_text: a file, a folder, or the default corpus).
+    # Every rank reads it whole: a few MB. A corpus of GBs would be memory-mapped instead (np.memmap), as nanoGPT does.
     try:
         text, where = read_text(args.text)
         train_text, val_text = split(text)
@@ -156,6 +156,8 @@ def main():
     if args.activation_checkpointing:  # before DDP: each block's forward runs again in backward, nothing kept inside
         for name, block in model.blocks.items():  # non-reentrant (checkpoint_wrapper's default): DDP-safe
             model.blocks[name] = checkpoint_wrapper(block)  # state_dict keys stay as without it
+        wrapped = sum(isinstance(b, CheckpointWrapper) for b in model.blocks.values())
+        print0(f"activation checkpointing: {wrapped} of {len(model.blocks)} blocks recompute their forward in backward")
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     # Weight decay on the matrices (2-D) only: decaying biases, norms' gains or embeddings only hurts (GPT-2, nanoGPT).
     matrices = [p for n, p in model.named_parameters() if p.dim() >= 2 and "emb" not in n]

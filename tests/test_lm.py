@@ -88,6 +88,7 @@ def test_lm_ddp_resumes_exactly_and_activation_checkpointing_changes_nothing(tmp
     want = params(tmp_path / "straight/model.pt")
     assert max_diff(params(tmp_path / "pieced/model.pt"), want) == 0
     assert max_diff(params(tmp_path / "ac/model.pt"), want) == 0
+    assert "activation checkpointing: 2 of 2 blocks recompute their forward in backward" in ac.stdout
     assert result_of(ac)["val_loss"] == result_of(straight)["val_loss"]
     # A resume with another schedule is refused: the steps it saved would mean another rate.
     other = launch("recipes/lm_ddp.py", "cpu:2", *FLAGS, "--steps", "9", "--resume", "auto",

@@ -84,7 +84,22 @@ EDITS = [
          "dist.all_reduce(error)", "error.mul_(world_size)"),
     Edit("full_state_dict", "FSDP: model.pt saved from the sharded state_dict (rank 0's DTensor shards)",
          "StateDictOptions(full_state_dict=True, cpu_offload=True)", "StateDictOptions(cpu_offload=True)"),
+    # The language models (recipes/lm_*.py), guarded by tests/test_lm*.py.
+    Edit("lm_eval_sum", "validation summed on each rank alone: every rank reports its own windows' loss",
+         "    dist.all_reduce(total)\n", "\n"),
+    Edit("lm_clip", "no gradient clipping: the early steps' large gradients move the weights too far",
+         "torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)", "None"),
+    Edit("lm_decay_groups", "AdamW's weight decay on biases, norms and embeddings too",
+         '{"params": others, "weight_decay": 0.0}', '{"params": others, "weight_decay": args.weight_decay}'),
+    Edit("lm_checkpoint_wrapper", "--activation-checkpointing that wraps nothing: every activation is kept",
+         "model.blocks[name] = checkpoint_wrapper(block)", "pass"),
+    Edit("lm_resume_moments", "a resume without AdamW's moments: the first steps after it take other sizes",
+         'optimizer.load_state_dict(ckpt["optimizer"])', "pass"),
+    Edit("lm_resume_data", "a resume that draws the first steps' batches again (the data counted from the resume)",
+         "train_batch(train_text, step, args.seed", "train_batch(train_text, step - start_step, args.seed"),
 ]
+# Edits that mean something in the language models too; the others are the image recipes' lessons.
+LM_TOO = {"divergence_check"}
 
 # The tests that guard a recipe: its conformance cases (a -k expression), and for the edits they cannot see on the
 # CPU, the test that can (a checkpoint tagged as saved on cuda:1 must be loaded with map_location).
@@ -119,6 +134,8 @@ HOOK_TESTS = {"comm_hook", "powersgd_state", "powersgd_mean_error"}
 
 
 def tests_for(recipe, edit):
+    if recipe.startswith("lm_"):  # the family's own tests (test_lm.py guards the base, test_lm_tp.py its sibling)
+        return [f"tests/test_{recipe.replace('_ddp', '')}.py"]
     if edit.name == "divergence_check":
         return ["tests/test_divergence.py", "-k", f"[{recipe}] or [{recipe}:"]
     if edit.name == "map_location":
@@ -183,7 +200,8 @@ def main(argv=None):
     if unknown:
         p.error(f"unknown recipe or edit: {', '.join(unknown)}")
     mutants = [(r, e) for r in recipes for e in edits if e.old in (REPO / "recipes" / f"{r}.py").read_text()
-               and (e.name != "map_location" or r in RESUME_TESTS)]
+               and (e.name != "map_location" or r in RESUME_TESTS)
+               and (r.startswith("lm_") == e.name.startswith("lm_") or e.name in LM_TOO)]
     print(f"{len(mutants)} mutants: each edit on each recipe that contains its text", flush=True)
     results = []
     for i, (recipe, edit) in enumerate(mutants, 1):

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.lm import TextError, read_text, split  # noqa: E402
+from common.lm import TextError, read_text, split
 
 
 def ngram_bpb(train, val, context, k, first, count):
