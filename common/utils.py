@@ -396,7 +396,8 @@ class DivergenceCheck:
                 "the loss stayed finite, but the weights or BatchNorm statistics did not")
         kept = (f"the last good checkpoint is {self.last_good}" if self.last_good else
                 "this run wrote no checkpoint")
-        raise Diverged(f"training diverged in epoch {epoch + 1}, steps {self.checked + 1}-{step}: {what}. Nothing "
+        where = "" if epoch is None else f"in epoch {epoch + 1}, "  # None: a step-based run (the language models)
+        raise Diverged(f"training diverged {where}steps {self.checked + 1}-{step}: {what}. Nothing "
                        f"was saved from these weights; {kept}. Likely causes: a learning rate too high for this "
                        "batch (--lr), fp16 without a loss scaler, or inf/NaN in the data")
 

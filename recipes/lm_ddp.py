@@ -206,7 +206,7 @@ def main():
             # -------------------------------------------------------------------------------- eval
             speed.stop()
             loss_meter.all_reduce(device)
-            diverged.all_reduce_and_check(0, step, model=model)  # before eval and any save
+            diverged.all_reduce_and_check(None, step, model=model)  # before eval and any save
             val_loss = evaluate(model.module, val_x, val_y, rank, world_size, batch_per_process, device, amp)
             print0(f"step={step}/{args.steps} train_loss={loss_meter.avg:.4f} val_loss={val_loss:.4f} "
                    f"val_bpb={bits_per_byte(val_loss):.4f} lr={scheduler.get_last_lr()[0]:.2e} "
