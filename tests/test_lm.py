@@ -56,7 +56,8 @@ def ref():
     return reference()
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2,  # 2 in the quick tier: 12 s
+                                   pytest.param(3, marks=pytest.mark.slow)])
 def test_lm_ddp_equals_the_single_process_reference(tmp_path, ref, world):
     weights, val_loss, _ = ref
     proc = launch("recipes/lm_ddp.py", f"cpu:{world}", *FLAGS, "--out-dir", tmp_path)
@@ -75,6 +76,7 @@ def test_lm_ddp_equals_the_single_process_reference(tmp_path, ref, world):
                                                                                                  "step=8/8"]
 
 
+@pytest.mark.slow  # real multi-process launches: 10-60 s
 def test_lm_ddp_resumes_exactly_and_activation_checkpointing_changes_nothing(tmp_path):
     # 2 processes: 4 steps, stop, --resume auto to 8, equal to the straight run bitwise (the data follow from the
     # step; AdamW's moments and the schedule are in latest.pt). Then the straight run again with every block
@@ -257,6 +259,7 @@ def test_the_ngram_bar_equals_a_plain_count_of_the_same_model():
         assert ngram_bpb(train, val, context, k, 1, 1000) == pytest.approx(sum(bits) / len(bits), rel=1e-9)
 
 
+@pytest.mark.slow  # real multi-process launches: 10-60 s
 def test_a_diverged_run_stops_with_one_line_and_saves_nothing(tmp_path):
     proc = launch("recipes/lm_ddp.py", "cpu:2", *FLAGS, "--lr", "1e30", "--out-dir", tmp_path)
     assert proc.returncode == 3, proc.stderr[-2000:]
