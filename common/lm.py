@@ -128,7 +128,7 @@ class Attention(nn.Module):
 
     def __init__(self, d_model, n_head):
         super().__init__()
-        self.head_dim = d_model // n_head
+        self.n_head, self.head_dim = n_head, d_model // n_head  # n_head: all of them, not this rank's share
         self.wq = nn.Linear(d_model, d_model)
         self.wk = nn.Linear(d_model, d_model)
         self.wv = nn.Linear(d_model, d_model)

@@ -142,7 +142,7 @@ def test_every_recipe_learns_on_one_gpu_with_exact_eval(tmp_path, recipe):
 # ------------------------------------------------------------- the language models, one GPU, NCCL
 
 LM_ONE_GPU = {  # every recipes/lm_*.py (tests/test_gpu_tier.py checks): its extra flags
-    "lm_ddp": [],
+    "lm_ddp": [], "lm_tp": ["--sequence-parallel"],  # lm_tp on one GPU: --tp 1, its plan over a mesh of one
 }
 LM_SHORT = ["--steps", "200", "--eval-every", "100"]  # the default model and batch, a third of the default schedule
 
@@ -154,8 +154,9 @@ def test_every_language_model_learns_on_one_gpu(tmp_path, recipe):
     print(f"{recipe}: {json.dumps(result)}")
     assert (result["device"], result["world_size"], result["steps"], result["val_windows"]) == ("cuda", 1, 200, 128)
     assert "setup: world_size=1 backend=nccl device=cuda" in proc.stdout
-    # 8 bits per byte at random init, 4.9 for byte frequencies alone; 200 steps on the CPU reach 2.6-2.8.
-    assert result["val_bpb"] < 3.0, result
+    # 8 bits per byte at random init, 4.76 for the bytes' frequencies alone (tools/ngram_bpb.py --context 0); 200
+    # steps reached 3.63 on an H200 (torch 2.11, Python 3.12's corpus) and 3.7 on the CPU (docs/testing.md).
+    assert result["val_bpb"] < 4.0, result
     assert 0 < result["peak_mem_mb"] < 2000, result
 
 

@@ -57,7 +57,9 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # state): read them against that one. ddp_zero 54 and ddp_comm_hooks 93 before issue 39 (the bucket view, and
     # PowerSGD's device sync on GPUs); fsdp 255 and ddp_comm_hooks 95 before the first GPU run (fsdp's G:N refusal,
     # PowerSGD's cuBLAS workspaces).
-    ("ddp_checkpoint", "fsdp", 260), ("ddp_checkpoint", "ddp_zero", 57), ("ddp_checkpoint", "ddp_comm_hooks", 99)])
+    ("ddp_checkpoint", "fsdp", 260), ("ddp_checkpoint", "ddp_zero", 57), ("ddp_checkpoint", "ddp_comm_hooks", 99),
+    # lm_tp: the plan, sharded checkpoints (fsdp.py's), loss_parallel, the gradients' layouts, and its block picture.
+    ("lm_ddp", "lm_tp", 272)])
 def test_diff_against_its_sibling_stays_small(base, recipe, max_changed):
     diff = subprocess.run(["diff", f"recipes/{base}.py", f"recipes/{recipe}.py"], cwd=REPO,
                           capture_output=True, text=True).stdout

@@ -32,6 +32,7 @@ class Edit:
     pitfall: str
     old: str
     new: str
+    file: str = ""  # a file of common/ the edit goes into instead of the recipe (the recipe's tests guard it)
 
 
 EDITS = [
@@ -97,9 +98,19 @@ EDITS = [
          'optimizer.load_state_dict(ckpt["optimizer"])', "pass"),
     Edit("lm_resume_data", "a resume that draws the first steps' batches again (the data counted from the resume)",
          "train_batch(train_text, step, args.seed", "train_batch(train_text, step - start_step, args.seed"),
+    Edit("lm_sp_plan", "--sequence-parallel without SequenceParallel on the norms: they meet sequence-cut activations",
+         'plan.update({name: SequenceParallel() for name in ("blocks.*.ln1", "blocks.*.ln2", "ln_f")})', "pass"),
+    Edit("lm_loss_parallel", "the cross-entropy outside loss_parallel() on logits cut by bytes",
+         "with loss_parallel():  # New: around the loss and its backward", "if True:"),
+    Edit("lm_col_row_swap", "the MLP's first layer cut by input (rowwise) instead of by output",
+         '"blocks.*.mlp.fc": ColwiseParallel(),', '"blocks.*.mlp.fc": RowwiseParallel(),'),
+    Edit("lm_heads_per_rank", "attention viewed with the global head count: each rank's heads come out the wrong size",
+         "w(x).view(B, T, -1, self.head_dim)", "w(x).view(B, T, self.n_head, -1)", file="common/lm.py"),
 ]
 # Edits that mean something in the language models too; the others are the image recipes' lessons.
 LM_TOO = {"divergence_check"}
+# The recipes whose tests guard an edit of common/ (Edit.file): the heads per rank matter only where heads are cut.
+FILE_EDIT_RECIPES = {"lm_tp"}
 
 # The tests that guard a recipe: its conformance cases (a -k expression), and for the edits they cannot see on the
 # CPU, the test that can (a checkpoint tagged as saved on cuda:1 must be loaded with map_location).
@@ -169,7 +180,7 @@ def check(recipe, edit, timeout):
     with tempfile.TemporaryDirectory(prefix=f"mutant_{recipe}_{edit.name}_") as tmp:
         tree = Path(tmp)
         scratch_copy(tree)
-        path = tree / "recipes" / f"{recipe}.py"
+        path = tree / (edit.file or f"recipes/{recipe}.py")
         text = path.read_text()
         path.write_text(text.replace(edit.old, edit.new))
         start = time.monotonic()
@@ -199,7 +210,8 @@ def main(argv=None):
         e for e in (args.edits.split(",") if args.edits else []) if e not in {x.name for x in EDITS}]
     if unknown:
         p.error(f"unknown recipe or edit: {', '.join(unknown)}")
-    mutants = [(r, e) for r in recipes for e in edits if e.old in (REPO / "recipes" / f"{r}.py").read_text()
+    mutants = [(r, e) for r in recipes for e in edits if e.old in (REPO / (e.file or f"recipes/{r}.py")).read_text()
+               and (not e.file or r in FILE_EDIT_RECIPES)
                and (e.name != "map_location" or r in RESUME_TESTS)
                and (r.startswith("lm_") == e.name.startswith("lm_") or e.name in LM_TOO)]
     print(f"{len(mutants)} mutants: each edit on each recipe that contains its text", flush=True)

@@ -1,0 +1,232 @@
+"""recipes/lm_tp.py (tensor parallel, sequence parallel, loss_parallel) trains the one-process model: the same run of
+recipes/lm_ddp.py on 1 process is the reference, launched once. On 2 and 4 ranks, with and without
+--sequence-parallel, measured on 2 CPU cores (torch 2.14.1, gloo, fp32, 8 steps of a 2-layer model):
+- val_loss: equal to the reference's to the RESULT line's 6 decimals (< 1e-7 relative); asserted at 2e-6 relative.
+- the printed step lines (train_loss, val_loss, val_bpb, lr at 4 decimals): equal; asserted within one unit of the
+  last printed digit, as a value 1e-7 away can round the other way.
+- model.pt: at most 4.4e-6 from the reference's, asserted at 1e-5. Not tighter because of AdamW: a gradient that is
+  zero in exact arithmetic (wk's bias: softmax ignores a constant added to every key's score; some coordinates of
+  position 0's embedding) is rounding noise in both runs, and AdamW divides it by its own RMS (plus eps 1e-8),
+  moving that weight in a direction the noise picks (wk's bias: 3e-6 apart, where the reference moved it 2.4e-6).
+  The other tensors agree to 1e-8 .. 1.5e-6.
+  The clip is active (the gradient norm is 2.9-5 in these steps, above --clip-grad 1): a local norm would show.
+- state_bytes_per_rank: exactly the slices (parameters, gradients, AdamW's two moments) plus the replicated norms and
+  row-parallel biases: 346772 bytes a rank on 2, 177044 on 4, against lm_ddp's 686228 (the embeddings' gradients
+  come back whole on every rank: without grads_as_params, 365204 and 204692).
+- resume: --max-steps 4, then --resume auto on the same ranks gives the uninterrupted run's model.pt bitwise; the same
+  checkpoint resumed on 4 ranks without --sequence-parallel, with --activation-checkpointing (DCP reshards), gives
+  the reference's weights to 1e-5 (measured 1.5e-7).
+"""
+
+import re
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from conftest import launch, load_recipe, max_diff, params, result_of, spawn_gloo
+from jobs import error_lines
+
+from common.lm import Transformer, read_text, split, val_windows
+
+MODEL = {"n_layer": 2, "n_head": 4, "d_model": 32, "block_size": 32}
+ARGS = ["--n-layer", 2, "--n-head", 4, "--d-model", 32, "--block-size", 32, "--seq-len", 16, "--batch-size", 8,
+        "--steps", 8, "--eval-every", 4, "--val-windows", 8]
+VAL_RTOL = 2e-6  # measured: equal to 6 decimals (< 1e-7)
+WEIGHTS_ATOL = 1e-5  # measured: 4.4e-6 at most (AdamW on gradients that are zero in exact arithmetic; see above)
+PRINTED_ATOL = 1.01e-4  # one unit of the printed 4th decimal
+UNRESOLVED = "could not be resolved"  # parallelize_module's warning for a plan key that names no module: it only warns
+
+
+def step_lines(stdout):
+    """{step: {train_loss, val_loss, val_bpb, lr}} of the printed eval lines."""
+    return {int(m[1]): {k: float(v) for k, v in re.findall(r"(train_loss|val_loss|val_bpb|lr)=(\S+)", m[0])}
+            for m in re.finditer(r"^step=(\d+)/\d+ .*$", stdout, re.M)}
+
+
+def expected_state_bytes(tp):
+    """Parameters, gradients and AdamW's exp_avg and exp_avg_sq (4 fp32 copies) of each rank's slices, the norms and
+    the row-parallel layers' biases whole (Replicate), plus AdamW's 4-byte step counter per parameter."""
+    model = Transformer(**MODEL)
+    whole = sum(p.numel() for n, p in model.named_parameters() if ".ln" in n or n.startswith("ln_f")
+                or n.endswith(("wo.bias", "proj.bias")))
+    cut = sum(p.numel() for p in model.parameters()) - whole
+    assert cut % tp == 0
+    return 16 * (cut // tp + whole) + 4 * len(list(model.parameters()))
+
+
+def one_process_val_loss(path):
+    """model.pt loaded strictly into a plain Transformer and scored on the validation windows in one process."""
+    model = Transformer(**MODEL)
+    model.load_state_dict(params(path), strict=True)
+    model.eval()
+    x, y = val_windows(split(read_text()[0])[1], 16, 8)
+    with torch.no_grad():
+        return F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum").item() / y.numel()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """launch(devices, *flags) once per (devices, flags) in this module: (the CompletedProcess, its --out-dir)."""
+    done = {}
+
+    def run(recipe, devices, *flags):
+        key = (recipe, devices, *map(str, flags))
+        if key not in done:
+            out = tmp_path_factory.mktemp(re.sub(r"\W+", "_", "-".join(key)))
+            done[key] = (launch(f"recipes/{recipe}.py", devices, *ARGS, *flags, "--out-dir", out), out)
+        return done[key]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def reference(runs):
+    proc, out = runs("lm_ddp", "cpu:1")
+    return result_of(proc), step_lines(proc.stdout), out
+
+
+SLOW = pytest.mark.slow  # about 20 s each on 2 cores (4 ranks on 2 cores: 25 s); the first also runs the reference
+
+
+@pytest.mark.parametrize(("devices", "sp"), [("cpu:2", False), pytest.param("cpu:2", True, marks=SLOW),
+                                             pytest.param("cpu:4", False, marks=SLOW),
+                                             pytest.param("cpu:4", True, marks=SLOW)])
+def test_tensor_parallel_trains_the_one_process_model(runs, reference, devices, sp):
+    ref, ref_lines, ref_out = reference
+    proc, out = runs("lm_tp", devices, *(["--sequence-parallel"] if sp else []))
+    result = result_of(proc)
+    tp = int(devices.split(":")[1])
+    assert (result["recipe"], result["world_size"], result["tp"], result["sequence_parallel"]) == ("lm_tp", tp, tp, sp)
+    assert set(ref) | {"tp", "sequence_parallel"} == set(result)  # lm_ddp's keys, and these two
+    assert UNRESOLVED not in proc.stderr and "Parallelize plan key" not in proc.stderr  # every plan key matched
+    assert result["steps"] == ref["steps"] == 8 and result["val_windows"] == ref["val_windows"]
+    assert abs(result["val_loss"] - ref["val_loss"]) <= VAL_RTOL * ref["val_loss"], (result["val_loss"], ref)
+    lines = step_lines(proc.stdout)
+    assert sorted(lines) == sorted(ref_lines) == [4, 8]
+    for step, values in lines.items():
+        for key, value in values.items():
+            assert abs(value - ref_lines[step][key]) <= PRINTED_ATOL * max(1.0, abs(value)), (step, key, value)
+    assert max_diff(params(out / "model.pt"), params(ref_out / "model.pt")) <= WEIGHTS_ATOL
+    # model.pt is the full model: one process scores it as the run did (every rank, all windows, loss_parallel).
+    assert abs(one_process_val_loss(out / "model.pt") - result["val_loss"]) <= VAL_RTOL * result["val_loss"]
+    # Each rank holds its slices only (gradients included: the embeddings' come back whole and are cut again).
+    assert ref["state_bytes_per_rank"] == [expected_state_bytes(1)]
+    assert result["state_bytes_per_rank"] == [expected_state_bytes(tp)] * tp
+    assert max(result["state_bytes_per_rank"]) < ref["state_bytes_per_rank"][0]
+    saved = sorted(p.name for p in (out / "checkpoint").iterdir())  # latest.pt and the last save's shards only
+    assert len(saved) == 2 and saved[0] == "latest.pt" and saved[1].startswith("step_8-"), saved
+
+
+@pytest.mark.slow
+def test_resume_is_exact_and_dcp_reshards_onto_another_tp(runs, reference, tmp_path):
+    ref, _, ref_out = reference
+    straight, straight_out = runs("lm_tp", "cpu:2", "--sequence-parallel")
+    half = launch("recipes/lm_tp.py", "cpu:2", *ARGS, "--sequence-parallel", "--max-steps", 4,
+                  "--out-dir", tmp_path / "same")
+    assert result_of(half)["steps"] == 4
+    shutil.copytree(tmp_path / "same", tmp_path / "other")  # the same step-4 checkpoint, for 4 ranks
+    resumed = launch("recipes/lm_tp.py", "cpu:2", *ARGS, "--sequence-parallel", "--resume", "auto",
+                     "--out-dir", tmp_path / "same")
+    result = result_of(resumed)
+    assert (result["start_step"], result["steps"]) == (4, 8) and "resume: " in resumed.stdout
+    assert result["val_loss"] == result_of(straight)["val_loss"]
+    assert max_diff(params(tmp_path / "same" / "model.pt"), params(straight_out / "model.pt")) == 0.0  # bitwise
+    assert [p.name for p in (tmp_path / "same" / "checkpoint").glob("step_*")][0].startswith("step_8-")
+    assert len(list((tmp_path / "same" / "checkpoint").glob("step_*"))) == 1  # step 4's shards removed
+    # 2 ranks' slices (norms Replicate DTensors) loaded by 4 ranks whose norms are plain tensors, and whose blocks
+    # are checkpoint-wrapped (parameter names with _checkpoint_wrapped_module., which the state_dict helpers drop).
+    other = launch("recipes/lm_tp.py", "cpu:4", *ARGS, "--activation-checkpointing", "--resume", "auto",
+                   "--out-dir", tmp_path / "other")
+    result = result_of(other)
+    assert (result["start_step"], result["tp"], result["sequence_parallel"]) == (4, 4, False)
+    assert "activation checkpointing: 2 of 2 blocks recompute their forward in backward" in other.stdout
+    assert abs(result["val_loss"] - ref["val_loss"]) <= VAL_RTOL * ref["val_loss"]
+    assert max_diff(params(tmp_path / "other" / "model.pt"), params(ref_out / "model.pt")) <= WEIGHTS_ATOL
+
+
+# ------------------------------------------------------------------------------- the collectives
+def _count_collectives(rank, port, results):
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+    recipe = load_recipe("lm_tp")
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    counts = {}
+    for sp in (False, True):
+        for n_layer in (1, 2):
+            torch.manual_seed(0)
+            model = parallelize_module(Transformer(n_layer, 4, 32, 32), mesh, recipe.tp_plan(sp), src_data_rank=0)
+            x = torch.randint(0, 256, (2, 16))
+            forward, backward = CommDebugMode(), CommDebugMode()
+            with forward:
+                logits = model(x)
+            with loss_parallel():
+                loss = F.cross_entropy(logits.flatten(0, 1), x.flatten())
+                with backward:
+                    loss.backward()
+            counts[(sp, n_layer)] = [{str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
+                                     for mode in (forward, backward)]
+    results[rank] = counts
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # 30 s: two spawned processes import torch and this module; the work itself takes 3 s
+def test_each_block_costs_the_collectives_the_docstring_draws():
+    counts = spawn_gloo(_count_collectives)[0]
+
+    def per_block(sp):  # a second block's collectives: the difference between 2 layers and 1
+        return [{op: two[op] - one.get(op, 0) for op in two}
+                for one, two in zip(counts[(sp, 1)], counts[(sp, 2)], strict=True)]
+
+    # Without SP: wo's and proj's all-reduce forward; attention's and the MLP's input gradients in backward (one
+    # each: PrepareModuleInput makes q, k and v share one input, whose gradients are summed before the all-reduce).
+    assert per_block(False) == [{"all_reduce": 2}, {"all_reduce": 2}]
+    # With SP: each all-reduce is a reduce-scatter, then an all-gather before attention and the MLP; backward mirrors.
+    assert per_block(True) == [{"reduce_scatter_tensor": 2, "all_gather_into_tensor": 2}] * 2
+    # Around the blocks, one layer: 2 embeddings forward; the head's input gradient backward (SP: and its gather).
+    assert counts[(False, 1)] == [{"all_reduce": 4}, {"all_reduce": 3}]
+    assert counts[(True, 1)] == [{"reduce_scatter_tensor": 4, "all_gather_into_tensor": 3},
+                                 {"reduce_scatter_tensor": 3, "all_gather_into_tensor": 4}]
+
+
+# ------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(("world", "flags", "line"), [
+    (2, ["--tp", "4"], "error: --tp 4 must equal the number of processes, 2: lm_tp.py is tensor parallel only"),
+    (4, ["--tp", "4", "--n-head", "2"], "error: --tp 4 must divide --n-head 2 and the MLP width 4 x --d-model = 128"),
+    (2, ["--sequence-parallel", "--seq-len", "15"],
+     "error: --sequence-parallel cuts each sequence into --tp 2 equal pieces: --seq-len 15 must be a multiple of 2"),
+])
+def test_bad_tp_flags_fail_with_one_line_before_any_collective(world, flags, line, capsys, monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    recipe = load_recipe("lm_tp")
+    args = recipe.parse_args([*map(str, ARGS), *flags])
+    with pytest.raises(SystemExit) as exc:
+        recipe.check_args(args, world)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.strip().splitlines() == error_lines(err), err
+    assert len(error_lines(err)) == 1 and error_lines(err)[0].startswith(line), err
+
+
+def test_a_tp_that_is_not_the_world_size_stops_a_real_launch_with_one_line(tmp_path):
+    proc = launch("recipes/lm_tp.py", "cpu:2", *ARGS, "--tp", 4, "--out-dir", tmp_path / "out")
+    assert proc.returncode == 2, proc.stderr
+    assert [line.split(": lm_tp.py")[0] for line in error_lines(proc.stderr)] == [
+        "error: --tp 4 must equal the number of processes, 2"], proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # a real 2-process launch: 15 s
+def test_a_diverged_tensor_parallel_run_stops_with_one_line_and_saves_nothing(tmp_path):
+    proc = launch("recipes/lm_tp.py", "cpu:2", *ARGS, "--lr", "1e30", "--out-dir", tmp_path / "out")
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    said = error_lines(proc.stderr)
+    assert len(said) == 1 and said[0].startswith("error: training diverged steps 1-4: the training loss stopped being "
+                                                 "finite at step 2."), proc.stderr[-2000:]
+    assert not (tmp_path / "out" / "model.pt").exists()
