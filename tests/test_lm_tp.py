@@ -230,3 +230,22 @@ def test_a_diverged_tensor_parallel_run_stops_with_one_line_and_saves_nothing(tm
     assert len(said) == 1 and said[0].startswith("error: training diverged steps 1-4: the training loss stopped being "
                                                  "finite at step 2."), proc.stderr[-2000:]
     assert not (tmp_path / "out" / "model.pt").exists()
+
+
+@pytest.mark.slow  # two spawned processes: 15 s
+def test_activation_bytes_per_rank_fall_with_sequence_parallel_and_checkpointing():
+    # tools/lm_bench.py --activations at a small size: what each rank keeps for backward (saved_tensors_hooks, each
+    # storage once). Tensor parallelism cuts attention's and the MLP's insides; sequence parallelism also the residual
+    # stream and the norms; checkpointing keeps each block's input alone. At the defaults (docs/benchmarks.md):
+    # 68.3 MiB per DDP rank of 16 sequences, 86.5 per TP rank of all 32, 77.3 with SP, 9.1 with both.
+    from functools import partial
+
+    from tools.lm_bench import activations_per_rank
+
+    got = spawn_gloo(partial(activations_per_rank, n_layer=2, n_head=4, d_model=32, seq_len=16, batch=8))
+    assert got[0] == got[1]
+    b = got[0]
+    assert b["lm_tp --sequence-parallel"] < b["lm_tp"]
+    assert b["lm_tp --sequence-parallel"] < 2 * b["lm_ddp"]  # per sequence: a TP rank takes all 8, a DDP rank 4
+    assert b["lm_ddp --activation-checkpointing"] < b["lm_ddp"] / 2
+    assert b["lm_tp --sequence-parallel --activation-checkpointing"] < b["lm_tp --sequence-parallel"] / 2

@@ -2,6 +2,7 @@
 
     python tools/lm_bench.py                          # cpu:1 and cpu:2 entries, 40 steps each, 3 rounds: ~6 min
     python tools/lm_bench.py --devices 0,1 --steps 200
+    python tools/lm_bench.py --activations            # activation bytes per rank: DDP, TP, TP + SP, + checkpointing
 
 Each entry is launched through launch.sh with the recipe's defaults (the default model, batch and corpus) and
 `--steps STEPS --eval-every STEPS`, and its RESULT line read (tokens/s leaves the first step out). The bare loop is
@@ -12,6 +13,7 @@ Prints a Markdown table and `RESULT {json}` with every run.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -56,6 +58,69 @@ def bare_tokens_per_sec(steps, threads, batch=32, seq_len=128):
     return batch * seq_len * (steps - 1) / (time.perf_counter() - start)
 
 
+def activation_bytes(model, x, y, parallel_loss=False):
+    """Bytes of the activations autograd keeps for backward in one training step of `model` on (x, y), counted with
+    saved_tensors_hooks: each storage once (a DTensor's local shard), parameters (saved by reference) left out."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    def local(t):
+        return t._local_tensor if isinstance(t, DTensor) else t
+
+    params = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(t):
+        storage = local(t).untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    context = loss_parallel() if parallel_loss else contextlib.nullcontext()
+    with context:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+    return sum(storages.values())
+
+
+def activations_per_rank(rank, port, results, n_layer=4, n_head=4, d_model=128, seq_len=128, batch=32):
+    """(a spawned process of 2, gloo) Activation bytes per rank at a global batch of `batch` sequences: lm_ddp's rank
+    (half the batch), with --activation-checkpointing, and lm_tp's (the whole batch, each layer cut in 2), with
+    --sequence-parallel and both. results[rank] = {layout: bytes}."""
+    import importlib.util
+
+    import torch.distributed as dist
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    spec = importlib.util.spec_from_file_location("lm_tp", REPO / "recipes" / "lm_tp.py")
+    lm_tp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lm_tp)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, 256, (batch, seq_len), generator=g) for _ in range(2))
+    seen = {}
+    for name, tp, sp, ac in (("lm_ddp", False, False, False), ("lm_ddp --activation-checkpointing", False, False, True),
+                             ("lm_tp", True, False, False), ("lm_tp --sequence-parallel", True, True, False),
+                             ("lm_tp --sequence-parallel --activation-checkpointing", True, True, True)):
+        torch.manual_seed(0)
+        model = Transformer(n_layer, n_head, d_model, 2 * seq_len)
+        if tp:
+            model = parallelize_module(model, mesh, lm_tp.tp_plan(sp), src_data_rank=0)
+        if ac:
+            for key, block in model.blocks.items():
+                model.blocks[key] = checkpoint_wrapper(block)
+        mine = slice(None) if tp else slice(rank * batch // 2, (rank + 1) * batch // 2)  # DDP: this rank's half
+        seen[name] = activation_bytes(model, x[mine], y[mine], parallel_loss=tp)
+    results[rank] = seen
+    dist.destroy_process_group()
+
+
 def launch(recipe, devices, flags, steps):
     with tempfile.TemporaryDirectory() as out:
         proc = subprocess.run([str(REPO / "launch.sh"), recipe, devices, *flags, "--steps", str(steps),
@@ -73,7 +138,24 @@ def main(argv=None):
                                                             "cpu:1,cpu:2 or 0 or 0,1 (a list of GPUs: one DEVICES)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--activations", action="store_true", help="only the activation bytes per rank (2 processes)")
     args = p.parse_args(argv)
+    if args.activations:
+        import socket
+
+        import torch.multiprocessing as mp
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        results = mp.Manager().dict()
+        mp.spawn(activations_per_rank, args=(port, results), nprocs=2)
+        print("| layout (global batch 32 x 128 bytes, the default model) | activation MiB per rank |")
+        print("| --- | --- |")
+        for name, size in results[0].items():
+            print(f"| {name} | {size / 2**20:.2f} |")
+        print("RESULT " + json.dumps(dict(results)))
+        return 0
     device_sets = args.devices.split(",") if args.devices.startswith("cpu") else [args.devices]
     cores = os.cpu_count() or 1
     runs = []
