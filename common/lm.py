@@ -4,7 +4,7 @@ without a download, and batches that depend only on (seed, step, data-parallel r
 - Tokens are bytes (a vocabulary of 256): no tokenizer file, any UTF-8 text works.
 - The default text is the Python standard library's own source (the files common/lm_corpus.txt lists), which every
   machine with Python has; --text takes a file or a folder instead (its UTF-8 files, recursively, each followed by
-  a blank line; hidden ones and files that are not UTF-8, such as __pycache__, are left out and counted).
+  a blank line; hidden ones and files that are not UTF-8, such as __pycache__, are left out, the latter counted).
 - Train/val split: the last VAL_FRACTION of the bytes is validation, the rest training; fixed, no shuffling.
 - Step k's batch: window starts drawn by a generator seeded with (seed, k), the global batch of them; data-parallel
   rank r of D takes the r-th of D equal slices. Ranks of one tensor-parallel group pass the same r, so they see the

@@ -103,16 +103,21 @@ def _leave(code):
     os._exit(code)
 
 
+# What unpickling a batch raises when the worker that sent it has exited (its descriptor server is gone). Not every
+# OSError: "Too many open files" (EMFILE) raised there must still be seen.
+WORKER_GONE = (ConnectionRefusedError, ConnectionResetError, FileNotFoundError, EOFError)
+
+
 def _quiet_pin_memory_thread(previous):
     """A threading.excepthook that drops one exception: the DataLoader's pin-memory thread (CUDA runs, pin_memory=True)
-    dying of an OSError or EOFError while it unpickles a batch, because the worker that sent it has exited. A batch
+    dying of WORKER_GONE while it unpickles a batch, because the worker that sent it has exited. A batch
     crosses the process boundary as a file descriptor the receiver fetches from the sender, so a worker that is gone
     leaves "ConnectionRefusedError" (or FileNotFoundError) in the thread. Ctrl-C does exactly that: the signal reaches
     each rank's workers and main thread at once, and without this every rank prints half a traceback before it exits
     (tests/test_gpu.py drill 7). Nothing is lost: a worker that died otherwise is reported by the DataLoader itself in
     the main thread ("DataLoader worker (pid N) is killed by signal", or "Pin memory thread exited unexpectedly")."""
     def hook(args):
-        gone = args.exc_type is not None and issubclass(args.exc_type, (OSError, EOFError))
+        gone = args.exc_type is not None and issubclass(args.exc_type, WORKER_GONE)
         if gone and any(frame.name == "_pin_memory_loop" for frame in traceback.extract_tb(args.exc_traceback)):
             return
         previous(args)
@@ -147,7 +152,8 @@ def one_line_errors(ctrl_c=True):
     script's main(), which the process leaves next: code that goes on running after it (a notebook) would never
     collect the reference cycles alive at that moment.
 
-    While main() runs, a DataLoader pin-memory thread whose worker is gone dies quietly (_quiet_pin_memory_thread)."""
+    From its start on (for the rest of the process), a DataLoader pin-memory thread whose worker is gone dies quietly
+    (_quiet_pin_memory_thread)."""
     if not getattr(threading.excepthook, "quiet_pin_memory", False):  # once per process, for its lifetime
         threading.excepthook = _quiet_pin_memory_thread(threading.excepthook)
     previous_sigint = signal.getsignal(signal.SIGINT)

@@ -10,7 +10,7 @@ What it shows, against ddp_torchrun.py (diff them: the lesson is what a transfor
   Python standard library's own source as the default corpus (no download), --text for yours. --batch-size is the
   GLOBAL batch in sequences of --seq-len bytes.
 - Steps, not epochs: --steps is the schedule's length (warm-up, then cosine); step k's sequences depend only on
-  --seed, k and the rank, so a resumed run sees what the uninterrupted one would have, and --max-steps stops early
+  --seed, k and the rank, so a resumed run sees what the uninterrupted one would have, and --max-steps N stops after N
   with a checkpoint that --resume auto goes on from, exactly.
 - AdamW with weight decay on the matrices only (not on biases, norms or embeddings), gradient clipping by the global
   norm (after DDP's all-reduce every rank clips the same gradient), --amp-dtype bf16 (autocast; no loss scaler).
@@ -68,7 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, help="GLOBAL batch in sequences, split across processes (default: 32; 30 "
                    "on 3)")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps: the schedule's length")
-    p.add_argument("--warmup-steps", type=int, help="linear warm-up, then cosine to 0 (default: --steps / 20)")
+    p.add_argument("--warmup-steps", type=int, help="linear warm-up, then cosine to 0 (default: --steps / 20; at most "
+                   "--steps / 3)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's, on the weight matrices only")
     p.add_argument("--clip-grad", type=float, default=1.0, help="clip the gradient's global norm to this")
@@ -79,7 +80,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="runs/lm_ddp", help="model.pt and latest.pt (the resume point)")
     p.add_argument("--resume", help="latest.pt of an earlier run, or 'auto': OUT_DIR/latest.pt if it exists")
-    p.add_argument("--max-steps", type=int, help="stop after this step, saving where it stops (--resume auto goes on)")
+    p.add_argument("--max-steps", type=int, help="train at most this many steps in this run, then save (a short run: "
+                   "the same command with --resume auto goes on)")
     p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
     return p.parse_args(argv)
 
@@ -180,7 +182,7 @@ def main():
                                                             "latest.pt": 3 * harness.state_bytes(model.module)})
     amp = args.amp_dtype == "bf16"
     # ----------------------------------------------------------------------------------- train
-    last = min(args.steps, args.max_steps or args.steps)
+    last = min(args.steps, start_step + (args.max_steps or args.steps))  # --max-steps: this run's
     step, speed = start_step, harness.Throughput(device)
     diverged = harness.DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
     loss_meter = AverageMeter()

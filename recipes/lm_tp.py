@@ -103,7 +103,8 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=128, help="bytes per training sequence")
     p.add_argument("--batch-size", type=int, default=32, help="GLOBAL batch in sequences: every rank takes all of it")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps: the schedule's length")
-    p.add_argument("--warmup-steps", type=int, help="linear warm-up, then cosine to 0 (default: --steps / 20)")
+    p.add_argument("--warmup-steps", type=int, help="linear warm-up, then cosine to 0 (default: --steps / 20; at most "
+                   "--steps / 3)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's, on the weight matrices only")
     p.add_argument("--clip-grad", type=float, default=1.0, help="clip the gradient's global norm to this")
@@ -119,7 +120,8 @@ def parse_args(argv=None):
                                                            "point)")  # New
     p.add_argument("--resume", help="checkpoint/latest.pt of an earlier run, or 'auto': OUT_DIR/checkpoint/latest.pt "
                                     "if it exists; any number of ranks")  # New
-    p.add_argument("--max-steps", type=int, help="stop after this step, saving where it stops (--resume auto goes on)")
+    p.add_argument("--max-steps", type=int, help="train at most this many steps in this run, then save (a short run: "
+                   "the same command with --resume auto goes on)")
     p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
     return p.parse_args(argv)
 
@@ -189,7 +191,8 @@ def grads_as_params(model):  # New
 # ------------------------------------------------------------------------------------ checkpoints
 def load_shards(model, optimizer, path):  # New, as in fsdp.py
     """Every rank reads its part of the sharded checkpoint at `path`, however many ranks wrote it (DCP reshards)."""
-    model_state, optim_state = get_state_dict(model, optimizer)  # this world's layout, filled in by load
+    with implicit_replication():  # get_state_dict runs a step of the fresh optimizer: plain norms beside DTensors
+        model_state, optim_state = get_state_dict(model, optimizer)  # this world's layout, filled in by load
     for group in optim_state["param_groups"]:  # load fills in only the keys given: without this one, the scheduler
         group.setdefault("initial_lr", group["lr"])  # would scale the saved step's rate instead of the peak
     try:
@@ -197,7 +200,8 @@ def load_shards(model, optimizer, path):  # New, as in fsdp.py
     except dcp.CheckpointException as exc:  # a BaseException: `except Exception` would let it through
         raise CheckpointError(f"cannot load the shards in {path} ({dcp_failure(exc)}): a shard file is missing or "
                               "truncated, or they hold another model") from exc
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    with implicit_replication():
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
 
 # ------------------------------------------------------------------------------------------- eval
@@ -257,7 +261,7 @@ def main():
     torch.manual_seed(args.seed)  # New: the same full model on every rank as lm_ddp.py builds, then cut
     # YOUR MODEL goes here: an nn.Module from tokens (B, T) to logits (B, T, vocab), whose plan names its layers.
     model = Transformer(args.n_layer, args.n_head, args.d_model, args.block_size).to(device)
-    # New: each rank keeps its slices; src_data_rank=0 scatters rank 0's weights, so no rank's own draws matter.
+    # New: each rank keeps its slices; src_data_rank=0 scatters rank 0's weights (the norms, ones and zeros, are whole).
     model = parallelize_module(model, mesh, tp_plan(args.sequence_parallel), src_data_rank=0)
     if args.activation_checkpointing:  # New: after parallelize_module, whose plan names the unwrapped modules
         for name, block in model.blocks.items():  # non-reentrant (checkpoint_wrapper's default)
@@ -291,7 +295,7 @@ def main():
                                     shared=True)
     amp = args.amp_dtype == "bf16"
     # ----------------------------------------------------------------------------------- train
-    last = min(args.steps, args.max_steps or args.steps)
+    last = min(args.steps, start_step + (args.max_steps or args.steps))  # --max-steps: this run's
     step, speed = start_step, harness.Throughput(device)
     diverged = harness.DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
     loss_meter = AverageMeter()

@@ -83,10 +83,14 @@ def test_lm_ddp_resumes_exactly_and_activation_checkpointing_changes_nothing(tmp
     # recomputed in backward: the same floating-point operations, so the same weights bitwise.
     straight = launch("recipes/lm_ddp.py", "cpu:2", *FLAGS, "--out-dir", tmp_path / "straight")
     first = launch("recipes/lm_ddp.py", "cpu:2", *FLAGS, "--max-steps", "4", "--out-dir", tmp_path / "pieced")
+    # --max-steps counts this run's steps: the same short command again goes on from 4 to 6, then to the end.
+    middle = launch("recipes/lm_ddp.py", "cpu:2", *FLAGS, "--max-steps", "2", "--resume", "auto",
+                    "--out-dir", tmp_path / "pieced")
+    assert (result_of(middle)["start_step"], result_of(middle)["steps"]) == (4, 6)
     resumed = launch("recipes/lm_ddp.py", "cpu:2", *FLAGS, "--resume", "auto", "--out-dir", tmp_path / "pieced")
     ac = launch("recipes/lm_ddp.py", "cpu:2", *FLAGS, "--activation-checkpointing", "--out-dir", tmp_path / "ac")
-    assert (result_of(first)["steps"], result_of(resumed)["start_step"], result_of(resumed)["steps"]) == (4, 4, 8)
-    assert f"resume: {tmp_path / 'pieced/latest.pt'} at step 4" in resumed.stdout
+    assert (result_of(first)["steps"], result_of(resumed)["start_step"], result_of(resumed)["steps"]) == (4, 6, 8)
+    assert f"resume: {tmp_path / 'pieced/latest.pt'} at step 6" in resumed.stdout
     want = params(tmp_path / "straight/model.pt")
     assert max_diff(params(tmp_path / "pieced/model.pt"), want) == 0
     assert max_diff(params(tmp_path / "ac/model.pt"), want) == 0

@@ -101,7 +101,8 @@ EDITS = [
     Edit("lm_sp_plan", "--sequence-parallel without SequenceParallel on the norms: they meet sequence-cut activations",
          'plan.update({name: SequenceParallel() for name in ("blocks.*.ln1", "blocks.*.ln2", "ln_f")})', "pass"),
     Edit("lm_loss_parallel", "the cross-entropy outside loss_parallel() on logits cut by bytes",
-         "with loss_parallel():  # New: around the loss and its backward", "if True:"),
+         "with loss_parallel():  # New: around the loss and its backward: the softmax's max and sum all-reduced",
+         "if True:"),
     Edit("lm_col_row_swap", "the MLP's first layer cut by input (rowwise) instead of by output",
          '"blocks.*.mlp.fc": ColwiseParallel(),', '"blocks.*.mlp.fc": RowwiseParallel(),'),
     Edit("lm_heads_per_rank", "attention viewed with the global head count: each rank's heads come out the wrong size",
@@ -182,7 +183,13 @@ def check(recipe, edit, timeout):
         scratch_copy(tree)
         path = tree / (edit.file or f"recipes/{recipe}.py")
         text = path.read_text()
-        path.write_text(text.replace(edit.old, edit.new))
+        mutated = text.replace(edit.old, edit.new)
+        try:  # an edit that breaks the syntax would be "noticed" by any test: say so instead
+            compile(mutated, str(path), "exec")
+        except SyntaxError as exc:
+            return {"recipe": recipe, "edit": edit.name, "pitfall": edit.pitfall, "outcome": "INVALID edit",
+                    "seconds": 0.0, "tests": f"the edited file does not compile: {exc}"}
+        path.write_text(mutated)
         start = time.monotonic()
         try:
             proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
