@@ -160,6 +160,19 @@ def test_every_language_model_learns_on_one_gpu(tmp_path, recipe):
     assert 0 < result["peak_mem_mb"] < 2000, result
 
 
+def test_lm_tp_resumes_on_gpu_without_sequence_parallel(tmp_path):
+    # load_shards on CUDA: get_state_dict steps the fresh AdamW, whose foreach path (DTensors take it on CUDA) meets
+    # the plain norms beside DTensors when --sequence-parallel is off (recipes/lm_tp.py: implicit_replication).
+    args = ["recipes/lm_tp.py", "0", "--steps", "40", "--eval-every", "20"]
+    straight = launch(*args, "--out-dir", tmp_path / "straight", env=FP32)
+    first = launch(*args, "--max-steps", "20", "--out-dir", tmp_path / "pieced", env=FP32)
+    resumed = launch(*args, "--resume", "auto", "--out-dir", tmp_path / "pieced", env=FP32)
+    assert result_of(first)["steps"] == 20 and result_of(straight)["steps"] == 40
+    assert (result_of(resumed)["start_step"], result_of(resumed)["steps"]) == (20, 40)
+    # fp32 without TF32 (FP32); kernels may differ between the runs: last digits.
+    assert max_diff(params(tmp_path / "pieced/model.pt"), params(tmp_path / "straight/model.pt")) < 1e-5
+
+
 def test_lm_ddp_bf16_autocast_tracks_fp32(tmp_path):
     runs = {dtype: result_of(launch("recipes/lm_ddp.py", "0", *LM_SHORT, "--amp-dtype", dtype,
                                     "--out-dir", tmp_path / dtype)) for dtype in ("fp32", "bf16")}
