@@ -6,11 +6,14 @@ training step) and checked against what each hook must send, computed here from 
 """
 
 import math
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import as_if_saved_on_gpu, ddp_counts, launch, replayed, result_of, rng_env, rng_streams
+from conftest import REPO, as_if_saved_on_gpu, ddp_counts, launch, replayed, result_of, rng_env, rng_streams
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from common.models import build_model
@@ -195,8 +198,18 @@ def test_powersgd_resume_with_another_rank_is_one_line(runs, tmp_path):
     assert "RESULT" not in proc.stdout
 
 
-@pytest.mark.parametrize("world", [1])  # in this process: no launch, so the quick tier has it
+@pytest.mark.parametrize("world", [1])  # no launch, so the quick tier has it
 def test_powersgd_state_moves_between_bucket_layouts_parameter_by_parameter(world):
+    # In a fresh process with a time limit: in pytest's own process, after the suite's earlier tests, it once hung
+    # (the main thread in a futex wait, no child) and once came out not bitwise equal, neither reproduced alone.
+    proc = subprocess.run([sys.executable, "-c", f"import test_comm_hooks as t; t.bucket_layouts_case({world})"],
+                          cwd=REPO / "tests", env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("bitwise equal"), proc.stdout[-2000:]
+
+
+def bucket_layouts_case(world):
     # Two "processes" in one: DDP #1 trains 5 steps with PowerSGD (from step 3), saves the state by parameter; DDP #2,
     # a new wrapper over a copy of the weights (its first step with one bucket of everything, then DDP's rebuilt
     # buckets), loads it and trains 3 more. resnet18 at rank 2: many same-shaped matrices, which the hook lays out
@@ -236,6 +249,7 @@ def test_powersgd_state_moves_between_bucket_layouts_parameter_by_parameter(worl
     assert buckets > 1  # the rebuilt layout is several buckets: state moved out of the first step's one and back
     after = pieced.state_dict()
     assert all(torch.equal(t, after[k]) for k, t in straight.state_dict().items())
+    print("bitwise equal")
 
 
 def test_powersgd_state_of_another_rank_is_refused():
