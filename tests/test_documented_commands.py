@@ -73,6 +73,11 @@ NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsew
     "python tools/mutation_check.py --recipes ddp_compile,ddp_zero,ddp_uneven": MUTANTS,
     "python tools/mutation_check.py --recipes ddp_comm_hooks": MUTANTS,
     "python tools/mutation_check.py --recipes ddp_uneven,ddp_zero --edits join_buffer_sync,zero_bucket_view": MUTANTS,
+    "python tools/mutation_check.py --recipes lm_ddp,lm_tp": MUTANTS,
+    "python tools/lm_bench.py --rounds 2": "every language-model entry on cpu:1 and cpu:2, twice, and the bare loop: "
+                                          "about 5 minutes; docs/benchmarks.md gives its table",
+    "python tools/lm_bench.py --activations": "the default model on 2 processes (50 s); tests/test_lm_tp.py runs the "
+                                              "same count at a small size",
     "python tools/tune_loader.py --dataset imagefolder --data-root ~/my_data --batch-size 256 --processes 4 "
     "--device cuda": "--device cuda needs a GPU; tests/test_tune_loader.py runs the tool on the CPU",
     # fp16 on a CPU runs, 10-50x slower than fp32: a step of resnet18 takes minutes. The same flags run at small
