@@ -104,37 +104,22 @@ def test_lm_ddp_resumes_exactly_and_activation_checkpointing_changes_nothing(tmp
         f"error: {tmp_path / 'pieced/latest.pt'} was written with --steps 8 (this run: 9); resume with the same flags"]
 
 
-def activation_bytes(model, x):
-    """Bytes of the activations autograd keeps for backward in one training step (saved_tensors_hooks): each storage
-    once, the parameters (saved by reference, not copied) left out."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
-    loss.backward()
-    return sum(storages.values())
-
-
 def test_activation_checkpointing_keeps_only_the_blocks_inputs():
     # What --activation-checkpointing buys, counted exactly, at the defaults (4 blocks of width 128, 16 sequences of
     # 128 bytes per rank): 68.3 MiB kept without it; with it each block keeps its input (1 MiB), plus what lies
     # outside the blocks (embeddings, final norm, head and its logits): 8.0 MiB.
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+    from tools.lm_bench import activation_bytes  # the count docs/benchmarks.md's table comes from
+
     x = torch.randint(0, 256, (16, 128))
     torch.manual_seed(0)
-    plain = activation_bytes(Transformer(4, 4, 128, 256), x)
+    plain = activation_bytes(Transformer(4, 4, 128, 256), x, x)
     torch.manual_seed(0)
     model = Transformer(4, 4, 128, 256)
     for name, block in model.blocks.items():
         model.blocks[name] = checkpoint_wrapper(block)
-    checkpointed = activation_bytes(model, x)
+    checkpointed = activation_bytes(model, x, x)
     print(f"activation bytes: {plain / 2**20:.1f} MiB, checkpointed {checkpointed / 2**20:.1f} MiB")
     block_inputs = 4 * 16 * 128 * 128 * 4
     assert block_inputs < checkpointed < plain / 8, (plain, checkpointed)
