@@ -92,6 +92,7 @@ NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsew
     "python -m pytest": SUITE,
     'python -m pytest -m "not slow"': SUITE,
     "python -m pytest -m gpu": "the GPU tier: it needs a GPU (tests/test_gpu.py)",
+    "python -m pytest -m gpu tests/test_gpu.py": "the GPU tier: it needs a GPU (tests/test_gpu.py)",
     "python -m pytest -m gpu --collect-only": "tests/test_gpu_tier.py runs it with the GPUs hidden: exit 0, a test "
                                               "per recipe",
     "python3 -m venv .venv": "the set-up of the environment this suite runs in (.ci/run makes its own)",
