@@ -29,6 +29,7 @@ from conftest import launch, load_recipe, max_diff, params, result_of, spawn_glo
 from jobs import error_lines
 
 from common.lm import Transformer, read_text, split, val_windows
+from tools.lm_bench import comm_table
 
 MODEL = {"n_layer": 2, "n_head": 4, "d_model": 32, "block_size": 32}
 ARGS = ["--n-layer", 2, "--n-head", 4, "--d-model", 32, "--block-size", 32, "--seq-len", 16, "--batch-size", 8,
@@ -36,6 +37,7 @@ ARGS = ["--n-layer", 2, "--n-head", 4, "--d-model", 32, "--block-size", 32, "--s
 VAL_RTOL = 2e-6  # measured: equal to 6 decimals (< 1e-7)
 WEIGHTS_ATOL = 1e-5  # measured: 4.4e-6 at most (AdamW on gradients that are zero in exact arithmetic; see above)
 PRINTED_ATOL = 1.01e-4  # one unit of the printed 4th decimal
+STEP = {"n_layer": 2, "n_head": 4, "d_model": 32, "seq_len": 16, "batch": 4}  # tools.lm_bench.step_collectives
 UNRESOLVED = "could not be resolved"  # parallelize_module's warning for a plan key that names no module: it only warns
 
 
@@ -173,13 +175,15 @@ def _count_collectives(rank, port, results):
                     loss.backward()
             counts[(sp, n_layer)] = [{str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
                                      for mode in (forward, backward)]
-    results[rank] = counts
+    from tools.lm_bench import step_collectives
+
+    results[rank] = counts, step_collectives(rank, **STEP)  # and one whole step's, with their bytes (the profiler)
     dist.destroy_process_group()
 
 
 @pytest.mark.slow  # 30 s: two spawned processes import torch and this module; the work itself takes 3 s
 def test_each_block_costs_the_collectives_the_docstring_draws():
-    counts = spawn_gloo(_count_collectives)[0]
+    counts, steps = spawn_gloo(_count_collectives)[0]
 
     def per_block(sp):  # a second block's collectives: the difference between 2 layers and 1
         return [{op: two[op] - one.get(op, 0) for op in two}
@@ -194,6 +198,17 @@ def test_each_block_costs_the_collectives_the_docstring_draws():
     assert counts[(False, 1)] == [{"all_reduce": 4}, {"all_reduce": 3}]
     assert counts[(True, 1)] == [{"reduce_scatter_tensor": 4, "all_gather_into_tensor": 3},
                                  {"reduce_scatter_tensor": 3, "all_gather_into_tensor": 4}]
+    # Bytes, per rank, of a whole step (tools/lm_bench.py --comm's table, at this size): DDP all-reduces every
+    # gradient once; TP's activations; SP moves the same bytes as TP (ring: an all-reduce is a reduce-scatter then an
+    # all-gather) plus the norms' gradients, all-reduced by grads_as_params.
+    model = Transformer(STEP["n_layer"], STEP["n_head"], STEP["d_model"], 2 * STEP["seq_len"])
+    norms = sum(p.numel() for n, p in model.named_parameters() if ".ln" in n or n.startswith("ln_f"))
+    table = comm_table(steps)
+    assert steps["lm_ddp"] and {op for op, _ in steps["lm_ddp"]} == {"all-reduce"}
+    assert table["lm_ddp"][1] == 4 * sum(p.numel() for p in model.parameters())  # fp32, each gradient once
+    logits_stats = 4 * STEP["batch"] * STEP["seq_len"]  # loss_parallel: a float per position, 3 all-reduces
+    assert [size for _, size in steps["lm_tp"]].count(logits_stats) == 3
+    assert table["lm_tp --sequence-parallel"][2] - table["lm_tp"][2] == 4 * norms  # ring: 2 (n-1)/n = 1 on 2 ranks
 
 
 # ------------------------------------------------------------------------------- bad input

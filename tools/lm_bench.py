@@ -3,6 +3,7 @@
     python tools/lm_bench.py                          # cpu:1 and cpu:2 entries, 40 steps each, 3 rounds: ~6 min
     python tools/lm_bench.py --devices 0,1 --steps 200
     python tools/lm_bench.py --activations            # activation bytes per rank: DDP, TP, TP + SP, + checkpointing
+    python tools/lm_bench.py --comm                   # the collectives of one step and their bytes: DDP, TP, TP + SP
 
 Each entry is launched through launch.sh with the recipe's defaults (the default model, batch and corpus) and
 `--steps STEPS --eval-every STEPS`, and its RESULT line read (tokens/s leaves the first step out). The bare loop is
@@ -15,6 +16,7 @@ Prints a Markdown table and `RESULT {json}` with every run.
 import argparse
 import contextlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -121,6 +123,132 @@ def activations_per_rank(rank, port, results, n_layer=4, n_head=4, d_model=128, 
     dist.destroy_process_group()
 
 
+def canonical(name):
+    """all-reduce, reduce-scatter, all-gather, broadcast, send, recv: c10d's, the functional and gloo's names."""
+    flat = name.strip("_").replace("_", "")
+    for prefix, kind in (("allreduce", "all-reduce"), ("reducescatter", "reduce-scatter"), ("allgather", "all-gather"),
+                         ("broadcast", "broadcast"), ("send", "send"), ("recv", "recv")):
+        if flat.startswith(prefix):
+            return kind
+    return flat
+
+
+def collectives(prof):
+    """[(op, bytes in)] of every collective a rank ran under torch.profiler (record_shapes=True), in order: each
+    collective op the rank called (c10d's, which torch.distributed's calls and DDP's reducer go through, or the
+    functional ones DTensor calls; the outermost of a nest) with the bytes this rank put in, from the transfer the
+    process group made for it (gloo's `gloo:*` events, on gloo's own threads, in the same order): an all-reduce's
+    tensor, a reduce-scatter's whole input, an all-gather's own piece, a send's tensor."""
+    sizes = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4}
+
+    def collective(event):
+        return event.name.startswith(("c10d::", "_c10d_functional::")) and "wait" not in event.name
+
+    def outermost(event):
+        parent = event.cpu_parent
+        while parent is not None and not collective(parent):
+            parent = parent.cpu_parent
+        return parent is None
+
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    ops = [canonical(e.name.split("::")[1]) for e in events if collective(e) and outermost(e)]
+    transfers = [e for e in events if e.name.startswith("gloo:")]
+    assert len(ops) == len(transfers), (ops, [t.name for t in transfers])
+    calls = []
+    for op, transfer in zip(ops, transfers, strict=True):
+        kind = canonical(transfer.name[len("gloo:"):])  # gloo runs a reduce-scatter as an all-reduce
+        assert kind == op or (kind, op) == ("all-reduce", "reduce-scatter"), (op, transfer.name)
+        numel = sum(math.prod(shape) for shape in transfer.input_shapes if shape)
+        calls.append((op, numel * sizes[transfer.input_dtypes[0]]))
+    return calls
+
+
+def ring_bytes_sent(name, size, world):
+    """Bytes a rank sends for a collective that takes `size` bytes in from it, in ring algorithms (what NCCL runs for
+    large messages): an all-reduce is a reduce-scatter then an all-gather, 2 (n-1)/n of the tensor."""
+    return {"all-reduce": 2 * (world - 1) * size // world, "reduce-scatter": (world - 1) * size // world,
+            "all-gather": (world - 1) * size, "recv": 0}.get(name, size)  # a send, a broadcast's source: size
+
+
+def comm_per_rank(rank, port, results):
+    """(a spawned process of 2, gloo) results[rank] = step_collectives(rank) at the defaults."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    results[rank] = step_collectives(rank)
+    dist.destroy_process_group()
+
+
+def step_collectives(rank, n_layer=4, n_head=4, d_model=128, seq_len=128, batch=32):
+    """(rank of a 2-process group) The collectives of one training step (the third: DDP lays its buckets out again
+    in the second) at the default model and a global batch of `batch` sequences, as the recipes run it: lm_ddp,
+    lm_tp and lm_tp --sequence-parallel (forward, loss_parallel, backward, grads_as_params, clipping, AdamW). The
+    recipes' once-per-eval collectives (the loss meter, the divergence check, validation) are left out.
+    {layout: [(op, bytes in), ...]}."""
+    import importlib.util
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import implicit_replication
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.profiler import ProfilerActivity, profile
+
+    spec = importlib.util.spec_from_file_location("lm_tp", REPO / "recipes" / "lm_tp.py")
+    lm_tp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lm_tp)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, 256, (batch, seq_len), generator=g) for _ in range(2))
+    mine = slice(rank * batch // 2, (rank + 1) * batch // 2)  # DDP: this rank's half of the batch
+    seen = {}
+    for name, tp, sp in (("lm_ddp", False, False), ("lm_tp", True, False), ("lm_tp --sequence-parallel", True, True)):
+        torch.manual_seed(0)
+        model = Transformer(n_layer, n_head, d_model, 2 * seq_len)
+        model = parallelize_module(model, mesh, lm_tp.tp_plan(sp), src_data_rank=0) if tp else DDP(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        for _ in range(3):  # the third step's: DDP lays its buckets out again in the second
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                with loss_parallel() if tp else contextlib.nullcontext():
+                    F.cross_entropy(model(x if tp else x[mine]).flatten(0, 1), (y if tp else y[mine]).flatten()
+                                    ).backward()
+                if tp:
+                    lm_tp.grads_as_params(model)
+                with implicit_replication():
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        seen[name] = collectives(prof)
+    return seen
+
+
+def spawn(worker, nprocs=2):
+    """results of worker(rank, port, results) in `nprocs` spawned processes on a free local port."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(worker, args=(port, results), nprocs=nprocs)
+    return dict(results)
+
+
+def comm_table(calls, world=2):
+    """{layout: (count by op, bytes in, ring bytes sent)} of comm_per_rank's calls on one rank."""
+    table = {}
+    for name, seen in calls.items():
+        counts = {}
+        for op, _ in seen:
+            counts[op] = counts.get(op, 0) + 1
+        sent = sum(ring_bytes_sent(op, size, world) for op, size in seen)
+        table[name] = (counts, sum(size for _, size in seen), sent)
+    return table
+
+
 def launch(recipe, devices, flags, steps):
     with tempfile.TemporaryDirectory() as out:
         proc = subprocess.run([str(REPO / "launch.sh"), recipe, devices, *flags, "--steps", str(steps),
@@ -139,22 +267,25 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--activations", action="store_true", help="only the activation bytes per rank (2 processes)")
+    p.add_argument("--comm", action="store_true", help="only the collectives and bytes of one step (2 processes)")
     args = p.parse_args(argv)
     if args.activations:
-        import socket
-
-        import torch.multiprocessing as mp
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        results = mp.Manager().dict()
-        mp.spawn(activations_per_rank, args=(port, results), nprocs=2)
+        results = spawn(activations_per_rank)
         print("| layout (global batch 32 x 128 bytes, the default model) | activation MiB per rank |")
         print("| --- | --- |")
         for name, size in results[0].items():
             print(f"| {name} | {size / 2**20:.2f} |")
-        print("RESULT " + json.dumps(dict(results)))
+        print("RESULT " + json.dumps(results))
+        return 0
+    if args.comm:
+        results = spawn(comm_per_rank)
+        print("| layout (2 ranks, global batch 32 x 128 bytes, the default model) | collectives a step | "
+              "MB in per rank | MB sent per rank (ring) |")
+        print("| --- | --- | --- | --- |")
+        for name, (counts, size, sent) in comm_table(results[0]).items():
+            ops = ", ".join(f"{n} {op.replace('_', '-')}" for op, n in sorted(counts.items()))
+            print(f"| {name} | {ops} | {size / 1e6:.2f} | {sent / 1e6:.2f} |")
+        print("RESULT " + json.dumps(results))
         return 0
     device_sets = args.devices.split(",") if args.devices.startswith("cpu") else [args.devices]
     cores = os.cpu_count() or 1
