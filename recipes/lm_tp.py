@@ -3,6 +3,7 @@
     ./launch.sh recipes/lm_tp.py 0,1                                     # 2 GPUs, each with half of every layer
     ./launch.sh recipes/lm_tp.py 0,1,2,3 --sequence-parallel             # 4 GPUs; norms on a quarter of the sequence
     ./launch.sh recipes/lm_tp.py 0,1,3 --n-head 6 --d-model 192          # 3 GPUs: --tp must divide the heads
+    ./launch.sh recipes/lm_tp.py 0,1,2,3,4,5,6,7 --n-head 8 --sequence-parallel  # 8 GPUs: a head each
     ./launch.sh recipes/lm_tp.py cpu:2                                   # 2 CPU processes (gloo): minutes
     ./launch.sh recipes/lm_tp.py cpu:4 --sequence-parallel               # 4 CPU processes
     ./launch.sh recipes/lm_tp.py cpu:2 --max-steps 100 --resume auto     # a short run; run it again to go on
