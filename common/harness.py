@@ -95,7 +95,7 @@ def check_flags(args, world_size=1):
             + f"; try --batch-size {max(1, batch // parts) * parts}")
 
 
-def check_gpu(device, backend, dtensor=False):
+def check_gpu(device, backend, dtensor=False, why=None):
     """The GPU and backend this rank uses: the recipe's `device` (cuda:LOCAL_RANK) and `backend` ("nccl"), checked.
     A GPU that is not visible (more processes than GPUs) fails with one line on every rank. Under launch.sh G:N
     (RANKS_PER_GPU=N: N ranks share GPU G, for debugging) rank r takes GPU r // N over gloo: NCCL refuses two ranks
@@ -104,11 +104,13 @@ def check_gpu(device, backend, dtensor=False):
     dtensor=True (a recipe whose state is DTensors: FSDP2, tensor parallel): G:N is refused with one line. Measured on
     an H200 with torch 2.11: over gloo on CUDA tensors every functional collective, so every DTensor redistribute,
     dies with SIGSEGV (c10d's own all_gather_into_tensor works, which is why FSDP2 trains and then fsdp.py crashed
-    gathering model.pt), while the same DTensor gather on a CPU mesh works."""
+    gathering model.pt), while the same DTensor gather on a CPU mesh works. why="...": refused the same way, for
+    that reason (lm_pp.py: gloo's send and recv hand the tensor's address to a host transport, no device check)."""
     ranks_per_gpu = int(os.environ.get("RANKS_PER_GPU", 1))
-    if ranks_per_gpu > 1 and dtensor:
+    why = why or ("torch's DTensor collectives crash there (SIGSEGV)" if dtensor else None)
+    if ranks_per_gpu > 1 and why:
         die(f"{os.path.basename(sys.argv[0])} cannot run {ranks_per_gpu} ranks on one GPU (launch.sh G:N, gloo over "
-            "CUDA): torch's DTensor collectives crash there (SIGSEGV); run one rank per GPU (0,1) or try it on cpu:N")
+            f"CUDA): {why}; run one rank per GPU (0,1) or try it on cpu:N")
     if ranks_per_gpu > 1:
         device, backend = torch.device("cuda", device.index // ranks_per_gpu), "gloo"
     if device.index >= torch.cuda.device_count():

@@ -227,6 +227,10 @@ def test_check_gpu_refuses_ranks_sharing_a_gpu_for_a_dtensor_recipe(monkeypatch,
     assert capsys.readouterr().err == (
         "error: fsdp.py cannot run 2 ranks on one GPU (launch.sh G:N, gloo over CUDA): torch's DTensor "
         "collectives crash there (SIGSEGV); run one rank per GPU (0,1) or try it on cpu:N\n")
+    with pytest.raises(SystemExit) as exc:  # lm_pp.py's reason: pipelining's sends and receives
+        harness.check_gpu(torch.device("cuda", 1), "nccl", why="gloo's send takes a CUDA address as host memory")
+    assert exc.value.code == 2 and "on one GPU (launch.sh G:N, gloo over CUDA): gloo's send takes a CUDA address " \
+        "as host memory; run one rank per GPU" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("flags", "world", "says"), [

@@ -1,0 +1,257 @@
+"""recipes/lm_pp.py (pipeline parallel: GPipe and 1F1B over a manual split of the blocks) trains the one-process model:
+the same run of recipes/lm_ddp.py on 1 process is the reference, launched once. On 2 and 4 stages, with both
+schedules, measured on 2 CPU cores (torch 2.14.1, gloo, fp32, 8 steps of a 4-layer model, 4 and 8 microbatches, 12
+validation windows: the last batch of 8 padded):
+- val_loss: 4.980583 against the reference's 4.980584 (2e-7 relative: the microbatches' sums add up in another
+  order); asserted at 2e-6 relative.
+- the printed step lines (train_loss, val_loss, val_bpb, lr at 4 decimals): equal; asserted within one unit of the
+  last printed digit, as in test_lm_tp.py.
+- model.pt: the Transformer's keys in its order, at most 7.0e-7 from the reference's (blocks.1.attn.wk.bias: AdamW on
+  a gradient that is rounding noise, see test_lm_tp.py); asserted at 1e-5.
+- state_bytes_per_rank: the stages' bytes add up to the reference's exactly (554120 + 538764 = 1092884 on 2; on 4,
+  350792, 203328, 203328 and 335436: the first and the last stage also hold the embeddings and the head, about 0.7
+  of a block each here).
+- gradients, in-process on 2 stages (the schedule's own step): each stage's equals the one-process full-batch
+  gradient to 1.4e-7 of the largest gradient (GPipe and 1F1B alike, 4 microbatches), and after the global clip to
+  5e-8; asserted at 2e-6. The gradient's norm is 4.66 here, above --clip-grad 1: the clip is active. Why this test
+  and not the runs alone: an active clip and AdamW hide a gradient scaled by a constant (the schedule's division by
+  the microbatches left out: the runs above still pass); here it is 4 times the gradient.
+- resume: --max-steps 4, then --resume auto on the same ranks gives the uninterrupted run's model.pt bitwise; the
+  same checkpoint resumed on 1 process (one stage) under GPipe with --activation-checkpointing gives the reference's
+  weights to 1e-5.
+"""
+
+import re
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from conftest import launch, load_recipe, max_diff, params, result_of, spawn_gloo
+from jobs import error_lines
+
+from common.lm import Transformer, read_text, split, train_batch, val_windows
+
+MODEL = {"n_layer": 4, "n_head": 4, "d_model": 32, "block_size": 32}
+ARGS = ["--n-layer", 4, "--n-head", 4, "--d-model", 32, "--block-size", 32, "--seq-len", 16, "--batch-size", 8,
+        "--steps", 8, "--eval-every", 4, "--val-windows", 12]  # 12: the last validation batch padded
+VAL_RTOL = 2e-6  # measured: 2e-7
+WEIGHTS_ATOL = 1e-5  # measured: 7.0e-7 at most
+PRINTED_ATOL = 1.01e-4  # one unit of the printed 4th decimal
+GRAD_RTOL = 2e-6  # measured: 1.4e-7 of the largest gradient (5e-8 clipped); a missed division by m: 3 (4x)
+
+
+def step_lines(stdout):
+    """{step: {train_loss, val_loss, val_bpb, lr}} of the printed eval lines."""
+    return {int(m[1]): {k: float(v) for k, v in re.findall(r"(train_loss|val_loss|val_bpb|lr)=(\S+)", m[0])}
+            for m in re.finditer(r"^step=(\d+)/\d+ .*$", stdout, re.M)}
+
+
+def one_process_val_loss(path):
+    """model.pt loaded strictly into a plain Transformer and scored on the validation windows in one process."""
+    model = Transformer(**MODEL)
+    model.load_state_dict(params(path), strict=True)
+    model.eval()
+    x, y = val_windows(split(read_text()[0])[1], 16, 12)
+    with torch.no_grad():
+        return F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum").item() / y.numel()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """launch(devices, *flags) once per (devices, flags) in this module: (the CompletedProcess, its --out-dir)."""
+    done = {}
+
+    def run(recipe, devices, *flags):
+        key = (recipe, devices, *map(str, flags))
+        if key not in done:
+            out = tmp_path_factory.mktemp(re.sub(r"\W+", "_", "-".join(key)))
+            done[key] = (launch(f"recipes/{recipe}.py", devices, *ARGS, *flags, "--out-dir", out), out)
+        return done[key]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def reference(runs):
+    proc, out = runs("lm_ddp", "cpu:1")
+    return result_of(proc), step_lines(proc.stdout), out
+
+
+# 2 stages: 6-10 s a run on 2 cores, 4 stages 12-20 s (4 processes on 2 cores); the first also runs the reference.
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", ["cpu:2", "cpu:4"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_pipeline_trains_the_one_process_model(runs, reference, devices, schedule):
+    ref, ref_lines, ref_out = reference
+    proc, out = runs("lm_pp", devices, "--schedule", schedule)
+    result = result_of(proc)
+    pp = int(devices.split(":")[1])
+    assert (result["recipe"], result["world_size"], result["pp"], result["schedule"], result["microbatches"]) == (
+        "lm_pp", pp, pp, schedule, 2 * pp)
+    assert set(ref) | {"pp", "schedule", "microbatches"} == set(result)  # lm_ddp's keys, and these three
+    assert result["steps"] == ref["steps"] == 8 and result["val_windows"] == ref["val_windows"]
+    assert abs(result["val_loss"] - ref["val_loss"]) <= VAL_RTOL * ref["val_loss"], (result["val_loss"], ref)
+    lines = step_lines(proc.stdout)
+    assert sorted(lines) == sorted(ref_lines) == [4, 8]
+    for step, values in lines.items():
+        for key, value in values.items():
+            assert abs(value - ref_lines[step][key]) <= PRINTED_ATOL * max(1.0, abs(value)), (step, key, value)
+    saved, want = params(out / "model.pt"), params(ref_out / "model.pt")
+    assert list(saved) == list(want)  # every block once, in the Transformer's order: no stage dropped or repeated one
+    assert max_diff(saved, want) <= WEIGHTS_ATOL
+    # model.pt is the full model: one process scores it as the run did (through the stages, the last one scoring).
+    assert abs(one_process_val_loss(out / "model.pt") - result["val_loss"]) <= VAL_RTOL * result["val_loss"]
+    # Each rank holds its stage only: together exactly what the one process holds (parameters, gradients, AdamW).
+    assert sum(result["state_bytes_per_rank"]) == ref["state_bytes_per_rank"][0]
+    assert max(result["state_bytes_per_rank"]) < ref["state_bytes_per_rank"][0] * 2 / pp
+    assert f"pipeline: stage 0: block{'s 0-1' if pp == 2 else ' 0'} |" in proc.stdout
+    saved = sorted(p.name for p in (out / "checkpoint").iterdir())  # latest.pt and the last save's shards only
+    assert len(saved) == 2 and saved[0] == "latest.pt" and saved[1].startswith("step_8-"), saved
+    assert len(list((out / "checkpoint" / saved[1]).glob("*.distcp"))) == pp  # a file per stage
+
+
+@pytest.mark.slow  # two 2-process launches and one of 1: 20-50 s
+def test_resume_is_exact_and_goes_on_with_another_number_of_stages(runs, reference, tmp_path):
+    ref, _, ref_out = reference
+    straight, straight_out = runs("lm_pp", "cpu:2", "--schedule", "1f1b")
+    half = launch("recipes/lm_pp.py", "cpu:2", *ARGS, "--schedule", "1f1b", "--max-steps", 4,
+                  "--out-dir", tmp_path / "same")
+    assert result_of(half)["steps"] == 4
+    shutil.copytree(tmp_path / "same", tmp_path / "other")  # the same step-4 checkpoint, for 1 stage
+    resumed = launch("recipes/lm_pp.py", "cpu:2", *ARGS, "--schedule", "1f1b", "--resume", "auto",
+                     "--out-dir", tmp_path / "same")
+    result = result_of(resumed)
+    assert (result["start_step"], result["steps"]) == (4, 8) and "resume: " in resumed.stdout
+    assert result["val_loss"] == result_of(straight)["val_loss"]
+    assert max_diff(params(tmp_path / "same" / "model.pt"), params(straight_out / "model.pt")) == 0.0  # bitwise
+    assert len(list((tmp_path / "same" / "checkpoint").glob("step_*"))) == 1  # step 4's shards removed
+    # 2 stages' shards read by 1 (DCP loads by name: one process, a pipeline of one stage, the microbatches a gradient
+    # accumulation), another schedule and microbatch count, and blocks that are checkpoint-wrapped (parameter names
+    # with _checkpoint_wrapped_module., which the state_dict helpers drop).
+    other = launch("recipes/lm_pp.py", "cpu:1", *ARGS, "--activation-checkpointing", "--resume", "auto",
+                   "--out-dir", tmp_path / "other")
+    result = result_of(other)
+    assert (result["start_step"], result["pp"], result["schedule"], result["microbatches"]) == (4, 1, "gpipe", 2)
+    assert "activation checkpointing: 4 of 4 blocks recompute their forward in backward" in other.stdout
+    assert abs(result["val_loss"] - ref["val_loss"]) <= VAL_RTOL * ref["val_loss"]
+    assert max_diff(params(tmp_path / "other" / "model.pt"), params(ref_out / "model.pt")) <= WEIGHTS_ATOL
+
+
+# ------------------------------------------------------------------------------- the gradients
+def _stage_gradients(rank, port, results):
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    recipe = load_recipe("lm_pp")
+    x, y = train_batch(split(read_text()[0])[0], 0, 0, 8, 16, 0, 1)
+    torch.manual_seed(0)
+    full = Transformer(**MODEL)  # the one-process reference: the whole batch's mean loss, then the clip
+    F.cross_entropy(full(x).flatten(0, 1), y.flatten()).backward()
+    want = {n: p.grad.clone() for n, p in full.named_parameters()}
+    norm = torch.nn.utils.clip_grad_norm_(full.parameters(), 1.0).item()
+    want_clipped = {n: p.grad.clone() for n, p in full.named_parameters()}
+    scale = max(g.abs().max().item() for g in want.values())
+    seen = {"norm": norm}
+    for schedule in ("gpipe", "1f1b"):
+        torch.manual_seed(0)
+        model = recipe.Stage(Transformer(**MODEL), rank, 2)
+        stage, runner = recipe.pipeline(model, rank, 2, torch.device("cpu"), schedule, 4)
+        runner.step(*((x,) if stage.is_first else ()), target=y if stage.is_last else None, return_outputs=False)
+        got = {n: p.grad.clone() for n, p in model.named_parameters()}
+        total = recipe.clip_grad_norm_across_stages(model.parameters(), 1.0).item()
+        seen[schedule] = {"names": sorted(got), "total": total,
+                          "grad": max((got[n] - want[n]).abs().max().item() for n in got) / scale,
+                          "clipped": max((p.grad - want_clipped[n]).abs().max().item()
+                                         for n, p in model.named_parameters()) / scale}
+    results[rank] = seen
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned processes: 10-30 s, mostly importing torch and this module
+def test_each_stage_gets_the_full_batch_gradient_and_the_global_clip():
+    got = spawn_gloo(_stage_gradients)
+    norm = got[0]["norm"]
+    assert norm > 2, norm  # the clip (at 1) is active: a clip by each stage's own norm would show
+    for schedule in ("gpipe", "1f1b"):
+        print(schedule, {rank: {k: v for k, v in got[rank][schedule].items() if k != "names"} for rank in (0, 1)})
+        # The cut: the embeddings and blocks 0-1 on stage 0, blocks 2-3, the norm and the head on stage 1.
+        assert got[0][schedule]["names"][:2] == ["blocks.0.attn.wk.bias", "blocks.0.attn.wk.weight"]
+        assert "tok_emb.weight" in got[0][schedule]["names"] and "head.weight" in got[1][schedule]["names"]
+        assert len(got[0][schedule]["names"]) + len(got[1][schedule]["names"]) == len(list(
+            Transformer(**MODEL).parameters()))
+        for rank in (0, 1):
+            assert got[rank][schedule]["total"] == pytest.approx(norm, rel=1e-6)  # every stage sees the global norm
+            assert got[rank][schedule]["grad"] <= GRAD_RTOL, (schedule, rank, got[rank][schedule])
+            assert got[rank][schedule]["clipped"] <= GRAD_RTOL, (schedule, rank, got[rank][schedule])
+
+
+# ------------------------------------------------------------------------------- the schedules' bubble
+def test_the_measured_bubble_is_the_theorys_and_the_docstring_draws_the_tool():
+    from tools import pp_schedule
+
+    for p in (2, 4):
+        for m in (2, 4, 8, 16):
+            gpipe = pp_schedule.measure("gpipe", p, m)
+            # Equal stages, a backward = 2 forwards: GPipe's step is (m + p - 1) x 3 units: the theory's bubble.
+            assert gpipe["bubble"] == pytest.approx((p - 1) / (m + p - 1), abs=1e-12), (p, m, gpipe)
+            assert gpipe["time"] == 3 * (m + p - 1) and gpipe["in_flight"] == [m] * p
+            if m >= p:  # 1F1B: the same bubble, and stage s holds p - s microbatches' activations, not m
+                one = pp_schedule.measure("1f1b", p, m)
+                assert one["bubble"] == pytest.approx(gpipe["theory"], abs=1e-12) and one["time"] == gpipe["time"]
+                assert one["in_flight"] == [p - s for s in range(p)], (p, m, one)
+    # The order recorded from Schedule1F1B's run: stage 1 of 2 alternates from the start.
+    assert pp_schedule.executed_order("1f1b", 2, 4)[1] == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2),
+                                                           ("B", 2), ("F", 3), ("B", 3)]
+    # Why the tool does not read pipeline_order: in torch 2.14.1 Schedule1F1B's lists the last stage's forwards one
+    # microbatch late (F1..F4 for 4 microbatches); GPipe's agree. If this fails, torch fixed it.
+    assert pp_schedule.ir_order("gpipe", 4, 8) == pp_schedule.executed_order("gpipe", 4, 8)
+    ir, ran = pp_schedule.ir_order("1f1b", 2, 4), pp_schedule.executed_order("1f1b", 2, 4)
+    assert ir[0] == ran[0] and [mb for kind, mb in ir[1] if kind == "F"] == [1, 2, 3, 4]
+    # The recipe's docstring draws 1F1B on 2 stages x 4 microbatches: the tool's lines.
+    doc = load_recipe("lm_pp").__doc__
+    for line in pp_schedule.ascii_timeline("1f1b", 2, 4).splitlines()[1:]:
+        assert line.strip() in doc, line
+
+
+# ------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(("world", "flags", "line"), [
+    (2, ["--pp", "4"], "error: --pp 4 must equal the number of processes, 2: lm_pp.py is pipeline parallel only"),
+    (2, ["--microbatches", "3"], "error: --microbatches 3 must divide --batch-size 8 (every stage takes the whole "
+                                 "batch, in equal pieces: the stages' buffers have one shape); try --batch-size 6"),
+    (4, ["--schedule", "1f1b", "--microbatches", "2"], "error: --schedule 1f1b needs at least one microbatch per "
+                                                        "stage: --microbatches 2 is below --pp 4"),
+    (8, [], "error: --pp 8 stages for --n-layer 4 blocks: each stage holds at least one whole block"),
+    (2, ["--microbatches", "0"], "error: --microbatches 0 must be >= 1"),
+])
+def test_bad_pp_flags_fail_with_one_line_before_any_collective(world, flags, line, capsys, monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    recipe = load_recipe("lm_pp")
+    args = recipe.parse_args([*map(str, ARGS), *flags])
+    with pytest.raises(SystemExit) as exc:
+        recipe.check_args(args, world)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.strip().splitlines() == error_lines(err), err
+    assert len(error_lines(err)) == 1 and error_lines(err)[0].startswith(line), err
+
+
+def test_the_defaults_divide_on_any_number_of_stages():
+    recipe = load_recipe("lm_pp")
+    for world, batch in ((1, 32), (2, 32), (3, 30), (4, 32), (8, 32)):
+        args = recipe.parse_args(["--n-layer", "8"])
+        recipe.check_args(args, world)
+        assert (args.pp, args.microbatches, args.batch_size, args.schedule) == (world, 2 * world, batch, "gpipe")
+    assert recipe.stage_blocks(4, 3) == [(0, 1), (1, 2), (2, 4)] and recipe.stage_blocks(8, 8)[-1] == (7, 8)
+
+
+@pytest.mark.slow  # a real 2-process launch: 8-15 s
+def test_a_diverged_pipeline_stops_with_one_line_and_saves_nothing(tmp_path):
+    # The loss is the last stage's alone: the check's all-reduce stops the first stage too, before any save.
+    proc = launch("recipes/lm_pp.py", "cpu:2", *ARGS, "--lr", "1e30", "--out-dir", tmp_path / "out")
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    said = error_lines(proc.stderr)
+    assert len(said) == 1 and said[0].startswith("error: training diverged steps 1-4: the training loss stopped being "
+                                                 "finite at step 2."), proc.stderr[-2000:]
+    assert not (tmp_path / "out" / "model.pt").exists()
