@@ -143,6 +143,8 @@ def test_every_recipe_learns_on_one_gpu_with_exact_eval(tmp_path, recipe):
 
 LM_ONE_GPU = {  # every recipes/lm_*.py (tests/test_gpu_tier.py checks): its extra flags
     "lm_ddp": [], "lm_tp": ["--sequence-parallel"],  # lm_tp on one GPU: --tp 1, its plan over a mesh of one
+    "lm_pp": ["--schedule", "1f1b"],  # lm_pp on one GPU: --pp 1, one stage, its 2 microbatches accumulated
+    "lm_fsdp_tp": ["--accum-steps", "2"],  # a 1 x 1 mesh on one GPU: FSDP2 over one rank, the gradient-sync switch
 }
 LM_SHORT = ["--steps", "200", "--eval-every", "100"]  # the default model and batch, a third of the default schedule
 

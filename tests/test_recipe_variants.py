@@ -59,7 +59,11 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # PowerSGD's cuBLAS workspaces).
     ("ddp_checkpoint", "fsdp", 260), ("ddp_checkpoint", "ddp_zero", 57), ("ddp_checkpoint", "ddp_comm_hooks", 99),
     # lm_tp: the plan, sharded checkpoints (fsdp.py's), loss_parallel, the gradients' layouts, and its block picture.
-    ("lm_ddp", "lm_tp", 273)])
+    ("lm_ddp", "lm_tp", 274),
+    # lm_pp: the stages, the schedule, the loss on the last stage, the clip across stages, DCP checkpoints (lm_tp's).
+    ("lm_ddp", "lm_pp", 322),
+    # lm_fsdp_tp: lm_tp's with a dp dimension: the mesh, meta init, FSDP2, accumulation, the clip across meshes.
+    ("lm_tp", "lm_fsdp_tp", 301)])
 def test_diff_against_its_sibling_stays_small(base, recipe, max_changed):
     diff = subprocess.run(["diff", f"recipes/{base}.py", f"recipes/{recipe}.py"], cwd=REPO,
                           capture_output=True, text=True).stdout

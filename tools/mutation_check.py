@@ -107,11 +107,32 @@ EDITS = [
          '"blocks.*.mlp.fc": ColwiseParallel(),', '"blocks.*.mlp.fc": RowwiseParallel(),'),
     Edit("lm_heads_per_rank", "attention viewed with the global head count: each rank's heads come out the wrong size",
          "w(x).view(B, T, -1, self.head_dim)", "w(x).view(B, T, self.n_head, -1)", file="common/lm.py"),
+    Edit("lm_pp_stage_boundary", "a pipeline stage boundary that drops a block: each later stage starts one late",
+         "return [(s * n_layer // pp, (s + 1) * n_layer // pp) for s in range(pp)]",
+         "return [(s * n_layer // pp + (s > 0), (s + 1) * n_layer // pp) for s in range(pp)]"),
+    Edit("lm_pp_scale_grads", "the schedule's gradients not divided by the micro-batches: m times the gradient",
+         "loss_fn=loss_fn, scale_grads=True)", "loss_fn=loss_fn, scale_grads=False)"),
+    Edit("lm_pp_local_clip", "each pipeline stage clipped by its own gradient norm, not the whole model's",
+         "    dist.all_reduce(squared)\n", "\n"),
+    Edit("lm_grad_sync_never_off", "FSDP2 accumulation without the switch: a reduce-scatter every micro-step",
+         "model.set_requires_gradient_sync(micro == args.accum_steps - 1)", "model.set_requires_gradient_sync(True)"),
+    Edit("lm_grad_sync_never_on", "the gradient-sync switch never turned back on: the shards get no gradient",
+         "model.set_requires_gradient_sync(micro == args.accum_steps - 1)", "model.set_requires_gradient_sync(False)"),
+    Edit("lm_mesh_shape_swapped", "the 2-D mesh built (tp, dp) under the names (dp, tp)",
+         "init_device_mesh(device.type, (args.dp, args.tp),", "init_device_mesh(device.type, (args.tp, args.dp),"),
+    Edit("lm_dp_rank_from_tp", "the batch share taken by the tp rank: a tp group's ranks see other data",
+         'dp_rank = mesh["dp"].get_local_rank()', 'dp_rank = mesh["tp"].get_local_rank()'),
+    Edit("lm_eval_sum_dp", "validation sums not all-reduced across dp: each dp rank reports its own windows",
+         "    dist.all_reduce(total, group=dp_group)", "    pass"),
+    Edit("lm_clip_2d", "no gradient clipping (2-D)", "clip_grad_norm_across_meshes(model, args.clip_grad)", "None"),
+    Edit("lm_meta_init_naive", "meta init, then the model's own init on the shards instead of rank 0's weights",
+         "    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, "
+         "broadcast_from_rank0=True))", "    model.init_weights(args.n_layer)"),
 ]
 # Edits that mean something in the language models too; the others are the image recipes' lessons.
 LM_TOO = {"divergence_check"}
 # The recipes whose tests guard an edit of common/ (Edit.file): the heads per rank matter only where heads are cut.
-FILE_EDIT_RECIPES = {"lm_tp"}
+FILE_EDIT_RECIPES = {"lm_tp", "lm_fsdp_tp"}
 
 # The tests that guard a recipe: its conformance cases (a -k expression), and for the edits they cannot see on the
 # CPU, the test that can (a checkpoint tagged as saved on cuda:1 must be loaded with map_location).
