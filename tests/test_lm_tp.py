@@ -37,7 +37,8 @@ ARGS = ["--n-layer", 2, "--n-head", 4, "--d-model", 32, "--block-size", 32, "--s
 VAL_RTOL = 2e-6  # measured: equal to 6 decimals (< 1e-7)
 WEIGHTS_ATOL = 1e-5  # measured: 4.4e-6 at most (AdamW on gradients that are zero in exact arithmetic; see above)
 PRINTED_ATOL = 1.01e-4  # one unit of the printed 4th decimal
-STEP = {"n_layer": 2, "n_head": 4, "d_model": 32, "seq_len": 16, "batch": 4}  # tools.lm_bench.step_collectives
+STEP = {"n_layer": 2, "n_head": 4, "d_model": 32, "seq_len": 16, "batch": 4,  # tools.lm_bench.step_collectives
+        "layouts": ["lm_ddp", "lm_tp", "lm_tp --sequence-parallel"]}
 UNRESOLVED = "could not be resolved"  # parallelize_module's warning for a plan key that names no module: it only warns
 
 
@@ -177,7 +178,7 @@ def _count_collectives(rank, port, results):
                                      for mode in (forward, backward)]
     from tools.lm_bench import step_collectives
 
-    results[rank] = counts, step_collectives(rank, **STEP)  # and one whole step's, with their bytes (the profiler)
+    results[rank] = counts, step_collectives(rank, **STEP)[0]  # and one whole step's, with their bytes (profiler)
     dist.destroy_process_group()
 
 

@@ -3,7 +3,7 @@
     python tools/lm_bench.py                          # cpu:1 and cpu:2 entries, 40 steps each, 3 rounds: ~6 min
     python tools/lm_bench.py --devices 0,1 --steps 200
     python tools/lm_bench.py --activations            # activation bytes per rank: DDP, TP, TP + SP, + checkpointing
-    python tools/lm_bench.py --comm                   # the collectives of one step and their bytes: DDP, TP, TP + SP
+    python tools/lm_bench.py --comm                   # each layout's state, collectives and bytes a step (DDP to 2-D)
 
 Each entry is launched through launch.sh with the recipe's defaults (the default model, batch and corpus) and
 `--steps STEPS --eval-every STEPS`, and its RESULT line read (tokens/s leaves the first step out). The bare loop is
@@ -152,15 +152,18 @@ def collectives(prof):
 
     events = sorted(prof.events(), key=lambda e: e.time_range.start)
     ops = [canonical(e.name.split("::")[1]) for e in events if collective(e) and outermost(e)]
-    transfers = [e for e in events if e.name.startswith("gloo:")]
-    assert len(ops) == len(transfers), (ops, [t.name for t in transfers])
-    calls = []
-    for op, transfer in zip(ops, transfers, strict=True):
-        kind = canonical(transfer.name[len("gloo:"):])  # gloo runs a reduce-scatter as an all-reduce
-        assert kind == op or (kind, op) == ("all-reduce", "reduce-scatter"), (op, transfer.name)
-        numel = sum(math.prod(shape) for shape in transfer.input_shapes if shape)
-        calls.append((op, numel * sizes[transfer.input_dtypes[0]]))
-    return calls
+    transfers = {}  # gloo's, by kind, each kind in the order the process group ran them
+    for event in events:
+        if event.name.startswith("gloo:"):
+            numel = sum(math.prod(shape) for shape in event.input_shapes if shape)
+            transfers.setdefault(canonical(event.name[len("gloo:"):]), []).append(numel * sizes[event.input_dtypes[0]])
+
+    def kind(op):  # gloo runs a reduce-scatter as an all-reduce of the whole input
+        return "all-reduce" if op == "reduce-scatter" else op
+
+    assert sorted(map(kind, ops)) == sorted(k for k, sizes_ in transfers.items() for _ in sizes_), (ops, transfers)
+    taken = {k: iter(v) for k, v in transfers.items()}  # the i-th op of a kind made the i-th transfer of that kind
+    return [(op, next(taken[kind(op)])) for op in ops]
 
 
 def ring_bytes_sent(name, size, world):
@@ -170,57 +173,108 @@ def ring_bytes_sent(name, size, world):
             "all-gather": (world - 1) * size, "recv": 0}.get(name, size)  # a send, a broadcast's source: size
 
 
-def comm_per_rank(rank, port, results):
-    """(a spawned process of 2, gloo) results[rank] = step_collectives(rank) at the defaults."""
+def comm_per_rank(rank, port, results, world=2):
+    """(a spawned process of `world`, gloo) results[rank] = step_collectives(rank, world) at the defaults."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    results[rank] = step_collectives(rank)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results[rank] = step_collectives(rank, world)
     dist.destroy_process_group()
 
 
-def step_collectives(rank, n_layer=4, n_head=4, d_model=128, seq_len=128, batch=32):
-    """(rank of a 2-process group) The collectives of one training step (the third: DDP lays its buckets out again
-    in the second) at the default model and a global batch of `batch` sequences, as the recipes run it: lm_ddp,
-    lm_tp and lm_tp --sequence-parallel (forward, loss_parallel, backward, grads_as_params, clipping, AdamW). The
-    recipes' once-per-eval collectives (the loss meter, the divergence check, validation) are left out.
-    {layout: [(op, bytes in), ...]}."""
+def comm_per_rank_of_4(rank, port, results):
+    comm_per_rank(rank, port, results, world=4)
+
+
+def step_collectives(rank, world=2, n_layer=4, n_head=4, d_model=128, seq_len=128, batch=32, layouts=None):
+    """(rank of a `world`-process gloo group) The collectives of one training step (the third: DDP lays its buckets
+    out again in the second) at the default model and a global batch of `batch` sequences, as the recipes run it:
+    lm_ddp, lm_tp (+ --sequence-parallel: forward, loss_parallel, backward, grads_as_params, clipping, AdamW), lm_pp
+    (2 stages, gpipe, 2 x world microbatches, the recipe's clip across stages), lm_fsdp_tp (--tp 1: FSDP2 alone, and
+    on 4 ranks 2 x 2). The recipes' once-per-eval collectives (the loss meter, the divergence check, validation) are
+    left out. ({layout: [(op, bytes in), ...]}, {layout: bytes of parameters, gradients and AdamW state held})."""
     import importlib.util
 
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.experimental import implicit_replication
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.profiler import ProfilerActivity, profile
 
-    spec = importlib.util.spec_from_file_location("lm_tp", REPO / "recipes" / "lm_tp.py")
-    lm_tp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lm_tp)
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    def recipe(name):
+        spec = importlib.util.spec_from_file_location(name, REPO / "recipes" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    lm_tp, lm_pp, lm_fsdp_tp = recipe("lm_tp"), recipe("lm_pp"), recipe("lm_fsdp_tp")
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, 256, (batch, seq_len), generator=g) for _ in range(2))
-    mine = slice(rank * batch // 2, (rank + 1) * batch // 2)  # DDP: this rank's half of the batch
-    seen = {}
-    for name, tp, sp in (("lm_ddp", False, False), ("lm_tp", True, False), ("lm_tp --sequence-parallel", True, True)):
+
+    def one_process_model():
         torch.manual_seed(0)
-        model = Transformer(n_layer, n_head, d_model, 2 * seq_len)
-        model = parallelize_module(model, mesh, lm_tp.tp_plan(sp), src_data_rank=0) if tp else DDP(model)
+        return Transformer(n_layer, n_head, d_model, 2 * seq_len)
+
+    def fsdp_tp(dp, tp):  # lm_fsdp_tp.py's model: the plan on the meta model, FSDP2 across dp, rank 0's weights
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        full = one_process_model().state_dict() if rank == 0 else {}
+        with torch.device("meta"):
+            model = Transformer(n_layer, n_head, d_model, 2 * seq_len)
+        model = parallelize_module(model, mesh["tp"], lm_fsdp_tp.tp_plan(False), src_data_rank=None)
+        for block in model.blocks.values():
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        model.to_empty(device="cpu")
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        share = batch // dp
+        return model, slice(mesh["dp"].get_local_rank() * share, (mesh["dp"].get_local_rank() + 1) * share)
+
+    from common.outputs import held_state_bytes
+
+    everything = {"lm_ddp": 2, "lm_tp": 2, "lm_tp --sequence-parallel": 2, "lm_pp": 2, "lm_fsdp_tp --tp 1": 2,
+                  "lm_fsdp_tp (2 x 2)": 4}
+    seen, state = {}, {}
+    for name in layouts or [n for n, w in everything.items() if w == world]:
+        tp = name.startswith("lm_tp")
+        mine = slice(rank * batch // world, (rank + 1) * batch // world)  # data parallel: this rank's share
+        if name == "lm_ddp":
+            model = DDP(one_process_model())
+        elif tp:
+            model = parallelize_module(one_process_model(), init_device_mesh("cpu", (world,)),
+                                       lm_tp.tp_plan("sequence" in name), src_data_rank=0)
+            mine = slice(None)
+        elif name == "lm_pp":
+            model = lm_pp.Stage(one_process_model(), rank, world)
+            stage, schedule = lm_pp.pipeline(model, rank, world, torch.device("cpu"), "gpipe", 2 * world)
+        else:
+            model, mine = fsdp_tp(world, 1) if "--tp 1" in name else fsdp_tp(2, 2)
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         for _ in range(3):  # the third step's: DDP lays its buckets out again in the second
             with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-                with loss_parallel() if tp else contextlib.nullcontext():
-                    F.cross_entropy(model(x if tp else x[mine]).flatten(0, 1), (y if tp else y[mine]).flatten()
-                                    ).backward()
-                if tp:
-                    lm_tp.grads_as_params(model)
-                with implicit_replication():
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.zero_grad(set_to_none=True)  # at the start: the gradients held at the end are counted
+                if name == "lm_pp":
+                    schedule.step(*((x,) if stage.is_first else ()), target=y if stage.is_last else None)
+                    lm_pp.clip_grad_norm_across_stages(model.parameters(), 1.0)
                     optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                else:
+                    with loss_parallel() if tp or name.startswith("lm_fsdp_tp") else contextlib.nullcontext():
+                        F.cross_entropy(model(x[mine]).flatten(0, 1), y[mine].flatten()).backward()
+                    if tp:
+                        lm_tp.grads_as_params(model)
+                    if name.startswith("lm_fsdp_tp"):
+                        lm_fsdp_tp.clip_grad_norm_across_meshes(model, 1.0)
+                        optimizer.step()
+                    else:
+                        with implicit_replication():
+                            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                            optimizer.step()
         seen[name] = collectives(prof)
-    return seen
+        state[name] = held_state_bytes(model, optimizer)  # the RESULT line's state_bytes_per_rank, this rank's
+    return seen, state
 
 
 def spawn(worker, nprocs=2):
@@ -238,14 +292,15 @@ def spawn(worker, nprocs=2):
 
 
 def comm_table(calls, world=2):
-    """{layout: (count by op, bytes in, ring bytes sent)} of comm_per_rank's calls on one rank."""
+    """{layout: (count by op, bytes in, ring bytes sent)} of comm_per_rank's calls on one rank, every collective in a
+    group of `world` ranks."""
     table = {}
     for name, seen in calls.items():
         counts = {}
         for op, _ in seen:
             counts[op] = counts.get(op, 0) + 1
         sent = sum(ring_bytes_sent(op, size, world) for op, size in seen)
-        table[name] = (counts, sum(size for _, size in seen), sent)
+        table[name] = (counts, sum(size for op, size in seen if op != "recv"), sent)  # a recv puts nothing in
     return table
 
 
@@ -278,13 +333,16 @@ def main(argv=None):
         print("RESULT " + json.dumps(results))
         return 0
     if args.comm:
-        results = spawn(comm_per_rank)
-        print("| layout (2 ranks, global batch 32 x 128 bytes, the default model) | collectives a step | "
-              "MB in per rank | MB sent per rank (ring) |")
-        print("| --- | --- | --- | --- |")
-        for name, (counts, size, sent) in comm_table(results[0]).items():
-            ops = ", ".join(f"{n} {op.replace('_', '-')}" for op, n in sorted(counts.items()))
-            print(f"| {name} | {ops} | {size / 1e6:.2f} | {sent / 1e6:.2f} |")
+        results = {2: spawn(comm_per_rank), 4: spawn(comm_per_rank_of_4, nprocs=4)}
+        print("| layout (global batch 32 x 128 bytes, the default model) | ranks | state kB per rank | "
+              "collectives a step (rank 0) | MB in, rank 0 | MB sent, rank 0 (ring) |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for world, ranks in results.items():
+            # world 4 is a 2 x 2 mesh: each collective runs in a group of 2 (a dp or a tp group), as on 2 ranks
+            for name, (counts, size, sent) in comm_table(ranks[0][0], 2).items():
+                ops = ", ".join(f"{n} {op}" for op, n in sorted(counts.items()))
+                held = ", ".join(f"{ranks[r][1][name] / 1000:,.0f}" for r in sorted(ranks))
+                print(f"| {name} | {world} | {held} | {ops} | {size / 1e6:.2f} | {sent / 1e6:.2f} |")
         print("RESULT " + json.dumps(results))
         return 0
     device_sets = args.devices.split(",") if args.devices.startswith("cpu") else [args.devices]
