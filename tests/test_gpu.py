@@ -493,6 +493,32 @@ def test_fsdp_refuses_ranks_sharing_one_gpu(tmp_path):
                                         "or try it on cpu:N"], proc.stderr
 
 
+@pytest.mark.parametrize(("recipe", "why"), [
+    ("lm_tp", "torch's DTensor collectives crash there (SIGSEGV)"),
+    ("lm_fsdp_tp", "torch's DTensor collectives crash there (SIGSEGV)"),
+    ("lm_pp", "gloo's send and recv read a CUDA tensor's address as host memory (no device check)")])
+def test_language_models_refuse_ranks_sharing_one_gpu(tmp_path, recipe, why):
+    proc = launch(f"recipes/{recipe}.py", "0:2", "--steps", "2", "--out-dir", tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert error_lines(proc.stderr) == [f"error: {recipe}.py cannot run 2 ranks on one GPU (launch.sh G:N, gloo over "
+                                        f"CUDA): {why}; run one rank per GPU (0,1) or try it on cpu:N"], proc.stderr
+
+
+@pytest.mark.skipif(GPUS < 2, reason="the language models' multi-rank layouts need one GPU per rank (NCCL)")
+@pytest.mark.parametrize(("recipe", "devices", "flags"), [
+    ("lm_tp", "0,1", ["--sequence-parallel"]), ("lm_pp", "0,1", ["--schedule", "1f1b"]),
+    ("lm_fsdp_tp", "0,1", ["--tp", "1", "--accum-steps", "2"]), ("lm_fsdp_tp", "0,1", [])])
+def test_language_models_on_two_gpus_learn_as_on_one(tmp_path, recipe, devices, flags):
+    # The same 200 steps as on one GPU, cut across 2 (NCCL): the loss lands where lm_ddp's does (TF32 matmuls: not
+    # bitwise; the CPU tests prove the layouts exact in fp32).
+    one = result_of(launch("recipes/lm_ddp.py", "0", *LM_SHORT, "--out-dir", tmp_path / "one"))
+    proc = launch(f"recipes/{recipe}.py", devices, *LM_SHORT, *flags, "--out-dir", tmp_path / "two")
+    result = result_of(proc)
+    print(f"{recipe} {flags} on {devices}: val_bpb {result['val_bpb']} (lm_ddp on one GPU {one['val_bpb']})")
+    assert "setup: world_size=2 backend=nccl device=cuda" in proc.stdout
+    assert abs(result["val_loss"] - one["val_loss"]) <= 0.01 * one["val_loss"], (result, one)
+
+
 @pytest.mark.skipif(GPUS < 2, reason="fsdp.py needs one GPU per rank (NCCL); ranks sharing one are refused")
 def test_fsdp_sharded_checkpoint_resumes_on_gpu(tmp_path):
     # test_fsdp.py's run on two GPUs: each rank writes its shard with torch.distributed.checkpoint, rank 0 latest.pt;
