@@ -37,7 +37,13 @@ class PowerSGDByParameter:
             for old in [i for i, old_names in self.layout.items() if i == index or set(old_names) & set(names)]:
                 self._unbucket(old, self.loose)  # that step's buckets are all reduced: no hook still writes them
             self._bucket(index, names, bucket.buffer().device)
-        return powerSGD.powerSGD_hook(state, bucket)
+        reduced = powerSGD.powerSGD_hook(state, bucket)
+        if bucket.buffer().device.type == "cpu":  # gloo: one bucket at a time, or two buckets can hang the job
+            # powerSGD_hook's .then() callbacks each start an all-reduce and .wait() for it, on a gloo worker thread
+            # (a process group has 2): two buckets' callbacks at once take both threads, and the all-reduces they wait
+            # for have no thread left to run on (seen: 1 run in 7 of tests/test_comm_hooks.py's bucket test hung).
+            reduced.wait()  # the backward waits for this bucket; on GPUs (NCCL) the hook overlaps as torch wrote it
+        return reduced
 
     def state_dict(self):
         """{"iter", "error", "p", "q"}: this rank's state, each piece a {parameter name: tensor} (copies)."""
