@@ -32,9 +32,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from conftest import launch, load_recipe, max_diff, params, result_of, spawn_gloo
 from jobs import error_lines
+from lm_checks import check_args_refuses, one_process_val_loss, step_lines
 
 from common.checkpoint import CheckpointError, load_same_flags
-from common.lm import Transformer, read_text, split, val_windows
+from common.lm import Transformer
 
 MODEL = {"n_layer": 2, "n_head": 4, "d_model": 32, "block_size": 32}
 ARGS = ["--n-layer", 2, "--n-head", 4, "--d-model", 32, "--block-size", 32, "--seq-len", 16, "--batch-size", 8,
@@ -77,12 +78,6 @@ COUNTER = textwrap.dedent('''
 ''')
 
 
-def step_lines(stdout):
-    """{step: {train_loss, val_loss, val_bpb, lr}} of the printed eval lines."""
-    return {int(m[1]): {k: float(v) for k, v in re.findall(r"(train_loss|val_loss|val_bpb|lr)=(\S+)", m[0])}
-            for m in re.finditer(r"^step=(\d+)/\d+ .*$", stdout, re.M)}
-
-
 def assert_lines_equal(lines, ref_lines):
     for step, values in lines.items():
         for key, value in values.items():
@@ -99,16 +94,6 @@ def expected_state_bytes(dp, tp):
     cut = sum(p.numel() for p in model.parameters()) - whole
     assert cut % (dp * tp) == 0 and whole % dp == 0
     return 16 * (cut // (dp * tp) + whole // dp) + 4 * len(list(model.parameters()))
-
-
-def one_process_val_loss(path):
-    """model.pt loaded strictly into a plain Transformer and scored on the validation windows in one process."""
-    model = Transformer(**MODEL)
-    model.load_state_dict(params(path), strict=True)
-    model.eval()
-    x, y = val_windows(split(read_text()[0])[1], 16, 8)
-    with torch.no_grad():
-        return F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum").item() / y.numel()
 
 
 def reduce_scatters(folder, world):
@@ -173,7 +158,8 @@ def test_a_2x2_mesh_with_accumulation_trains_the_one_process_model(runs, referen
     assert sorted(lines) == sorted(ref_lines) == [4, 8]
     assert_lines_equal(lines, ref_lines)
     assert max_diff(params(out / "model.pt"), params(ref_out / "model.pt")) <= WEIGHTS_ATOL
-    assert abs(one_process_val_loss(out / "model.pt") - result["val_loss"]) <= VAL_RTOL * result["val_loss"]
+    one_process = one_process_val_loss(out / "model.pt", MODEL, 16, 8)
+    assert abs(one_process - result["val_loss"]) <= VAL_RTOL * result["val_loss"]
     # Each rank holds its shards only; FSDP2's reduce-scatters: one per group and step, however many micro-steps.
     assert ref["state_bytes_per_rank"] == [expected_state_bytes(1, 1)]
     assert result["state_bytes_per_rank"] == [expected_state_bytes(2, 2)] * 4
@@ -369,14 +355,7 @@ def test_meta_init_loads_the_reference_where_the_model_s_own_init_duplicates_sha
      "error: --sequence-parallel cuts each sequence into --tp 2 equal pieces: --seq-len 15 must be a multiple of 2"),
 ])
 def test_bad_mesh_and_batch_flags_fail_with_one_line_before_any_collective(world, flags, line, capsys, monkeypatch):
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    recipe = load_recipe("lm_fsdp_tp")
-    args = recipe.parse_args([*map(str, ARGS), *flags])
-    with pytest.raises(SystemExit) as exc:
-        recipe.check_args(args, world)
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and err.strip().splitlines() == error_lines(err), err
-    assert len(error_lines(err)) == 1 and error_lines(err)[0].startswith(line), err
+    check_args_refuses("lm_fsdp_tp", [*ARGS, *flags], world, line, capsys, monkeypatch)
 
 
 def test_the_defaults_pair_ranks_for_tp_and_round_the_batch_to_dp():

@@ -30,8 +30,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from conftest import launch, load_recipe, max_diff, params, result_of, spawn_gloo
 from jobs import error_lines
+from lm_checks import check_args_refuses, one_process_val_loss, step_lines
 
-from common.lm import Transformer, read_text, split, train_batch, val_windows
+from common.lm import Transformer, read_text, split, train_batch
 
 MODEL = {"n_layer": 4, "n_head": 4, "d_model": 32, "block_size": 32}
 ARGS = ["--n-layer", 4, "--n-head", 4, "--d-model", 32, "--block-size", 32, "--seq-len", 16, "--batch-size", 8,
@@ -40,22 +41,6 @@ VAL_RTOL = 2e-6  # measured: 2e-7
 WEIGHTS_ATOL = 1e-5  # measured: 7.0e-7 at most
 PRINTED_ATOL = 1.01e-4  # one unit of the printed 4th decimal
 GRAD_RTOL = 2e-6  # measured: 1.4e-7 of the largest gradient (5e-8 clipped); a missed division by m: 3 (4x)
-
-
-def step_lines(stdout):
-    """{step: {train_loss, val_loss, val_bpb, lr}} of the printed eval lines."""
-    return {int(m[1]): {k: float(v) for k, v in re.findall(r"(train_loss|val_loss|val_bpb|lr)=(\S+)", m[0])}
-            for m in re.finditer(r"^step=(\d+)/\d+ .*$", stdout, re.M)}
-
-
-def one_process_val_loss(path):
-    """model.pt loaded strictly into a plain Transformer and scored on the validation windows in one process."""
-    model = Transformer(**MODEL)
-    model.load_state_dict(params(path), strict=True)
-    model.eval()
-    x, y = val_windows(split(read_text()[0])[1], 16, 12)
-    with torch.no_grad():
-        return F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum").item() / y.numel()
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +87,8 @@ def test_the_pipeline_trains_the_one_process_model(runs, reference, devices, sch
     assert list(saved) == list(want)  # every block once, in the Transformer's order: no stage dropped or repeated one
     assert max_diff(saved, want) <= WEIGHTS_ATOL
     # model.pt is the full model: one process scores it as the run did (through the stages, the last one scoring).
-    assert abs(one_process_val_loss(out / "model.pt") - result["val_loss"]) <= VAL_RTOL * result["val_loss"]
+    one_process = one_process_val_loss(out / "model.pt", MODEL, 16, 12)
+    assert abs(one_process - result["val_loss"]) <= VAL_RTOL * result["val_loss"]
     # Each rank holds its stage only: together exactly what the one process holds (parameters, gradients, AdamW).
     assert sum(result["state_bytes_per_rank"]) == ref["state_bytes_per_rank"][0]
     assert max(result["state_bytes_per_rank"]) < ref["state_bytes_per_rank"][0] * 2 / pp
@@ -227,14 +213,7 @@ def test_the_measured_bubble_is_the_theorys_and_the_docstring_draws_the_tool():
     (2, ["--microbatches", "0"], "error: --microbatches 0 must be >= 1"),
 ])
 def test_bad_pp_flags_fail_with_one_line_before_any_collective(world, flags, line, capsys, monkeypatch):
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    recipe = load_recipe("lm_pp")
-    args = recipe.parse_args([*map(str, ARGS), *flags])
-    with pytest.raises(SystemExit) as exc:
-        recipe.check_args(args, world)
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and err.strip().splitlines() == error_lines(err), err
-    assert len(error_lines(err)) == 1 and error_lines(err)[0].startswith(line), err
+    check_args_refuses("lm_pp", [*ARGS, *flags], world, line, capsys, monkeypatch)
 
 
 def test_the_defaults_divide_on_any_number_of_stages():

@@ -27,8 +27,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from conftest import launch, load_recipe, max_diff, params, result_of, spawn_gloo
 from jobs import error_lines
+from lm_checks import check_args_refuses, one_process_val_loss, step_lines
 
-from common.lm import Transformer, read_text, split, val_windows
+from common.lm import Transformer
 from tools.lm_bench import comm_table
 
 MODEL = {"n_layer": 2, "n_head": 4, "d_model": 32, "block_size": 32}
@@ -42,12 +43,6 @@ STEP = {"n_layer": 2, "n_head": 4, "d_model": 32, "seq_len": 16, "batch": 4,  # 
 UNRESOLVED = "could not be resolved"  # parallelize_module's warning for a plan key that names no module: it only warns
 
 
-def step_lines(stdout):
-    """{step: {train_loss, val_loss, val_bpb, lr}} of the printed eval lines."""
-    return {int(m[1]): {k: float(v) for k, v in re.findall(r"(train_loss|val_loss|val_bpb|lr)=(\S+)", m[0])}
-            for m in re.finditer(r"^step=(\d+)/\d+ .*$", stdout, re.M)}
-
-
 def expected_state_bytes(tp):
     """Parameters, gradients and AdamW's exp_avg and exp_avg_sq (4 fp32 copies) of each rank's slices, the norms and
     the row-parallel layers' biases whole (Replicate), plus AdamW's 4-byte step counter per parameter."""
@@ -57,16 +52,6 @@ def expected_state_bytes(tp):
     cut = sum(p.numel() for p in model.parameters()) - whole
     assert cut % tp == 0
     return 16 * (cut // tp + whole) + 4 * len(list(model.parameters()))
-
-
-def one_process_val_loss(path):
-    """model.pt loaded strictly into a plain Transformer and scored on the validation windows in one process."""
-    model = Transformer(**MODEL)
-    model.load_state_dict(params(path), strict=True)
-    model.eval()
-    x, y = val_windows(split(read_text()[0])[1], 16, 8)
-    with torch.no_grad():
-        return F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum").item() / y.numel()
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +98,8 @@ def test_tensor_parallel_trains_the_one_process_model(runs, reference, devices, 
             assert abs(value - ref_lines[step][key]) <= PRINTED_ATOL * max(1.0, abs(value)), (step, key, value)
     assert max_diff(params(out / "model.pt"), params(ref_out / "model.pt")) <= WEIGHTS_ATOL
     # model.pt is the full model: one process scores it as the run did (every rank, all windows, loss_parallel).
-    assert abs(one_process_val_loss(out / "model.pt") - result["val_loss"]) <= VAL_RTOL * result["val_loss"]
+    one_process = one_process_val_loss(out / "model.pt", MODEL, 16, 8)
+    assert abs(one_process - result["val_loss"]) <= VAL_RTOL * result["val_loss"]
     # Each rank holds its slices only (gradients included: the embeddings' come back whole and are cut again).
     assert ref["state_bytes_per_rank"] == [expected_state_bytes(1)]
     assert result["state_bytes_per_rank"] == [expected_state_bytes(tp)] * tp
@@ -220,14 +206,7 @@ def test_each_block_costs_the_collectives_the_docstring_draws():
      "error: --sequence-parallel cuts each sequence into --tp 2 equal pieces: --seq-len 15 must be a multiple of 2"),
 ])
 def test_bad_tp_flags_fail_with_one_line_before_any_collective(world, flags, line, capsys, monkeypatch):
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    recipe = load_recipe("lm_tp")
-    args = recipe.parse_args([*map(str, ARGS), *flags])
-    with pytest.raises(SystemExit) as exc:
-        recipe.check_args(args, world)
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and err.strip().splitlines() == error_lines(err), err
-    assert len(error_lines(err)) == 1 and error_lines(err)[0].startswith(line), err
+    check_args_refuses("lm_tp", [*ARGS, *flags], world, line, capsys, monkeypatch)
 
 
 def test_a_tp_that_is_not_the_world_size_stops_a_real_launch_with_one_line(tmp_path):
