@@ -60,6 +60,16 @@ def bare_tokens_per_sec(steps, threads, batch=32, seq_len=128):
     return batch * seq_len * (steps - 1) / (time.perf_counter() - start)
 
 
+def recipe_module(name):
+    """recipes/NAME.py imported as a module (its functions: the plan, the stages, the clips)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def activation_bytes(model, x, y, parallel_loss=False):
     """Bytes of the activations autograd keeps for backward in one training step of `model` on (x, y), counted with
     saved_tensors_hooks: each storage once (a DTensor's local shard), parameters (saved by reference) left out."""
@@ -90,7 +100,6 @@ def activations_per_rank(rank, port, results, n_layer=4, n_head=4, d_model=128, 
     """(a spawned process of 2, gloo) Activation bytes per rank at a global batch of `batch` sequences: lm_ddp's rank
     (half the batch), with --activation-checkpointing, and lm_tp's (the whole batch, each layer cut in 2), with
     --sequence-parallel and both. results[rank] = {layout: bytes}."""
-    import importlib.util
 
     import torch.distributed as dist
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -100,9 +109,7 @@ def activations_per_rank(rank, port, results, n_layer=4, n_head=4, d_model=128, 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    spec = importlib.util.spec_from_file_location("lm_tp", REPO / "recipes" / "lm_tp.py")
-    lm_tp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lm_tp)
+    lm_tp = recipe_module("lm_tp")
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, 256, (batch, seq_len), generator=g) for _ in range(2))
@@ -195,7 +202,6 @@ def step_collectives(rank, world=2, n_layer=4, n_head=4, d_model=128, seq_len=12
     (2 stages, gpipe, 2 x world microbatches, the recipe's clip across stages), lm_fsdp_tp (--tp 1: FSDP2 alone, and
     on 4 ranks 2 x 2). The recipes' once-per-eval collectives (the loss meter, the divergence check, validation) are
     left out. ({layout: [(op, bytes in), ...]}, {layout: bytes of parameters, gradients and AdamW state held})."""
-    import importlib.util
 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -205,13 +211,7 @@ def step_collectives(rank, world=2, n_layer=4, n_head=4, d_model=128, seq_len=12
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.profiler import ProfilerActivity, profile
 
-    def recipe(name):
-        spec = importlib.util.spec_from_file_location(name, REPO / "recipes" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-
-    lm_tp, lm_pp, lm_fsdp_tp = recipe("lm_tp"), recipe("lm_pp"), recipe("lm_fsdp_tp")
+    lm_tp, lm_pp, lm_fsdp_tp = recipe_module("lm_tp"), recipe_module("lm_pp"), recipe_module("lm_fsdp_tp")
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, 256, (batch, seq_len), generator=g) for _ in range(2))
 
