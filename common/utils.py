@@ -6,6 +6,7 @@ import gc
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import resource
 import signal
@@ -98,6 +99,12 @@ LOST_PEER_MARKERS = ("Connection reset by peer", "Connection closed by peer",  #
 def _leave(code):
     # With a process group whose peers are gone, a normal exit can die in its C++ destructors ("terminate called
     # without an active exception", SIGABRT) instead of exiting with `code`. Nothing is left to save: leave now.
+    # os._exit skips the exit handler of multiprocessing that stops a process's daemon children, so stop them here:
+    # the DataLoader's workers. One that Ctrl-C had already taken out of its loop (it gets the SIGINT too) no longer
+    # checks whether its rank is alive, and could block for good in its own exit, holding the job's output open.
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

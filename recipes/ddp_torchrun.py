@@ -2,7 +2,7 @@
 
     ./launch.sh recipes/ddp_torchrun.py 0,1,3 --dataset cifar100 --epochs 30       # GPUs 0, 1 and 3
     ./launch.sh recipes/ddp_torchrun.py 0 --dataset imagefolder --data-root ~/my_data  # one GPU, your images
-    ./launch.sh recipes/ddp_torchrun.py cpu:2 --dataset synthetic --arch tiny       # 2 CPU processes (gloo)
+    ./launch.sh recipes/ddp_torchrun.py cpu:2 --dataset synthetic --arch tiny --epochs 3  # 2 CPU processes (gloo)
     NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 \
         ./launch.sh recipes/ddp_torchrun.py 0,1,2,3 --dataset cifar100    # node 0; NODE_RANK=1 on node 1
     CUDA_VISIBLE_DEVICES=0,1,3 torchrun --nproc-per-node 3 recipes/ddp_torchrun.py  # no launch.sh (`python`: 1 process)

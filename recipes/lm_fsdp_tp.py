@@ -1,11 +1,11 @@
 """2-D parallelism for the language model: FSDP2 across the --dp dimension, tensor parallel within each --tp group.
 
-    ./launch.sh recipes/lm_fsdp_tp.py 0,1,2,3 --sequence-parallel            # 4 GPUs: a 2 x 2 mesh (dp x tp)
-    ./launch.sh recipes/lm_fsdp_tp.py 0,1,2,3,4,5,6,7 --tp 4 --accum-steps 2  # 8 GPUs: 2 x 4; 2 micro-batches a step
+    ./launch.sh recipes/lm_fsdp_tp.py 0,1,2,3                                # 4 GPUs: a 2 x 2 mesh (dp x tp)
+    ./launch.sh recipes/lm_fsdp_tp.py 0,1,2,3,4,5,6,7 --tp 4 --accum-steps 2 --sequence-parallel
+        # 8 GPUs: a 2 x 4 mesh, 2 micro-batches a step, the norms on a quarter of the sequence
     NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 \\
         ./launch.sh recipes/lm_fsdp_tp.py 0,1,2,3 --tp 4    # node 0; NODE_RANK=1 on node 1: TP in a node, FSDP2 across
     ./launch.sh recipes/lm_fsdp_tp.py 0,1,3 --tp 1                           # 3 GPUs: FSDP2 alone, a 3 x 1 mesh
-    ./launch.sh recipes/lm_fsdp_tp.py cpu:4                                  # 4 CPU processes (gloo): 2 x 2
     ./launch.sh recipes/lm_fsdp_tp.py cpu:4 --max-steps 100 --resume auto    # a short run; run it again to go on
     ./launch.sh recipes/lm_fsdp_tp.py cpu:2 --tp 1 --resume auto             # ... or go on on another mesh: 2 x 1
 

@@ -5,7 +5,6 @@
     ./launch.sh recipes/lm_pp.py 0,1,2,3 --schedule 1f1b --microbatches 8          # 4 GPUs, a block each, 1F1B
     ./launch.sh recipes/lm_pp.py 0,1,2,3,4,5,6,7 --n-layer 8 --schedule 1f1b       # 8 GPUs, a block each
     ./launch.sh recipes/lm_pp.py cpu:2                                   # 2 CPU processes (gloo): minutes
-    ./launch.sh recipes/lm_pp.py cpu:2 --max-steps 100 --resume auto     # a short run; run it again to go on
     python tools/pp_schedule.py --ascii 2 4                              # the timelines below, from torch's own
 
 What it shows, against lm_ddp.py (diff them: the lesson is what cutting the model into consecutive pieces changes):

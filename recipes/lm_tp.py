@@ -6,7 +6,6 @@
     ./launch.sh recipes/lm_tp.py 0,1,2,3,4,5,6,7 --n-head 8 --sequence-parallel  # 8 GPUs: a head each
     ./launch.sh recipes/lm_tp.py cpu:2                                   # 2 CPU processes (gloo): minutes
     ./launch.sh recipes/lm_tp.py cpu:4 --sequence-parallel               # 4 CPU processes
-    ./launch.sh recipes/lm_tp.py cpu:2 --max-steps 100 --resume auto     # a short run; run it again to go on
 
 What it shows, against lm_ddp.py (diff them: the lesson is what cutting every layer across ranks changes):
 - parallelize_module(model, mesh, plan) on the full model lm_ddp.py builds from --seed: each rank keeps its slices

@@ -1,7 +1,7 @@
 """Face recognition on MXNet RecordIO data (insightface layout), fed by DataLoaderX, with DDP.
 
     python tools/pack_rec.py ~/faces_by_identity ~/faces_rec --size 112        # ImageFolder -> train.rec/.idx
-    ./launch.sh recipes/mx_face_prefetch.py 0,1,3 --rec ~/faces_rec --arch resnet18 --image-size 112
+    ./launch.sh recipes/mx_face_prefetch.py 0,1,3 --rec ~/faces_rec --image-size 112
     ./launch.sh recipes/mx_face_prefetch.py 0,1,3 --rec /data/faces_emore --num-classes 85742
     ./launch.sh recipes/mx_face_prefetch.py cpu:2 --rec synthetic --arch tiny  # no data at all
 
