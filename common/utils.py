@@ -2,6 +2,7 @@
 
 import contextlib
 import datetime
+import faulthandler
 import gc
 import itertools
 import json
@@ -96,6 +97,84 @@ LOST_PEER_MARKERS = ("Connection reset by peer", "Connection closed by peer",  #
                      "remote process exited or there was a network error", "ncclRemoteError")  # NCCL
 
 
+# A hang's stacks (issue 42). tools/torchrun.py names a folder in STACKS_ENV for its ranks; each rank registers
+# faulthandler there for STACK_SIGNAL, and a rank that meets a collective timeout or a lost peer writes its own stack
+# and its error line there instead of printing the line. The launcher then signals the ranks still running, prints
+# every rank's stack in rank order, then the error lines, then stops the job (tools/torchrun.py: show_stacks).
+STACKS_ENV = "LAUNCH_STACKS_DIR"
+STACK_SIGNAL = signal.SIGUSR2  # SIGUSR1 is left for a preemption save; SIGINT and SIGTERM stop the job
+_stack_file = []  # the open file faulthandler writes to (it must stay open)
+
+
+def _stacks_file(kind):
+    folder = os.environ.get(STACKS_ENV)
+    return os.path.join(folder, f"rank{os.environ.get('RANK', '0')}.{kind}") if folder else None
+
+
+def _stack_on_signal():
+    """faulthandler's handler is C: it writes the Python frames of every thread even while this rank is blocked inside
+    a C++ collective, where a Python signal handler would never run. The file exists from now on: the launcher signals
+    only a rank whose file exists (before it, STACK_SIGNAL would end the process)."""
+    path = _stacks_file("stack")
+    if path is None or _stack_file or threading.current_thread() is not threading.main_thread():
+        return
+    _stack_file.append(open(path, "w"))
+    faulthandler.register(STACK_SIGNAL, file=_stack_file[0], all_threads=True)
+
+
+def _no_stack_on_signal():
+    """Once main() is over: the signal is ignored (at the interpreter's exit faulthandler lets go of it, and the
+    signal's default action would end the process), then the file goes, and the launcher signals this rank no more."""
+    if _stack_file:
+        faulthandler.unregister(STACK_SIGNAL)
+        signal.signal(STACK_SIGNAL, signal.SIG_IGN)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_stack_file[0].name)
+
+
+def _frame_lines(frames):
+    """faulthandler's own format, most recent call first: what the launcher reads back for every rank alike."""
+    return [f'  File "{filename}", line {lineno} in {name}' for filename, lineno, name in reversed(frames)]
+
+
+def _own_stack(exc):
+    """This rank's stack where the collective failed: the exception's frames from main() down (one_line_errors' own
+    frame left out), under the frames that called main(); the other threads as they are now."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_name == "one_line_errors":
+        tb = tb.tb_next
+    if tb is None:
+        return []
+    caller = tb.tb_frame.f_back  # None where main() runs in the module's own `with one_line_errors():`
+    main = [(f.filename, f.lineno, f.name) for f in traceback.extract_stack(caller)] if caller is not None else []
+    while tb is not None:
+        main.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno, tb.tb_frame.f_code.co_name))
+        tb = tb.tb_next
+    lines = []
+    for ident, frame in sys._current_frames().items():
+        if ident != threading.main_thread().ident:
+            others = [(f.filename, f.lineno, f.name) for f in traceback.extract_stack(frame)]
+            lines += [f"Thread 0x{ident:016x} (most recent call first):", *_frame_lines(others), ""]
+    return lines + [f"Current thread 0x{threading.main_thread().ident:016x} (most recent call first):",
+                    *_frame_lines(main)]
+
+
+def _hang_line(message, exc):
+    """The error line of a collective timeout or a lost peer. Under tools/torchrun.py it goes to this rank's file
+    with the stack, for the launcher to print after every rank's stack; elsewhere, to stderr as any error line."""
+    path = _stacks_file("failed")
+    if path is None:
+        _error_line(message, all_ranks=True)
+        return
+    if _stack_file:
+        faulthandler.unregister(STACK_SIGNAL)
+    signal.signal(STACK_SIGNAL, signal.SIG_IGN)  # the launcher may signal this rank meanwhile: it has its stack
+    text = "\n".join([f"[rank {_rank()}] error: {message}", *_own_stack(exc)]) + "\n"
+    with open(path + ".tmp", "w") as f:  # whole or not at all: the launcher reads it the moment it appears
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
 def _leave(code):
     # With a process group whose peers are gone, a normal exit can die in its C++ destructors ("terminate called
     # without an active exception", SIGABRT) instead of exiting with `code`. Nothing is left to save: leave now.
@@ -151,7 +230,8 @@ def one_line_errors(ctrl_c=True):
     per rank. OneLineError: its message. A rank whose peer died, or that waited at a collective the others
     never joined, says which of the two it was (the peer's own error is above, or in the launcher's report).
     Ctrl-C (ctrl_c=True): exit 130 quietly; under torchrun, launch.sh says it once. Anything else keeps its
-    traceback.
+    traceback. A collective timeout or a lost peer under tools/torchrun.py (launch.sh): the launcher shows every
+    rank's Python stack, in rank order, then the error lines (_hang_line).
 
     After a normal return it freezes the garbage collector (gc.freeze): the interpreter's exit would otherwise walk
     every object torch and torchvision made in one last collection, 0.5-0.9 s of CPU in each process of a job.
@@ -168,6 +248,7 @@ def one_line_errors(ctrl_c=True):
                   and threading.current_thread() is threading.main_thread())
     if own_sigint:  # Ctrl-C leaves quietly wherever it lands, not only where KeyboardInterrupt reaches the except below
         signal.signal(signal.SIGINT, _ctrl_c_leaves(os.getpid()))
+    _stack_on_signal()  # under tools/torchrun.py: this rank's stack on the launcher's signal, when another one hangs
     try:
         yield
         gc.freeze()
@@ -186,15 +267,16 @@ def one_line_errors(ctrl_c=True):
             die(unused, code=1)
         if any(marker in first for marker in TIMEOUT_MARKERS):
             why = "another rank did not join a collective within --dist-timeout: it hangs, or the ranks took different"
-            _error_line(f"{why} branches ({first})", all_ranks=True)
+            _hang_line(f"{why} branches ({first})", exc)
         elif any(marker in first for marker in LOST_PEER_MARKERS):
-            _error_line(f"lost the connection to another rank: it failed or was killed ({first})", all_ranks=True)
+            _hang_line(f"lost the connection to another rank: it failed or was killed ({first})", exc)
         else:
             raise
         _leave(1)
     finally:
         if own_sigint:
             signal.signal(signal.SIGINT, previous_sigint)
+        _no_stack_on_signal()
 
 
 def _unused_parameters(exc):

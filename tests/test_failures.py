@@ -96,15 +96,40 @@ def test_killed_while_writing_a_checkpoint_resumes_from_the_previous_one_exactly
 
 
 # ------------------------------------------------------------------ drill 3: ranks diverge
-@pytest.mark.parametrize(("fault", "says"), [
-    # rank 1 never reaches the end-of-epoch all_reduce: rank 0 waits there until --dist-timeout.
+def stack_blocks(stderr):
+    """{rank: its block's lines} of the stacks launch.sh shows after a hang or a lost peer (tools/torchrun.py)."""
+    blocks, current = {}, None
+    for line in stderr.splitlines():
+        header = re.match(r"\[rank (\d+)\] stack:(.*)$", line)
+        if header:
+            current = blocks.setdefault(int(header[1]), [header[2].strip()] if header[2].strip() else [])
+        elif current is not None and line.startswith(("  ", "Main thread ", "Thread ")):
+            current.append(line)
+        else:
+            current = None
+    return blocks
+
+
+def recipe_line(block, recipe="ddp_torchrun"):
+    """The source of the innermost frame of recipes/RECIPE.py in a rank's main thread: where that rank is in it."""
+    main = block[next(i for i, line in enumerate(block) if line.startswith("Main thread ")):]
+    frames = [i for i, line in enumerate(main) if re.match(rf'  File ".*/recipes/{recipe}\.py", line \d+, in ', line)]
+    return main[frames[-1] + 1].strip()
+
+
+@pytest.mark.parametrize(("fault", "says", "stuck"), [
+    # rank 1 never reaches the end-of-epoch all_reduce (a Python sleep before it): rank 0 waits there until
+    # --dist-timeout.
     ("1:all_reduce:1:hang", r"another rank did not join a collective within --dist-timeout: it hangs, or the "
-                            r"ranks took different branches \(.*Timed out waiting 5000ms"),
+                            r"ranks took different branches \(.*Timed out waiting 5000ms", "time.sleep(60)"),
+    # rank 1 is inside a real collective (a barrier) that rank 0 never joins, where no Python code runs.
+    ("1:all_reduce:1:block", r"another rank did not join a collective within --dist-timeout: it hangs, or the "
+                             r"ranks took different branches \(.*Timed out waiting 5000ms", "dist.barrier(group="),
     # rank 1 skips the final all_gather and finishes: rank 0's all_gather loses its partner.
     ("1:all_gather:1:skip", r"lost the connection to another rank: it failed or was killed \(.*Connection "
-                            r"(reset|closed) by peer"),
+                            r"(reset|closed) by peer", None),
 ])
-def test_diverging_ranks_fail_within_the_dist_timeout(tmp_path, fault, says):
+def test_diverging_ranks_fail_within_the_dist_timeout_showing_where_each_rank_is(tmp_path, fault, says, stuck):
     timeout = 5
     job = Job("recipes/ddp_torchrun.py", "cpu:2", *TINY, "--max-steps", "3", "--dist-timeout", timeout,
               "--out-dir", tmp_path, env={"PYTHONPATH": str(REPO / "tests/faults"), "FAULT_COLLECTIVE": fault})
@@ -118,9 +143,27 @@ def test_diverging_ranks_fail_within_the_dist_timeout(tmp_path, fault, says):
     stderr = "".join(job.stderr)
     assert re.search(r"launch\.sh: job failed: rank 0 \(pid \d+\) exited with code 1", stderr), job.output()
     errors = error_lines(stderr)
-    assert errors and all(re.match(r"\[rank 0\] error: " + says, line) for line in errors), job.output()
+    assert re.match(r"\[rank 0\] error: " + says, errors[0]), job.output()
+    # rank 1 says nothing, or (in the barrier when rank 0 left) that it lost its peer
+    assert all(re.match(r"\[rank 1\] error: lost the connection to another rank", line) for line in errors[1:]), errors
     assert "Traceback" not in stderr
     assert not survivors(tree)
+    # Where each rank was, before the error lines: one block per rank, in rank order, as Python prints frames.
+    lines = stderr.splitlines()
+    headers = [i for i, line in enumerate(lines) if re.match(r"\[rank \d\] stack:", line)]
+    assert [lines[i][:len("[rank 0]")] for i in headers] == ["[rank 0]", "[rank 1]"], job.output()
+    assert headers[-1] < lines.index(errors[0]) < lines.index(next(x for x in lines if "launch.sh: job failed" in x))
+    blocks = stack_blocks(stderr)
+    assert not any("error:" in line for block in blocks.values() for line in block), blocks
+    source = (REPO / "recipes/ddp_torchrun.py").read_text()
+    waiting = recipe_line(blocks[0])  # rank 0: in the collective rank 1 never joined, called from this recipe line
+    assert waiting in source and ("all_reduce" in waiting if stuck else "gather_result_line" in waiting), blocks[0]
+    if stuck:  # rank 1: at the same recipe line, and inside the fault: its sleep, or the C++ barrier
+        assert recipe_line(blocks[1]) == waiting, blocks[1]
+        assert any(line.strip().startswith(stuck) for line in blocks[1]), blocks[1]
+    else:  # rank 1 skipped the all_gather and finished, or was finishing: nothing to show
+        assert len(blocks[1]) == 1 and re.fullmatch(r"none, it had ended \((exit code 0|its main\(\) had returned: it "
+                                                    r"was exiting)\) before the others stopped", blocks[1][0]), blocks
 
 
 # ---------------------------------------------------------- drill 4: a sample that does not load
@@ -273,6 +316,7 @@ def test_ctrl_c_stops_every_process(tmp_path, recipe):
     print(f"drill 7 {recipe}: exit {code} {time.monotonic() - start:.1f} s after SIGINT, {len(tree)} processes")
     assert code == 128 + signal.SIGINT, job.output()
     assert not tracebacks_beyond_multiprocessing("".join(job.stderr)), job.output()
+    assert "] stack:" not in "".join(job.stderr), job.output()  # stacks are for a hang, not for Ctrl-C
     assert not survivors(tree), (sorted(tree), job.output())
 
 

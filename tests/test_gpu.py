@@ -611,6 +611,10 @@ def test_drill_3_a_hung_rank_fails_the_job_within_the_timeout(tmp_path):
     # names it, the signal and where to look (tools/torchrun.describe, checked on CPU in test_launch.py).
     assert said or re.search(r"launch\.sh: job failed: rank \d \(pid \d+\) was killed by SIGABRT \(under NCCL, its "
                              r"watchdog aborts a rank whose collective timed out or lost a peer", stderr), stderr
+    # Either way the launcher shows where each rank was (tools/torchrun.show_stacks): rank 1, in the fault's sleep,
+    # has frames (the CPU drill checks which line).
+    assert "[rank 0] stack:" in stderr and "[rank 1] stack:" in stderr, stderr
+    assert "(most recent call last):" in stderr.split("[rank 1] stack:")[1].split("[rank ")[0], stderr
     assert not survivors(tree, grace=30), job.output()
 
 

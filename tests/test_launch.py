@@ -1,6 +1,7 @@
 """launch.sh: device parsing, bad input, ports, launcher choice, multi-node, via --dry-run (no torch import)."""
 
 import os
+import re
 import shlex
 import signal
 import socket
@@ -322,6 +323,54 @@ def test_the_launcher_names_a_watchdog_abort_and_where_to_look():
         "or lost a peer: that rank's output above names which, 'Watchdog caught collective operation timeout' or a "
         "remote error)")
     assert describe(1, stopped) == "rank 1 (pid 4243) was stopped (SIGTERM)"
+
+
+WAITING_RANK = """
+import time
+from common.utils import _stack_on_signal
+_stack_on_signal()
+print("ready", flush=True)
+
+
+def inside_a_collective():
+    time.sleep(120)
+
+
+inside_a_collective()
+"""
+
+
+def test_a_rank_aborted_by_a_watchdog_still_shows_where_the_others_are(tmp_path, capsys):
+    # NCCL's watchdog aborts (SIGABRT) a rank whose collective timed out: no Python error, so no RANK.failed, and the
+    # launcher still shows where the other ranks are. Real processes and signals (the waiting rank registers as the
+    # recipes do); torchrun's SubprocessContext is a stand-in holding their Popen objects and environments.
+    from types import SimpleNamespace
+
+    from common.utils import STACKS_ENV
+    from tools.torchrun import show_stacks
+
+    folder, script = tmp_path / "stacks", tmp_path / "rank.py"
+    folder.mkdir()
+    script.write_text(WAITING_RANK)
+    env = {**os.environ, "PYTHONPATH": str(REPO), STACKS_ENV: str(folder)}
+    aborted = subprocess.Popen([sys.executable, "-c", "import os; os.abort()"], env={**env, "RANK": "0"})
+    waiting = subprocess.Popen([sys.executable, script], env={**env, "RANK": "1"}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert waiting.stdout.readline() == "ready\n"
+        aborted.wait(timeout=60)
+        handlers = {0: SimpleNamespace(proc=aborted), 1: SimpleNamespace(proc=waiting)}
+        context = SimpleNamespace(subprocess_handlers=handlers, envs={0: {"RANK": "0"}, 1: {"RANK": "1"}})
+        show_stacks(context, folder)
+        assert waiting.poll() is None  # the signal left it running: the launcher stops it after, as before
+    finally:
+        waiting.kill()
+    err = capsys.readouterr().err.splitlines()
+    assert err[:2] == ["[rank 0] stack: none, it had ended (killed by SIGABRT) before the others stopped",
+                       "[rank 1] stack:"], err
+    assert re.fullmatch(r"Main thread 0x[0-9a-f]+ \(most recent call last\):", err[2]), err
+    assert err[3:] == [f'  File "{script}", line 12, in <module>', "    inside_a_collective()",
+                       f'  File "{script}", line 9, in inside_a_collective', "    time.sleep(120)"], err
+    assert not list(folder.iterdir())  # emptied for a restart's new ranks
 
 
 @pytest.mark.parametrize("gpus", [1, 3])

@@ -18,22 +18,33 @@ dies; its DataLoader workers notice that their parent is gone within 5 s and exi
 
 With --max-restarts N (launch.sh: MAX_RESTARTS=N), torchrun restarts all ranks when one fails, up to N
 times; recipes run with --resume auto then continue from their last whole epoch.
+
+After a hang or a lost peer (a rank's collective timed out, or its peer is gone; or NCCL's watchdog aborted a rank),
+every rank's Python stack is printed, in rank order, before the ranks are stopped: show_stacks, docs/failures.md.
 """
 
 import contextlib
 import ctypes
 import functools
 import gc
+import linecache
 import os
+import re
 import signal
 import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 from torch.distributed import launch as legacy_launch
 from torch.distributed import run as torch_run
-from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.api import SignalException, SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/, for a script run from anywhere
+from common.utils import STACK_SIGNAL, STACKS_ENV
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -51,6 +62,104 @@ def ranks_die_with_this_process():
 
     # torchrun's SubprocessHandler starts each rank with this module's Popen.
     subprocess_handler.Popen = functools.partial(subprocess.Popen, preexec_fn=in_the_rank)
+
+
+HEADER = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+) \(most recent call first\):$")
+FRAME = re.compile(r'^  File "(.*)", line (\d+) in (.*)$')
+
+
+def python_format(dump):
+    """faulthandler's dump (threads most recent call first, no source) as Python prints a stack: each thread most
+    recent call last, with its source lines, the main thread (the one whose first frame is a <module>) last, so the
+    line each rank is stuck on ends its block. Not a traceback: no "Traceback" line."""
+    threads, current = [], None
+    for line in dump.splitlines():
+        if HEADER.match(line):
+            current = (HEADER.match(line)[2], [])
+            threads.append(current)
+        elif current is not None and FRAME.match(line):
+            current[1].append(FRAME.match(line).groups())
+    threads.sort(key=lambda t: bool(t[1]) and t[1][-1][2] == "<module>")  # the main thread last
+    out = []
+    for ident, frames in threads:
+        main = bool(frames) and frames[-1][2] == "<module>"
+        out.append(f"{'Main thread' if main else 'Thread'} {ident} (most recent call last):")
+        for filename, lineno, name in reversed(frames):
+            out.append(f'  File "{filename}", line {lineno}, in {name}')
+            source = linecache.getline(filename, int(lineno)).strip()
+            if source:
+                out.append(f"    {source}")
+    return out
+
+
+def show_stacks(context, folder, wait=3.0):
+    """Before the ranks are stopped after a failure: if a rank met a collective timeout or a lost peer (it left
+    RANK.failed in `folder`, with its stack and its error line), or was aborted (SIGABRT: NCCL's watchdog does that
+    to a rank whose collective timed out, and no Python error is raised), every rank's stack, in rank order, then
+    those error lines. A rank still running gets STACK_SIGNAL: faulthandler, registered in it by
+    common.utils.one_line_errors, writes its frames to RANK.stack even while it is blocked inside a C++ collective.
+    Any other failure (a bad file, an exception with its traceback, a killed rank) and Ctrl-C show no stacks.
+    context: torchrun's SubprocessContext (its Popen per local rank, and each rank's environment)."""
+    handlers = context.subprocess_handlers
+    aborted = any(handler.proc.poll() == -signal.SIGABRT for handler in handlers.values())
+    if getattr(context, "stacks_shown", False) or not (aborted or any(folder.glob("rank*.failed"))):
+        return
+    context.stacks_shown = True  # once: torchrun closes a context again on its way out
+    ranks = {local_rank: int(context.envs[local_rank]["RANK"]) for local_rank in handlers}
+    running = {}
+    for local_rank, handler in handlers.items():
+        rank = ranks[local_rank]
+        if handler.proc.poll() is None and (folder / f"rank{rank}.stack").exists() and not (
+                folder / f"rank{rank}.failed").exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(handler.proc.pid, STACK_SIGNAL)
+                running[rank] = handler
+
+    def dumped(rank):
+        stack = folder / f"rank{rank}.stack"
+        return stack.exists() and stack.stat().st_size > 0
+
+    def settled(rank):  # its dump written (faulthandler writes it whole from its handler), or its own file (it failed
+        # meanwhile), or it ended or left its main() (it took its file away and ignores the signal)
+        stack, handler = folder / f"rank{rank}.stack", running[rank]
+        return (folder / f"rank{rank}.failed").exists() or dumped(rank) or not stack.exists() or (
+            handler.proc.poll() is not None)
+
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and not all(settled(rank) for rank in running):
+        time.sleep(0.05)
+    time.sleep(0.1)  # the last thread's lines
+    lines, errors = [], []
+    for local_rank in sorted(handlers, key=ranks.get):
+        rank = ranks[local_rank]
+        failed_file, stack_file = folder / f"rank{rank}.failed", folder / f"rank{rank}.stack"
+        if failed_file.exists():
+            error, _, dump = failed_file.read_text().partition("\n")
+            errors.append(error)
+        elif rank in running and dumped(rank):
+            dump = stack_file.read_text()
+        else:
+            code = handlers[local_rank].proc.poll()
+            how = ("its main() had returned: it was exiting" if code is None else f"exit code {code}" if code >= 0
+                   else f"killed by {signal.Signals(-code).name}")
+            lines.append(f"[rank {rank}] stack: none, it had ended ({how}) before the others stopped")
+            continue
+        lines += [f"[rank {rank}] stack:", *python_format(dump)]
+    print("\n".join(lines + errors), file=sys.stderr, flush=True)
+    for path in folder.glob("rank*.*"):  # a restart (MAX_RESTARTS) starts from an empty folder: no rank signalled early
+        path.unlink()
+
+
+def stacks_before_stopping(folder):
+    """torchrun's SubprocessContext.close, which stops the ranks still running (SIGTERM, then SIGKILL) the moment it
+    finds one that failed, and on Ctrl-C and at the end: with show_stacks first."""
+    close = SubprocessContext.close
+
+    def close_after_the_stacks(self, *args, **kwargs):
+        show_stacks(self, folder)
+        return close(self, *args, **kwargs)
+
+    SubprocessContext.close = close_after_the_stacks
 
 
 def describe(rank, failure):
@@ -86,6 +195,13 @@ def main(argv):
     if legacy:
         argv = argv[1:]
     ranks_die_with_this_process()
+    with tempfile.TemporaryDirectory(prefix="launch_stacks_") as folder:
+        os.environ[STACKS_ENV] = folder  # the ranks inherit it: their stacks, and their error line after a hang
+        stacks_before_stopping(Path(folder))
+        return run(legacy, argv)
+
+
+def run(legacy, argv):
     # What torch's import made lives as long as this process: out of the collector's sight, the exit does not walk
     # it in a last collection (half a second of CPU, per launch, while the ranks are exiting too).
     gc.freeze()

@@ -5,7 +5,10 @@ Python imports this module at start-up when tests/faults is on PYTHONPATH. With
 FAULT_COLLECTIVE="RANK:OP:N:MODE" in the environment, the process whose RANK is RANK (torchrun sets RANK
 per rank; the launcher process has none) replaces torch.distributed.OP so that its N-th call
   skip: returns at once without communicating, as a rank that took another branch would;
-  hang: never returns, as a rank stuck before the collective (a dead NFS read, a deadlock) would.
+  hang: never returns, as a rank stuck before the collective (a dead NFS read, a deadlock) would;
+  block: waits inside a real collective that no other rank joins (a barrier on a second process group, which every
+    rank makes right after init_process_group, with a timeout of 10 minutes), as a rank that called a collective the
+    others did not would; its peers meet their own --dist-timeout first.
 Every other process, and every other call, runs the real collective.
 """
 
@@ -14,6 +17,20 @@ import sys
 import time
 
 _spec = os.environ.get("FAULT_COLLECTIVE", "")
+_second_group = []
+if _spec.endswith(":block") and os.environ.get("RANK") is not None:  # every rank: the second group is collective
+    import datetime
+
+    import torch.distributed as dist
+
+    _init = dist.init_process_group
+
+    def _init_and_a_second_group(*args, **kwargs):
+        _init(*args, **kwargs)
+        _second_group.append(dist.new_group(timeout=datetime.timedelta(minutes=10)))
+
+    dist.init_process_group = _init_and_a_second_group
+
 if _spec and os.environ.get("RANK") == _spec.split(":")[0]:
     import torch.distributed as dist
 
@@ -30,6 +47,8 @@ if _spec and os.environ.get("RANK") == _spec.split(":")[0]:
         if _mode == "hang":
             while True:
                 time.sleep(60)
+        if _mode == "block":
+            dist.barrier(group=_second_group[0])  # no other rank calls it: blocked in C++ until its 10-minute timeout
         return None
 
     setattr(dist, _op, _faulty)
