@@ -122,12 +122,18 @@ def _stack_on_signal():
     faulthandler.register(STACK_SIGNAL, file=_stack_file[0], all_threads=True)
 
 
-def _no_stack_on_signal():
-    """Once main() is over: the signal is ignored (at the interpreter's exit faulthandler lets go of it, and the
-    signal's default action would end the process), then the file goes, and the launcher signals this rank no more."""
+def _stop_answering():
+    """faulthandler lets go of the signal, which is ignored from now on (its default action would end the process)."""
     if _stack_file:
         faulthandler.unregister(STACK_SIGNAL)
-        signal.signal(STACK_SIGNAL, signal.SIG_IGN)
+    signal.signal(STACK_SIGNAL, signal.SIG_IGN)
+
+
+def _no_stack_on_signal():
+    """Once main() is over (at the interpreter's exit faulthandler would let go of the signal): ignore it, then the
+    file goes, and the launcher signals this rank no more."""
+    if _stack_file:
+        _stop_answering()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(_stack_file[0].name)
 
@@ -166,9 +172,7 @@ def _hang_line(message, exc):
     if path is None:
         _error_line(message, all_ranks=True)
         return
-    if _stack_file:
-        faulthandler.unregister(STACK_SIGNAL)
-    signal.signal(STACK_SIGNAL, signal.SIG_IGN)  # the launcher may signal this rank meanwhile: it has its stack
+    _stop_answering()  # the launcher may signal this rank meanwhile: it has its stack
     text = "\n".join([f"[rank {_rank()}] error: {message}", *_own_stack(exc)]) + "\n"
     with open(path + ".tmp", "w") as f:  # whole or not at all: the launcher reads it the moment it appears
         f.write(text)

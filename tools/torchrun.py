@@ -74,11 +74,11 @@ def python_format(dump):
     line each rank is stuck on ends its block. Not a traceback: no "Traceback" line."""
     threads, current = [], None
     for line in dump.splitlines():
-        if HEADER.match(line):
-            current = (HEADER.match(line)[2], [])
+        if header := HEADER.match(line):
+            current = (header[2], [])
             threads.append(current)
-        elif current is not None and FRAME.match(line):
-            current[1].append(FRAME.match(line).groups())
+        elif current is not None and (frame := FRAME.match(line)):
+            current[1].append(frame.groups())
     threads.sort(key=lambda t: bool(t[1]) and t[1][-1][2] == "<module>")  # the main thread last
     out = []
     for ident, frames in threads:
