@@ -2,13 +2,15 @@
 and what a researcher may delete or swap for their own tooling when copying a recipe. Recipes import this module
 as one name, so every such line reads `harness.NAME(...)` and shows itself for what it is.
 
-    harness.add_flags(parser)             --max-steps, --tb-dir, --tb-every
+    harness.add_flags(parser)             --max-steps, --tb-dir, --tb-every, --debug-collectives
     harness.check_flags(args, world_size) start-up: nan/inf floats, counts below their minimum, an unknown --arch
                                           or one that cannot take the run's image size, a --batch-size the processes
                                           cannot split, --sync-bn without GPUs
     harness.check_gpu(device, backend)    the rank's GPU is visible; launch.sh G:N (N ranks share GPU G): gloo
     harness.check_compiler(device)        torch.compile can build kernels here: a C++ compiler (CPU), a C compiler
                                           and Python's headers (GPU, for Triton)
+    harness.ddp_process_group(timeout)    DDP's group: None, or under --debug-collectives on gloo a plain one (a
+                                          COLLECTIVE then): torch's DDP crashes on gloo's checked group
     harness.die(message)                  one line on stderr, exit 2 (said once per node)
     with harness.one_line_errors(): ...   around main(): a lost rank, a timeout, Ctrl-C, DDP's unused-parameter
                                           error, a bad file: one line each instead of a traceback per rank
@@ -21,8 +23,9 @@ as one name, so every such line reads `harness.NAME(...)` and shows itself for w
     harness.Throughput(device)            epoch seconds, warm-up-free images/s, the ETA; local
     harness.gather_result_line(...)       the RESULT line tests and benchmarks read: a COLLECTIVE (all-gather)
 
-No function here performs a collective unless its name says so (all_reduce, broadcast, gather): everything else is
-local and safe under `if is_main:` (tests/test_harness.py walks common/ and runs the local ones on rank 0 alone).
+No function here performs a collective unless its name says so (all_reduce, broadcast, gather, or process_group:
+it makes one): everything else is local and safe under `if is_main:` (tests/test_harness.py walks common/ and runs
+the local ones on rank 0 alone).
 """
 
 import os
@@ -55,11 +58,31 @@ AT_LEAST = {"epochs": 1, "workers": 0, "accum_steps": 1, "prefetch": 1, "embeddi
 ABOVE_ZERO = ("lr", "dist_timeout", "clip_grad")  # rates and seconds: 0 is never meant
 
 
-def add_flags(parser):
-    """The harness's own flags: --max-steps (smoke runs, benchmarks), --tb-dir and --tb-every (TensorBoard)."""
+def add_flags(parser, collectives=True):
+    """The harness's own flags: --max-steps (smoke runs, benchmarks), --tb-dir and --tb-every (TensorBoard), and
+    where the recipe has a process group (collectives=True), --debug-collectives (docs/failures.md)."""
     parser.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs, benchmarks)")
     parser.add_argument("--tb-dir", help="write TensorBoard curves here (rank 0): tensorboard --logdir TB_DIR")
     parser.add_argument("--tb-every", type=int, default=20, help="--tb-dir: the training loss every N optimizer steps")
+    if collectives:
+        parser.add_argument("--debug-collectives", action="store_true", help="each collective first checks that "
+                            "every rank called the same one, with the same shapes (torch's DETAIL level; slow)")
+
+
+def ddp_process_group(timeout):
+    """DDP's process_group=: None (the default group), except where the default group is torch's checked gloo group
+    (--debug-collectives, or TORCH_DISTRIBUTED_DEBUG=DETAIL, on gloo): then a new plain gloo group of every rank,
+    which every rank makes (a COLLECTIVE, as dist.new_group is). torch 2.14.1's DDP dies with SIGSEGV on the checked
+    gloo group: its C++ Logger (set_env_variables) casts the group's gloo backend, under DETAIL a
+    _ProcessGroupWrapper, to ProcessGroupGloo to read its thread count. DDP's own collectives (the gradient
+    all-reduces) then go unchecked; the recipe's, on the default group, are checked. NCCL is not affected."""
+    if dist.get_debug_level() != dist.DebugLevel.DETAIL or dist.get_backend() != "gloo":
+        return None
+    dist.set_debug_level(dist.DebugLevel.OFF)  # the level is read when a group is made: this one unchecked
+    try:
+        return dist.new_group(backend="gloo", timeout=timeout)
+    finally:
+        dist.set_debug_level(dist.DebugLevel.DETAIL)
 
 
 def check_flags(args, world_size=1):

@@ -9,6 +9,7 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import resource
 import signal
 import sys
@@ -95,6 +96,27 @@ TIMEOUT_MARKERS = ("Timed out waiting",  # gloo
                    "Watchdog caught collective operation timeout", "timed out in blocking wait")  # NCCL
 LOST_PEER_MARKERS = ("Connection reset by peer", "Connection closed by peer",  # gloo
                      "remote process exited or there was a network error", "ncclRemoteError")  # NCCL
+# torch's DETAIL debug level (--debug-collectives): before each collective the ranks compare what they are about to
+# call (the op, the tensors' shapes, dtypes and devices), and each raises this where they differ.
+MISMATCH_MARKER = "Detected mismatch between collectives on ranks"
+# Under DETAIL a collective starts with a monitored barrier, which names the ranks that did not reach it in time.
+_MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
+_FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
+                          r"OpType=(\w+)(?:, TensorShape=\[([^\]]*)\], TensorDtypes=(\w+))?")
+
+
+def mismatch_line(text):
+    """DETAIL's mismatch error (a paragraph of C++ options) as one line: what each rank called, and how they differ."""
+    calls = []
+    for rank, number, op, shape, dtype in _FINGERPRINT.findall(text):
+        tensors = f" of shape [{shape}] {dtype}" if dtype else ""
+        calls.append((int(rank), f"rank {rank} called {op}{tensors} (its collective number {number} on that group)"))
+    differ = " ".join(text.split("Collectives differ in the following aspects:", 1)[1].split()) if (
+        "Collectives differ in the following aspects:" in text) else ""
+    if len(calls) < 2:
+        return f"the ranks called different collectives ({first_line(text)[:300]})"
+    said = ", ".join(call for _, call in sorted(calls))
+    return f"the ranks called different collectives: {said}" + (f"; they differ in: {differ}" if differ else "")
 
 
 # A hang's stacks (issue 42). tools/torchrun.py names a folder in STACKS_ENV for its ranks; each rank registers
@@ -274,6 +296,12 @@ def one_line_errors(ctrl_c=True):
             _hang_line(f"{why} branches ({first})", exc)
         elif any(marker in first for marker in LOST_PEER_MARKERS):
             _hang_line(f"lost the connection to another rank: it failed or was killed ({first})", exc)
+        elif _MISSING.search(first):
+            ranks = _MISSING.search(first).group(1).strip()
+            _hang_line(f"rank {ranks} did not reach this collective within --dist-timeout: it hangs, or it took "
+                       f"another branch ({first})", exc)
+        elif MISMATCH_MARKER in first:
+            _hang_line(mismatch_line(str(exc)), exc)
         else:
             raise
         _leave(1)

@@ -115,6 +115,8 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # TF32: fast, fp32's curves
     else:
         device, backend = torch.device("cpu"), "gloo"
+    if args.debug_collectives:  # each collective first checks that every rank called the same one (slow: debugging)
+        dist.set_debug_level(dist.DebugLevel.DETAIL)  # before init: TORCH_DISTRIBUTED_DEBUG is read only at import
     timeout = datetime.timedelta(seconds=args.dist_timeout)  # torch's 30 min would leave the others hanging that long
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
@@ -154,7 +156,8 @@ def main():
         model = ApexDDP(model, delay_allreduce=True)  # one all-reduce of all gradients after backward
     else:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                    find_unused_parameters=args.find_unused_parameters)
+                    find_unused_parameters=args.find_unused_parameters,
+                    process_group=harness.ddp_process_group(timeout))
     torch.manual_seed(args.seed + rank)  # from here on, augmentation and dropout differ per rank
     criterion = torch.nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)

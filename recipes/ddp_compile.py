@@ -122,6 +122,8 @@ def main():
     else:
         device, backend = torch.device("cpu"), "gloo"
     harness.check_compiler(device)  # New: torch.compile builds kernels: a C++ compiler (CPU), C and Python.h (GPU)
+    if args.debug_collectives:  # each collective first checks that every rank called the same one (slow: debugging)
+        dist.set_debug_level(dist.DebugLevel.DETAIL)  # before init: TORCH_DISTRIBUTED_DEBUG is read only at import
     timeout = datetime.timedelta(seconds=args.dist_timeout)  # torch's 30 min would leave the others hanging that long
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
@@ -158,7 +160,8 @@ def main():
     # New: in place, before the wrap (torch.compile(model) would return a new module and leave `model` eager).
     model.compile(dynamic=False)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                find_unused_parameters=args.find_unused_parameters, bucket_cap_mb=args.bucket_cap_mb)
+                find_unused_parameters=args.find_unused_parameters, bucket_cap_mb=args.bucket_cap_mb,
+                process_group=harness.ddp_process_group(timeout))
     torch.manual_seed(args.seed + rank)  # from here on, augmentation and dropout differ per rank
     criterion = torch.nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)

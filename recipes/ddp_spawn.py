@@ -170,6 +170,8 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))  # New: torchrun would set OMP_NUM_THREADS
         device, out_device, backend = torch.device("cpu"), torch.device("cpu"), "gloo"
+    if args.debug_collectives:  # each collective first checks that every rank called the same one (slow: debugging)
+        dist.set_debug_level(dist.DebugLevel.DETAIL)  # before init: TORCH_DISTRIBUTED_DEBUG is read only at import
     timeout = datetime.timedelta(seconds=args.dist_timeout)  # torch's 30 min would leave the others hanging that long
     # New: device_id binds NCCL to one GPU; a model split over two GPUs all-reduces on both, so leave it unbound.
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout,
@@ -208,7 +210,7 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
     if args.sync_bn:  # before the DDP wrap; each BatchNorm all-gathers its statistics in every training forward
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" and not args.model_parallel else None,
-                find_unused_parameters=args.find_unused_parameters)
+                find_unused_parameters=args.find_unused_parameters, process_group=harness.ddp_process_group(timeout))
     torch.manual_seed(args.seed + rank)  # from here on, augmentation and dropout differ per rank
     criterion = torch.nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)

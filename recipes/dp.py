@@ -47,7 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup-epochs", type=float, default=1, help="linear warm-up, then cosine (<= 1/3 of the run)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="runs/dp", help="model.pt is written here")
-    harness.add_flags(p)  # --max-steps, --tb-dir, --tb-every
+    harness.add_flags(p, collectives=False)  # --max-steps, --tb-dir, --tb-every (no process group here)
     return p.parse_args(argv)
 
 

@@ -83,6 +83,8 @@ def parse_args(argv=None):
     p.add_argument("--max-steps", type=int, help="train at most this many steps in this run, then save (a short run: "
                    "the same command with --resume auto goes on)")
     p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
+    p.add_argument("--debug-collectives", action="store_true", help="each collective first checks that every rank "
+                   "called the same one, with the same shapes (torch's DETAIL level; slow)")
     return p.parse_args(argv)
 
 
@@ -132,6 +134,8 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32: fast, fp32's curves
     else:
         device, backend = torch.device("cpu"), "gloo"
+    if args.debug_collectives:  # each collective first checks that every rank called the same one (slow: debugging)
+        dist.set_debug_level(dist.DebugLevel.DETAIL)  # before init: TORCH_DISTRIBUTED_DEBUG is read only at import
     timeout = datetime.timedelta(seconds=args.dist_timeout)  # torch's 30 min would leave the others hanging that long
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
@@ -160,7 +164,8 @@ def main():
             model.blocks[name] = checkpoint_wrapper(block)  # state_dict keys stay as without it
         wrapped = sum(isinstance(b, CheckpointWrapper) for b in model.blocks.values())
         print0(f"activation checkpointing: {wrapped} of {len(model.blocks)} blocks recompute their forward in backward")
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                process_group=harness.ddp_process_group(timeout))
     # Weight decay on the matrices (2-D) only: decaying biases, norms' gains or embeddings only hurts (GPT-2, nanoGPT).
     matrices = [p for n, p in model.named_parameters() if p.dim() >= 2 and "emb" not in n]
     others = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "emb" not in n)]

@@ -123,6 +123,8 @@ def parse_args(argv=None):
     p.add_argument("--max-steps", type=int, help="train at most this many steps in this run, then save (a short run: "
                    "the same command with --resume auto goes on)")
     p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
+    p.add_argument("--debug-collectives", action="store_true", help="each collective first checks that every rank "
+                   "called the same one, with the same shapes (torch's DETAIL level; slow)")
     return p.parse_args(argv)
 
 
@@ -237,6 +239,8 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32: fast, fp32's curves
     else:
         device, backend = torch.device("cpu"), "gloo"
+    if args.debug_collectives:  # each collective first checks that every rank called the same one (slow: debugging)
+        dist.set_debug_level(dist.DebugLevel.DETAIL)  # before init: TORCH_DISTRIBUTED_DEBUG is read only at import
     timeout = datetime.timedelta(seconds=args.dist_timeout)  # torch's 30 min would leave the others hanging that long
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)

@@ -71,7 +71,9 @@ CASES = {
     # An odd world: the batch split by 3 (30 = 3 x 10), 43 training samples per rank (one padded), validation
     # shards of 13, 12 and 12, under each launcher.
     "ddp_torchrun:3": Case("ddp_torchrun", devices="cpu:3", batch=30),
-    "ddp_launch:3": Case("ddp_launch", devices="cpu:3", batch=30),
+    # --debug-collectives (torch's DETAIL level): every collective on the default group is checked first, and DDP
+    # gets a plain group of its own (harness.ddp_process_group): the same arithmetic, the same one all-reduce a step.
+    "ddp_launch:3": Case("ddp_launch", ("--debug-collectives",), devices="cpu:3", batch=30),
     "ddp_spawn:3": Case("ddp_spawn", devices="cpu:3", batch=30),
     # inductor's CPU kernels are less exact than eager's: one process, one step of tiny_bn on rank 0's first batch of
     # the 3-process run gives gradients 1.3e-3 from float64's where eager's are 7e-8 away (aot_eager: 0, the

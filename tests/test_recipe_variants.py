@@ -43,16 +43,19 @@ TINY = ["--arch", "tiny", "--workers", "0"]
 # siblings share keeps them; a lesson that grows raises its own bound here, with the reason.
 # --sync-bn (issue 26) is in the flagship, its launcher siblings, torch_amp, ddp_checkpoint, ddp_compile and apex_ddp;
 # dp (DataParallel: no process group), apex_amp, mx_face_prefetch, fsdp and ddp_uneven lack its 3 lines.
+# --debug-collectives (issue 42): 2 lines before init_process_group in every recipe with a process group, and DDP's
+# process_group= (a line of its own where the DDP call is indented deeper or has another keyword: apex_ddp, apex_amp,
+# ddp_compile, ddp_uneven, +1 each); dp has neither (+4).
 @pytest.mark.parametrize(("base", "recipe", "max_changed"), [
-    ("ddp_torchrun", "dp", 130), ("ddp_torchrun", "ddp_launch", 39), ("ddp_torchrun", "ddp_spawn", 136),
-    ("ddp_torchrun", "torch_amp", 176), ("ddp_torchrun", "ddp_checkpoint", 129), ("ddp_torchrun", "apex_ddp", 62),
-    ("ddp_torchrun", "apex_amp", 256), ("ddp_torchrun", "mx_face_prefetch", 148),
+    ("ddp_torchrun", "dp", 134), ("ddp_torchrun", "ddp_launch", 39), ("ddp_torchrun", "ddp_spawn", 136),
+    ("ddp_torchrun", "torch_amp", 176), ("ddp_torchrun", "ddp_checkpoint", 129), ("ddp_torchrun", "apex_ddp", 63),
+    ("ddp_torchrun", "apex_amp", 257), ("ddp_torchrun", "mx_face_prefetch", 148),
     # ddp_compile: 78, then 81 with what --sync-bn costs it (issue 39) in its docstring and the breaks' reasons.
-    ("ddp_torchrun", "ddp_compile", 81),
+    ("ddp_torchrun", "ddp_compile", 82),
     # ddp_uneven: its training loop is indented under `with Join([model]):` (19 lines, counted twice); 123, then 136
     # with forward_sync_buffers=False and why (issue 39), 140 with the keyword chosen by torch version (2.11 has only
     # broadcast_buffers; the GPU machine's torch).
-    ("ddp_torchrun", "ddp_uneven", 140),
+    ("ddp_torchrun", "ddp_uneven", 141),
     # fsdp, ddp_zero and ddp_comm_hooks: their checkpoints are ddp_checkpoint's (sharded, consolidated, with PowerSGD's
     # state): read them against that one. ddp_zero 54 and ddp_comm_hooks 93 before issue 39 (the bucket view, and
     # PowerSGD's device sync on GPUs); fsdp 255 and ddp_comm_hooks 95 before the first GPU run (fsdp's G:N refusal,
@@ -72,13 +75,13 @@ def test_diff_against_its_sibling_stays_small(base, recipe, max_changed):
 
 
 def test_the_flagship_imports_few_names_from_common_and_stays_short():
-    # Issue 30: at most 10 names from common/ (26 before the harness moved out), and about 200 lines: 213 now, 263 at
-    # c0965cd, 282 at its largest (docs/recipe_shape.md breaks it down).
+    # Issue 30: at most 10 names from common/ (26 before the harness moved out), and about 200 lines: 215 now (213
+    # before --debug-collectives), 263 at c0965cd, 282 at its largest (docs/recipe_shape.md breaks it down).
     text = (REPO / "recipes" / "ddp_torchrun.py").read_text()
     names = [alias.name for node in ast.walk(ast.parse(text)) if isinstance(node, ast.ImportFrom)
              and node.module and node.module.split(".")[0] == "common" for alias in node.names]
     assert len(names) <= 10 and "harness" in names, names
-    assert len(text.splitlines()) <= 213
+    assert len(text.splitlines()) <= 215
     # The issue's own measure of the AMP lesson's diff, `diff ddp_torchrun.py torch_amp.py | wc -l`: 241 at c0965cd.
     diff = subprocess.run(["diff", "recipes/ddp_torchrun.py", "recipes/torch_amp.py"], cwd=REPO, capture_output=True,
                           text=True).stdout
@@ -108,6 +111,23 @@ def test_every_recipe_follows_the_contract(recipe):
         assert re.search(rf"\b{name}\b", text.split("distributed setup")[1].split("# ----")[0]), name
     assert re.search(rf'harness\.gather_result_line\([^)]*recipe="{recipe}"', text)
     assert 'if __name__ == "__main__":' in text
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_with_a_process_group_takes_debug_collectives(recipe, capsys):
+    # --debug-collectives (docs/failures.md): torch's DETAIL level, set before the process group is made (the level
+    # counts when a group is made; TORCH_DISTRIBUTED_DEBUG is read at import), and DDP on a plain group under it (torch
+    # 2.14.1's DDP dies of SIGSEGV on gloo's checked one). Drill 3 and tests/test_conformance.py run it.
+    text = (REPO / "recipes" / f"{recipe}.py").read_text()
+    if recipe == "dp":  # DataParallel: one process, no process group, nothing to check
+        with pytest.raises(SystemExit):
+            load_recipe(recipe).parse_args(["--debug-collectives"])
+        assert "unrecognized arguments: --debug-collectives" in capsys.readouterr().err
+        return
+    assert load_recipe(recipe).parse_args(["--debug-collectives"]).debug_collectives
+    setup = text.split("distributed setup")[1]
+    assert -1 < setup.find("dist.set_debug_level(dist.DebugLevel.DETAIL)") < setup.find("dist.init_process_group(")
+    assert len(re.findall(r"\bDDP\(model,", text)) == text.count("process_group=harness.ddp_process_group(timeout)")
 
 
 # --------------------------------------------------------------------------------- ddp_launch

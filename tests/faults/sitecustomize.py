@@ -9,6 +9,8 @@ per rank; the launcher process has none) replaces torch.distributed.OP so that i
   block: waits inside a real collective that no other rank joins (a barrier on a second process group, which every
     rank makes right after init_process_group, with a timeout of 10 minutes), as a rank that called a collective the
     others did not would; its peers meet their own --dist-timeout first.
+  grow: runs the real collective on its first tensor with one element more (a copy), as a rank that sized a
+    buffer from its own data would: the shapes differ across ranks (issue 42's mismatch drill).
 Every other process, and every other call, runs the real collective.
 """
 
@@ -49,6 +51,10 @@ if _spec and os.environ.get("RANK") == _spec.split(":")[0]:
                 time.sleep(60)
         if _mode == "block":
             dist.barrier(group=_second_group[0])  # no other rank calls it: blocked in C++ until its 10-minute timeout
+        if _mode == "grow":
+            import torch
+
+            return _real(torch.cat([args[0].flatten(), args[0].new_zeros(1)]), *args[1:], **kwargs)
         return None
 
     setattr(dist, _op, _faulty)
