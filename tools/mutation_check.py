@@ -128,6 +128,14 @@ EDITS = [
     Edit("lm_meta_init_naive", "meta init, then the model's own init on the shards instead of rank 0's weights",
          "    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, "
          "broadcast_from_rank0=True))", "    model.init_weights(args.n_layer)"),
+    # Issue 42: where each rank is, and which collective each called.
+    Edit("hang_stacks", "a hang ends in its error line alone: no rank answers the launcher's signal with its stack",
+         "    _stack_on_signal()  # under tools/torchrun.py", "    pass  # under tools/torchrun.py",
+         file="common/utils.py"),
+    Edit("debug_level", "--debug-collectives that sets no debug level: mismatched collectives go unchecked",
+         "dist.set_debug_level(dist.DebugLevel.DETAIL)  # before init", "pass  # before init"),
+    Edit("ddp_checked_group", "DDP on gloo's checked group under --debug-collectives: torch 2.14's DDP dies (SIGSEGV)",
+         'return dist.new_group(backend="gloo", timeout=timeout)', "return None", file="common/harness.py"),
 ]
 # Edits that mean something in the language models too; the others are the image recipes' lessons.
 LM_TOO = {"divergence_check"}
@@ -137,6 +145,11 @@ FILE_EDIT_RECIPES = {"lm_tp", "lm_fsdp_tp"}
 # The tests that guard a recipe: its conformance cases (a -k expression), and for the edits they cannot see on the
 # CPU, the test that can (a checkpoint tagged as saved on cuda:1 must be loaded with map_location).
 CONFORMANCE = "tests/test_conformance.py"
+# Edits that one recipe's test guards for all (the drills run ddp_torchrun; the conformance case with
+# --debug-collectives is ddp_launch's on 3 processes), and that test.
+ONE_RECIPE = {"hang_stacks": ("ddp_torchrun", ["tests/test_failures.py", "-k", "diverging_ranks"]),
+              "debug_level": ("ddp_torchrun", ["tests/test_failures.py", "-k", "debug_collectives"]),
+              "ddp_checked_group": ("ddp_launch", [CONFORMANCE, "-k", "[ddp_launch:3]"])}
 RESUME_TESTS = {
     "ddp_checkpoint": "tests/test_recipe_variants.py::test_resume_reproduces_the_uninterrupted_run_bitwise",
     "torch_amp": "tests/test_recipe_variants.py::test_fp16_trains_and_the_scaler_state_survives_resume",
@@ -167,6 +180,8 @@ HOOK_TESTS = {"comm_hook", "powersgd_state", "powersgd_mean_error"}
 
 
 def tests_for(recipe, edit):
+    if edit.name in ONE_RECIPE:
+        return ONE_RECIPE[edit.name][1]
     if recipe.startswith("lm_"):  # the family's own tests (test_lm.py guards the base, test_lm_tp.py its sibling)
         return [f"tests/test_{recipe.replace('_ddp', '')}.py"]
     if edit.name == "divergence_check":
@@ -239,7 +254,8 @@ def main(argv=None):
     if unknown:
         p.error(f"unknown recipe or edit: {', '.join(unknown)}")
     mutants = [(r, e) for r in recipes for e in edits if e.old in (REPO / (e.file or f"recipes/{r}.py")).read_text()
-               and (not e.file or r in FILE_EDIT_RECIPES)
+               and (not e.file or e.name in ONE_RECIPE or r in FILE_EDIT_RECIPES)
+               and (e.name not in ONE_RECIPE or r == ONE_RECIPE[e.name][0])
                and (e.name != "map_location" or r in RESUME_TESTS)
                and (r.startswith("lm_") == e.name.startswith("lm_") or e.name in LM_TOO)]
     print(f"{len(mutants)} mutants: each edit on each recipe that contains its text", flush=True)
