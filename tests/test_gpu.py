@@ -618,6 +618,30 @@ def test_drill_3_a_hung_rank_fails_the_job_within_the_timeout(tmp_path):
     assert not survivors(tree, grace=30), job.output()
 
 
+def test_debug_collectives_on_gpu(tmp_path):
+    # One rank under NCCL: DDP on NCCL's checked group (DETAIL wraps it; ddp_process_group leaves DDP on it, since
+    # DDP's Logger takes its NCCL branch there). Its RESULT is the plain run's: the checks change no number.
+    plain = launch("recipes/ddp_torchrun.py", "0", *TINY, "--max-steps", "3", "--out-dir", tmp_path / "plain",
+                   env=FP32)
+    checked = launch("recipes/ddp_torchrun.py", "0", *TINY, "--max-steps", "3", "--debug-collectives", "--out-dir",
+                     tmp_path / "checked", env=FP32)
+    assert plain.returncode == checked.returncode == 0, checked.stderr[-3000:]  # not DDP's SIGSEGV
+    # cudnn.benchmark times its kernels in each run and may pick others: fp32's last digits (FP32: TF32 off).
+    assert result_of(plain)["train_loss"] == pytest.approx(result_of(checked)["train_loss"], abs=1e-4)
+    # Two ranks (NCCL, or gloo over CUDA tensors on one GPU): rank 1's end-of-epoch all-reduce one element longer.
+    job = Job("recipes/ddp_torchrun.py", TWO_RANKS, *TINY, "--max-steps", "3", "--dist-timeout", "10",
+              "--debug-collectives", "--out-dir", tmp_path / "two",
+              env={"PYTHONPATH": str(REPO / "tests/faults"), "FAULT_COLLECTIVE": "1:all_reduce:1:grow"})
+    job.wait_for("FAULT: rank 1", timeout=180)
+    code = job.finish(timeout=180)
+    stderr = "".join(job.stderr)
+    print(f"--debug-collectives on GPU ({TWO_RANKS}): exit {code}\n{stderr[-2000:]}")
+    assert code == 1, job.output()
+    said = [line.split("error: ", 1)[1] for line in error_lines(stderr)]
+    assert said and all(re.match(r"the ranks called different collectives: rank 0 called ALLREDUCE of shape \[2\] "
+                                 r"\w+ .*rank 1 called ALLREDUCE of shape \[3\]", line) for line in said), said
+
+
 def test_drill_7_ctrl_c_stops_every_process(tmp_path):
     job = job_mid_epoch("ddp_torchrun", tmp_path, devices=TWO_RANKS)
     tree = job.tree()
