@@ -340,6 +340,25 @@ inside_a_collective()
 """
 
 
+def asleep(pid, timeout=60):
+    """Returns once the process sleeps in time.sleep (the kernel's wait channel for it names nanosleep); where the
+    kernel does not show wait channels, after a second."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/wchan") as f:
+                channel = f.read()
+        except OSError:
+            channel = ""
+        if "nanosleep" in channel:
+            return
+        if channel in ("", "0"):  # not shown here
+            time.sleep(1)
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} did not reach time.sleep within {timeout} s")
+
+
 def test_a_rank_aborted_by_a_watchdog_still_shows_where_the_others_are(tmp_path, capsys):
     # NCCL's watchdog aborts (SIGABRT) a rank whose collective timed out: no Python error, so no RANK.failed, and the
     # launcher still shows where the other ranks are. Real processes and signals (the waiting rank registers as the
@@ -357,6 +376,7 @@ def test_a_rank_aborted_by_a_watchdog_still_shows_where_the_others_are(tmp_path,
     waiting = subprocess.Popen([sys.executable, script], env={**env, "RANK": "1"}, stdout=subprocess.PIPE, text=True)
     try:
         assert waiting.stdout.readline() == "ready\n"
+        asleep(waiting.pid)  # past print(): a busy machine may not have run its next line yet
         aborted.wait(timeout=60)
         handlers = {0: SimpleNamespace(proc=aborted), 1: SimpleNamespace(proc=waiting)}
         context = SimpleNamespace(subprocess_handlers=handlers, envs={0: {"RANK": "0"}, 1: {"RANK": "1"}})
