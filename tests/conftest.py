@@ -1,6 +1,5 @@
 """Helpers for running launch.sh and recipes as a user would, and for making real on-disk data."""
 
-import importlib.util
 import json
 import os
 import re
@@ -13,6 +12,7 @@ import pytest
 from PIL import Image
 
 from tools.procs import run_group
+from tools.recipes import load_recipe  # noqa: F401 (the tests import it from here)
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "launch.sh"
@@ -98,14 +98,6 @@ def run_direct(recipe, *args, env=None, timeout=300):
     env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")},
            "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **(env or {})}
     return run_group([sys.executable, f"recipes/{recipe}.py", *map(str, args)], env=env, cwd=REPO, timeout=timeout)
-
-
-def load_recipe(name):
-    """recipes/NAME.py as a module (its main() not run): its parse_args, check_args and classes."""
-    spec = importlib.util.spec_from_file_location(f"recipe_{name}", REPO / "recipes" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def result_of(proc):

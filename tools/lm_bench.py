@@ -31,6 +31,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from common.lm import Transformer  # noqa: E402
+from tools.recipes import load_recipe  # noqa: E402
 
 ENTRIES = {  # name: (recipe, extra flags); a DEVICES of one process runs only the entries that fit it
     "lm_ddp": ("recipes/lm_ddp.py", []),
@@ -58,16 +59,6 @@ def bare_tokens_per_sec(steps, threads, batch=32, seq_len=128):
         if step == 0:
             start = time.perf_counter()
     return batch * seq_len * (steps - 1) / (time.perf_counter() - start)
-
-
-def recipe_module(name):
-    """recipes/NAME.py imported as a module (its functions: the plan, the stages, the clips)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, REPO / "recipes" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def activation_bytes(model, x, y, parallel_loss=False):
@@ -109,7 +100,7 @@ def activations_per_rank(rank, port, results, n_layer=4, n_head=4, d_model=128, 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    lm_tp = recipe_module("lm_tp")
+    lm_tp = load_recipe("lm_tp")
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, 256, (batch, seq_len), generator=g) for _ in range(2))
@@ -211,7 +202,7 @@ def step_collectives(rank, world=2, n_layer=4, n_head=4, d_model=128, seq_len=12
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.profiler import ProfilerActivity, profile
 
-    lm_tp, lm_pp, lm_fsdp_tp = recipe_module("lm_tp"), recipe_module("lm_pp"), recipe_module("lm_fsdp_tp")
+    lm_tp, lm_pp, lm_fsdp_tp = load_recipe("lm_tp"), load_recipe("lm_pp"), load_recipe("lm_fsdp_tp")
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, 256, (batch, seq_len), generator=g) for _ in range(2))
 
