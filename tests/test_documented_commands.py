@@ -93,9 +93,11 @@ NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsew
     "runs/apex_amp/checkpoint.pt": FP16,
     "MAX_RESTARTS=3 ./launch.sh recipes/apex_amp.py 0,1,3 --opt-level O2 --resume auto": FP16,
     "python -m pytest": SUITE,
+    "python -m pytest -n 2 --dist loadfile": SUITE,
     'python -m pytest -m "not slow"': SUITE,
     "python -m pytest -m gpu": "the GPU tier: it needs a GPU (tests/test_gpu.py)",
     "python -m pytest -m gpu tests/test_gpu.py": "the GPU tier: it needs a GPU (tests/test_gpu.py)",
+    "python -m pytest -m gpu tests/test_gpu.py -n 8": "the GPU tier spread over 8 processes: it needs a GPU",
     "python -m pytest -m gpu --collect-only": "tests/test_gpu_tier.py runs it with the GPUs hidden: exit 0, a test "
                                               "per recipe",
     "python3 -m venv .venv": "the set-up of the environment this suite runs in (.ci/run makes its own)",
