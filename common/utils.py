@@ -111,8 +111,7 @@ def mismatch_line(text):
     for rank, number, op, shape, dtype in _FINGERPRINT.findall(text):
         tensors = f" of shape [{shape}] {dtype}" if dtype else ""
         calls.append((int(rank), f"rank {rank} called {op}{tensors} (its collective number {number} on that group)"))
-    differ = " ".join(text.split("Collectives differ in the following aspects:", 1)[1].split()) if (
-        "Collectives differ in the following aspects:" in text) else ""
+    differ = " ".join(text.partition("Collectives differ in the following aspects:")[2].split())
     if len(calls) < 2:
         return f"the ranks called different collectives ({first_line(text)[:300]})"
     said = ", ".join(call for _, call in sorted(calls))
@@ -296,10 +295,9 @@ def one_line_errors(ctrl_c=True):
             _hang_line(f"{why} branches ({first})", exc)
         elif any(marker in first for marker in LOST_PEER_MARKERS):
             _hang_line(f"lost the connection to another rank: it failed or was killed ({first})", exc)
-        elif _MISSING.search(first):
-            ranks = _MISSING.search(first).group(1).strip()
-            _hang_line(f"rank {ranks} did not reach this collective within --dist-timeout: it hangs, or it took "
-                       f"another branch ({first})", exc)
+        elif missing := _MISSING.search(first):
+            _hang_line(f"rank {missing[1].strip()} did not reach this collective within --dist-timeout: it hangs, "
+                       f"or it took another branch ({first})", exc)
         elif MISMATCH_MARKER in first:
             _hang_line(mismatch_line(str(exc)), exc)
         else:
