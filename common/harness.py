@@ -2,7 +2,7 @@
 and what a researcher may delete or swap for their own tooling when copying a recipe. Recipes import this module
 as one name, so every such line reads `harness.NAME(...)` and shows itself for what it is.
 
-    harness.add_flags(parser)             --max-steps, --tb-dir, --tb-every, --debug-collectives
+    harness.add_flags(parser)             --max-steps, --tb-dir, --tb-every, --profile, --debug-collectives
     harness.check_flags(args, world_size) start-up: nan/inf floats, counts below their minimum, an unknown --arch
                                           or one that cannot take the run's image size, a --batch-size the processes
                                           cannot split, --sync-bn without GPUs
@@ -21,6 +21,9 @@ as one name, so every such line reads `harness.NAME(...)` and shows itself for w
     harness.DivergenceCheck(device)       a NaN/inf loss stops the run; its all_reduce_and_check() is a COLLECTIVE
     harness.TensorBoard(...)              rank 0 writes the curves; local
     harness.Throughput(device)            epoch seconds, warm-up-free images/s, the ETA; local
+    harness.Profiler(...)                 --profile: torch.profiler over steps 3-6, a trace per rank; local
+    harness.gather_profile_table(...)     each rank's share of compute, communication, data, optimizer, idle: a
+                                          COLLECTIVE (all-gather)
     harness.gather_result_line(...)       the RESULT line tests and benchmarks read: a COLLECTIVE (all-gather)
 
 No function here performs a collective unless its name says so (all_reduce, broadcast, gather, or process_group:
@@ -39,6 +42,7 @@ from common.compiler import missing_compiler
 from common.data import DEFAULT_IMAGE_SIZE, check_full_batch, default_workers
 from common.models import check_arch, check_image_size
 from common.outputs import broadcast_out_dir_check, held_state_bytes, state_bytes
+from common.profiling import Profiler, gather_profile_table
 from common.tensorboard_log import TensorBoard
 from common.utils import (
     DivergenceCheck,
@@ -59,14 +63,22 @@ ABOVE_ZERO = ("lr", "dist_timeout", "clip_grad")  # rates and seconds: 0 is neve
 
 
 def add_flags(parser, collectives=True):
-    """The harness's own flags: --max-steps (smoke runs, benchmarks), --tb-dir and --tb-every (TensorBoard), and
-    where the recipe has a process group (collectives=True), --debug-collectives (docs/failures.md)."""
+    """The harness's own flags: --max-steps (smoke runs, benchmarks), --tb-dir and --tb-every (TensorBoard), --profile
+    (docs/slow.md), and where the recipe has a process group (collectives=True), --debug-collectives
+    (docs/failures.md)."""
     parser.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs, benchmarks)")
     parser.add_argument("--tb-dir", help="write TensorBoard curves here (rank 0): tensorboard --logdir TB_DIR")
     parser.add_argument("--tb-every", type=int, default=20, help="--tb-dir: the training loss every N optimizer steps")
+    add_profile_flag(parser)
     if collectives:
         parser.add_argument("--debug-collectives", action="store_true", help="each collective first checks that "
                             "every rank called the same one, with the same shapes (torch's DETAIL level; slow)")
+
+
+def add_profile_flag(parser):
+    """--profile (the language models take it alone: their other flags differ)."""
+    parser.add_argument("--profile", action="store_true", help="profile steps 3-6: OUT_DIR/profile/trace_rankR.json "
+                        "per rank and a table of where each rank's step time goes (docs/slow.md)")
 
 
 def ddp_process_group(timeout):
@@ -167,6 +179,7 @@ def gather_result_line(device, speed, model, optimizer, peaks=None, rate_key="im
                        first_step_end_unix=speed.first_step_at)
 
 
-__all__ = ["DivergenceCheck", "TensorBoard", "Throughput", "add_flags", "broadcast_out_dir_check", "check_compiler",
-           "check_epochs_left", "check_flags", "check_full_batch", "check_gpu", "default_workers", "die",
-           "gather_result_line", "one_line_errors", "peak_memory_mb", "state_bytes"]
+__all__ = ["DivergenceCheck", "Profiler", "TensorBoard", "Throughput", "add_flags", "add_profile_flag",
+           "broadcast_out_dir_check", "check_compiler", "check_epochs_left", "check_flags", "check_full_batch",
+           "check_gpu", "default_workers", "die", "gather_profile_table", "gather_result_line", "one_line_errors",
+           "peak_memory_mb", "state_bytes"]

@@ -101,6 +101,7 @@ def check_text(train, val, seq_len, val_windows):
                         f"last {VAL_FRACTION:.0%}); use a longer text or a smaller --seq-len")
 
 
+@torch.profiler.record_function("data")  # --profile counts it as waiting for data (common/profiling.py)
 def train_batch(train, step, seed, batch_size, seq_len, dp_rank, dp_size):
     """Step `step`'s sequences for data-parallel rank dp_rank of dp_size: (inputs, targets), each (B / D, seq_len)
     int64. The global batch's starts come from a generator seeded with (seed, step) alone."""

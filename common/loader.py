@@ -96,6 +96,7 @@ class _PrefetchIterator:
     def __iter__(self):
         return self
 
+    @torch.profiler.record_function("data")  # --profile: the training thread waits for a batch (common/profiling.py)
     def __next__(self):
         if self.stop.is_set():
             raise StopIteration

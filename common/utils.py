@@ -351,13 +351,20 @@ class AverageMeter:
     def avg(self):
         return float(self.sum) / max(self.count, 1)
 
-    def all_reduce(self, device):
-        """Sum over ranks (no-op without a process group). device: cuda for nccl, cpu for gloo."""
+    def all_reduce(self, device, ride=None):
+        """Sum over ranks (no-op without a process group). device: cuda for nccl, cpu for gloo. ride: a Throughput
+        whose epoch own_ms goes along in the same all-reduce (each rank's number at its index, zeros elsewhere: the
+        sum is every rank's), so the epoch line's spread costs no collective of its own."""
+        world, rank = _world_size(), _rank()
+        own = [0.0] * world
+        if ride is not None:
+            own[rank] = ride.own_ms
         if dist.is_available() and dist.is_initialized():
-            t = torch.stack([torch.as_tensor(self.sum, dtype=torch.float64, device=device),
-                             torch.tensor(float(self.count), dtype=torch.float64, device=device)])
+            t = torch.tensor([float(self.sum), float(self.count), *own], dtype=torch.float64, device=device)
             dist.all_reduce(t)
-            self.sum, self.count = t[0].item(), int(t[1].item())
+            self.sum, self.count, own = t[0].item(), int(t[1].item()), t[2:].tolist()
+        if ride is not None:
+            ride.own_ms_per_rank = own
         return self
 
 
@@ -378,6 +385,44 @@ class Throughput:
         self.first_step_at = None  # unix time the first step ended: launch-to-first-step overhead
         self._epoch_start = self._since = None
         self._images = self._steps = 0  # this epoch's, counted from _since
+        # watch(): this rank's own work per step, in ms (the epoch's mean), and every rank's after all_reduce(ride=)
+        self.own_ms, self.own_ms_per_rank = 0.0, None
+        self._step_end = self._forward_start = None  # clock stamps: perf_counter() or a recorded CUDA event
+        self._own_step, self._own_epoch = [], []  # (start, end) stamp pairs: this step's, this epoch's
+
+    def watch(self, model, forward=None):
+        """Time this rank's own work in each training step, the part no other rank can slow down: from the end of
+        the last step until `model` (what the loop calls) is called, i.e. waiting for data, plus the forward of
+        `forward` (DDP: model.module, which runs after DDP's broadcast of the buffers, a wait for every rank, and
+        before backward's gradient all-reduce, another). Leave forward out where the forward itself waits for other
+        ranks (FSDP's all-gathers, tensor parallel's all-reduces): the data wait alone. A straggler, slow in its
+        data or its forward, shows as the largest own_ms; under DDP every rank's wall-clock step is the same, since
+        the others wait for it. Forward hooks, local; on a GPU CUDA events, read at stop(): no sync per step."""
+        model.register_forward_pre_hook(self._called, prepend=True)  # before any other pre-hook (FSDP's gather)
+        if forward is not None:
+            forward.register_forward_pre_hook(self._forward_starts)
+            forward.register_forward_hook(self._forward_ends)
+
+    def _stamp(self):
+        if self.device.type != "cuda":
+            return time.monotonic()  # (perf_counter is the epoch's clock, read after a sync)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _called(self, *_):
+        if self._step_end is not None:  # the step's first call (micro-batches: later calls follow a backward)
+            self._own_step.append((self._step_end, self._stamp()))
+            self._step_end = None
+
+    def _forward_starts(self, *_):
+        if self._epoch_start is not None:
+            self._forward_start = self._stamp()
+
+    def _forward_ends(self, *_):
+        if self._forward_start is not None:
+            self._own_step.append((self._forward_start, self._stamp()))
+            self._forward_start = None
 
     def _now(self):
         self.synchronize(self.device)
@@ -386,6 +431,7 @@ class Throughput:
     def start(self):
         self._epoch_start = self._since = self._now()
         self._images = self._steps = 0
+        self._step_end, self._own_step, self._own_epoch = self._stamp(), [], []
 
     def step(self, images):
         if self.first_step_at is None:  # the warm-up step: measured from its end
@@ -394,15 +440,32 @@ class Throughput:
         else:
             self._images += images
             self._steps += 1
+            self._own_epoch += self._own_step
+        self._own_step, self._step_end = [], self._stamp()
 
     def stop(self):
         """The epoch's seconds, start() to now; adds its steps (the first step of the run left out)."""
-        now = self._now()
+        now = self._now()  # after synchronize(): every recorded event has completed
         if self.first_step_at is not None:
             self.images, self.steps = self.images + self._images, self.steps + self._steps
             self.seconds += now - self._since
-        self._images = self._steps = 0
-        return now - self._epoch_start
+        if self._steps:
+            self.own_ms = sum(a.elapsed_time(b) if self.device.type == "cuda" else 1000 * (b - a)
+                              for a, b in self._own_epoch) / self._steps
+        seconds, self._images, self._steps = now - self._epoch_start, 0, 0
+        self._epoch_start = self._step_end = self._forward_start = None  # eval's forwards are not timed
+        self._own_step, self._own_epoch = [], []
+        return seconds
+
+    @property
+    def spread(self):
+        """The epoch line's field: own_ms=MIN-MAX over ranks, their ratio and the slowest rank (after
+        AverageMeter.all_reduce(ride=this)); empty before that, or where watch() was not called."""
+        ranks = self.own_ms_per_rank
+        if not ranks or not min(ranks) > 0:
+            return ""
+        slowest = max(range(len(ranks)), key=ranks.__getitem__)
+        return f" own_ms={min(ranks):.1f}-{max(ranks):.1f}(max/min {max(ranks) / min(ranks):.2f}, rank {slowest})"
 
     @property
     def images_per_sec(self):

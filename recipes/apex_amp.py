@@ -78,7 +78,7 @@ def parse_args(argv=None):
                    help="O3: keep BatchNorm in fp32 (O2 always does; O0 and O1 do not take it)")
     p.add_argument("--resume", help="a checkpoint.pt to continue from (model, optimizer, scheduler, amp), "
                    "or 'auto': OUT_DIR/checkpoint.pt if it exists (for MAX_RESTARTS)")
-    harness.add_flags(p)  # --max-steps, --tb-dir, --tb-every
+    harness.add_flags(p)  # --max-steps, --tb-dir, --tb-every, --profile, --debug-collectives
     args = p.parse_args(argv)
     args.opt_level = args.opt_level or ("O1" if torch.cuda.is_available() else "O0")  # New: said on the impl: line
     return args
@@ -284,6 +284,8 @@ def main():
     # ----------------------------------------------------------------------------------- train
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
     speed = harness.Throughput(device)
+    prof = harness.Profiler(args.profile, args.out_dir, rank, device)  # --profile: steps 3-6
+    speed.watch(model, forward=model.module)  # own_ms on the epoch line: data + forward
     # New: resumed, the curves go on from `step`; what an interrupted run logged after its checkpoint is dropped.
     tb = harness.TensorBoard(args.tb_dir, args.tb_every, is_main, vars(args), start_step=step)  # rank 0 alone writes
     diverged = harness.DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
@@ -320,13 +322,14 @@ def main():
             if not scales_loss:  # New: O1/O2 skip an overflowing step, which is normal; the scale tells
                 diverged.update(step, loss)  # on the device: no sync per step
             speed.step(args.batch_size)
+            prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
             tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"], loss_scale=loss_scale)
             if tb.on and step % args.tb_every == 0:  # values are read here anyway
                 diverged.all_reduce_and_check(epoch, step, loss_scale() if scales_loss else None)
             if step >= total_steps:
                 break
         epoch_time = speed.stop()  # waits for the device: the host clock runs ahead of queued GPU work
-        loss_meter.all_reduce(device)
+        loss_meter.all_reduce(device, ride=speed)  # with every rank's own_ms: one all-reduce
         acc_meter.all_reduce(device)
         # Before eval and any save: no file from NaN weights. O1/O2: a scale below 1 is divergence (a collective).
         diverged.all_reduce_and_check(epoch, step, loss_scale() if scales_loss else None, model)
@@ -346,7 +349,8 @@ def main():
                                                              half_input)
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
                f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
-               f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={speed.eta(total_steps - step)}")
+               f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={speed.eta(total_steps - step)}"
+               f"{speed.spread}")  # each rank's own work per step: a straggler has the max
         tb.epoch(step, device, train_loss=loss_meter.avg, train_acc1=acc_meter.avg, val_loss=val_loss,
                  val_acc1=val_acc1, val_acc5=val_acc5, images_per_sec=loss_meter.count / epoch_time)
         # New: after each whole epoch (not one cut short by --max-steps), so an interrupted run can --resume.
@@ -366,6 +370,9 @@ def main():
         torch.save(model.module.state_dict(), path)  # .module: keys without the "module." prefix
         print0(f"saved: {path}")
     # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
+    prof.stop()  # --profile: writes the steps it recorded
+    if args.profile:  # a collective (all-gather): every rank's compute, communication, data, idle
+        print0(harness.gather_profile_table(prof, device))
     tb.close()
     print0(harness.gather_result_line(device, speed, model, optimizer, recipe="apex_amp", steps=step,
                                       train_loss=loss_meter.avg, val_acc1=val_acc1, val_samples=val_samples,

@@ -67,7 +67,7 @@ def parse_args(argv=None):
     p.add_argument("--sync-bn", action="store_true", help="BatchNorm over the global batch (GPUs only)")
     p.add_argument("--bucket-cap-mb", type=float, default=25,  # New
                    help="DDP's gradient buckets (MB); DDPOptimizer splits the compiled backward at the same bounds")
-    harness.add_flags(p)  # --max-steps, --tb-dir, --tb-every
+    harness.add_flags(p)  # --max-steps, --tb-dir, --tb-every, --profile, --debug-collectives
     return p.parse_args(argv)
 
 
@@ -171,6 +171,8 @@ def main():
     # ----------------------------------------------------------------------------------- train
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
     step, speed = 0, harness.Throughput(device)
+    prof = harness.Profiler(args.profile, args.out_dir, rank, device)  # --profile: steps 3-6
+    speed.watch(model)  # own_ms on the epoch line: waiting for data (its forward is compiled)
     tb = harness.TensorBoard(args.tb_dir, args.tb_every, is_main, vars(args))  # rank 0 alone writes
     diverged = harness.DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
     started, eval_graphs = time.perf_counter(), 0  # New
@@ -195,6 +197,7 @@ def main():
             step += 1
             diverged.update(step, loss)  # on the device: no sync per step
             speed.step(args.batch_size)
+            prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
             if step == 1:  # New: the first step traced and compiled the model (forward and backward)
                 first_graphs, breaks = compiled_graphs()
                 if first_graphs == 0:
@@ -208,7 +211,7 @@ def main():
             if step >= total_steps:
                 break
         epoch_time = speed.stop()  # waits for the device: the host clock runs ahead of queued GPU work
-        loss_meter.all_reduce(device)
+        loss_meter.all_reduce(device, ride=speed)  # with every rank's own_ms: one all-reduce
         acc_meter.all_reduce(device)
         diverged.all_reduce_and_check(epoch, step, model=model)  # before eval and any save: no file from NaN weights
         # BatchNorm's running statistics trail the weights (momentum 0.1): after a short or fast epoch, eval's loss
@@ -228,7 +231,8 @@ def main():
         eval_graphs += compiled_graphs()[0] - graphs_before  # New
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
                f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
-               f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={speed.eta(total_steps - step)}")
+               f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={speed.eta(total_steps - step)}"
+               f"{speed.spread}")  # each rank's own work per step: a straggler has the max
         tb.epoch(step, device, train_loss=loss_meter.avg, train_acc1=acc_meter.avg, val_loss=val_loss,
                  val_acc1=val_acc1, val_acc5=val_acc5, images_per_sec=loss_meter.count / epoch_time)
         if step >= total_steps:
@@ -248,6 +252,9 @@ def main():
            f"{recompiles} compiled again during training; {sum(breaks.values())} graph break(s)"
            + (f" ({why}; TORCH_LOGS=graph_breaks shows where)" if breaks else ""))
     # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
+    prof.stop()  # --profile: writes the steps it recorded
+    if args.profile:  # a collective (all-gather): every rank's compute, communication, data, idle
+        print0(harness.gather_profile_table(prof, device))
     tb.close()
     print0(harness.gather_result_line(device, speed, model, optimizer, recipe="ddp_compile", steps=step,
                                       train_loss=loss_meter.avg, val_acc1=val_acc1, val_samples=val_samples,

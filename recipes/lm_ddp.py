@@ -85,6 +85,7 @@ def parse_args(argv=None):
     p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
     p.add_argument("--debug-collectives", action="store_true", help="each collective first checks that every rank "
                    "called the same one, with the same shapes (torch's DETAIL level; slow)")
+    harness.add_profile_flag(p)  # --profile: a trace per rank and where each rank's step time goes
     return p.parse_args(argv)
 
 
@@ -189,6 +190,8 @@ def main():
     # ----------------------------------------------------------------------------------- train
     last = min(args.steps, start_step + (args.max_steps or args.steps))  # --max-steps: this run's
     step, speed = start_step, harness.Throughput(device)
+    prof = harness.Profiler(args.profile, args.out_dir, rank, device)  # --profile: steps 3-6
+    speed.watch(model, forward=model.module)  # own_ms on the epoch line: data + forward
     diverged = harness.DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
     loss_meter = AverageMeter()
     val_loss = None
@@ -209,15 +212,16 @@ def main():
         step += 1
         diverged.update(step, loss)
         speed.step(args.batch_size * args.seq_len)  # tokens (bytes)
+        prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
         if step % args.eval_every == 0 or step == last:
             # -------------------------------------------------------------------------------- eval
             speed.stop()
-            loss_meter.all_reduce(device)
+            loss_meter.all_reduce(device, ride=speed)  # with every rank's own_ms: one all-reduce
             diverged.all_reduce_and_check(None, step, model=model)  # before eval and any save
             val_loss = evaluate(model.module, val_x, val_y, rank, world_size, batch_per_process, device, amp)
             print0(f"step={step}/{args.steps} train_loss={loss_meter.avg:.4f} val_loss={val_loss:.4f} "
                    f"val_bpb={bits_per_byte(val_loss):.4f} lr={scheduler.get_last_lr()[0]:.2e} "
-                   f"tok/s={speed.images_per_sec:.0f} eta={speed.eta(last - step)}")
+                   f"tok/s={speed.images_per_sec:.0f} eta={speed.eta(last - step)}{speed.spread}")
             # -------------------------------------------------------------------------------- save
             if is_main:  # the resume point: weights, AdamW's moments, the step (the data follows from it)
                 os.makedirs(args.out_dir, exist_ok=True)
@@ -232,6 +236,9 @@ def main():
     if val_loss is None:  # resumed at or past --max-steps / --steps: nothing left to train
         val_loss = evaluate(model.module, val_x, val_y, rank, world_size, batch_per_process, device, amp)
         train_loss = None
+    prof.stop()  # --profile: writes the steps it recorded
+    if args.profile:  # a collective (all-gather): every rank's compute, communication, data, idle
+        print0(harness.gather_profile_table(prof, device))
     print0(harness.gather_result_line(device, speed, model, optimizer, recipe="lm_ddp", steps=step,
                                       start_step=start_step, train_loss=train_loss, val_loss=val_loss,
                                       val_bpb=bits_per_byte(val_loss), val_windows=len(val_x),

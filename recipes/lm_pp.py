@@ -125,6 +125,7 @@ def parse_args(argv=None):
     p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
     p.add_argument("--debug-collectives", action="store_true", help="each collective first checks that every rank "
                    "called the same one, with the same shapes (torch's DETAIL level; slow)")
+    harness.add_profile_flag(p)  # --profile: a trace per rank and where each rank's step time goes
     return p.parse_args(argv)
 
 
@@ -331,6 +332,8 @@ def main():
     # ----------------------------------------------------------------------------------- train
     last = min(args.steps, start_step + (args.max_steps or args.steps))  # --max-steps: this run's
     step, speed = start_step, harness.Throughput(device)
+    prof = harness.Profiler(args.profile, args.out_dir, rank, device)  # --profile: steps 3-6
+    # New: no speed.watch(): a stage's forward waits for the stage before it, so no own_ms (--profile shows stages)
     diverged = harness.DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
     loss_meter = AverageMeter()
     val_loss = None
@@ -355,15 +358,16 @@ def main():
             loss_meter.update(loss, 1)  # a tensor: summed on the device, no sync per step
             diverged.update(step, loss)  # New: the check below all-reduces the first bad step to every rank
         speed.step(args.batch_size * args.seq_len)  # tokens (bytes)
+        prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
         if step % args.eval_every == 0 or step == last:
             # -------------------------------------------------------------------------------- eval
             speed.stop()
-            loss_meter.all_reduce(device)  # New: the last stage's sum and count, onto every rank
+            loss_meter.all_reduce(device, ride=speed)  # New: the last stage's sum and count, onto every rank
             diverged.all_reduce_and_check(None, step, model=model)  # before eval and any save
             val_loss = evaluate(schedule, stage, val_x, val_y, args.batch_size, device)  # New: through the stages
             print0(f"step={step}/{args.steps} train_loss={loss_meter.avg:.4f} val_loss={val_loss:.4f} "
                    f"val_bpb={bits_per_byte(val_loss):.4f} lr={scheduler.get_last_lr()[0]:.2e} "
-                   f"tok/s={speed.images_per_sec:.0f} eta={speed.eta(last - step)}")
+                   f"tok/s={speed.images_per_sec:.0f} eta={speed.eta(last - step)}{speed.spread}")
             # -------------------------------------------------------------------------------- save
             # New: every stage writes its own part (torch.save on rank 0 would write stage 0's alone), then rank 0
             # points latest.pt at them: weights, AdamW's moments, the step (the data follows from it).
@@ -396,6 +400,9 @@ def main():
         val_loss = evaluate(schedule, stage, val_x, val_y, args.batch_size, device)  # New
         train_loss = None
     # New: state_bytes_per_rank counts each rank's stage (lm_ddp.py holds the whole model everywhere).
+    prof.stop()  # --profile: writes the steps it recorded
+    if args.profile:  # a collective (all-gather): every rank's compute, communication, data, idle
+        print0(harness.gather_profile_table(prof, device))
     print0(harness.gather_result_line(device, speed, model, optimizer, recipe="lm_pp", steps=step,
                                       start_step=start_step, train_loss=train_loss, val_loss=val_loss,
                                       val_bpb=bits_per_byte(val_loss), val_windows=len(val_x),

@@ -74,7 +74,7 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", default="runs/mx_face_prefetch", help="model.pt is written here")
     p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
     p.add_argument("--find-unused-parameters", action="store_true", help="parameters may get no gradient")
-    harness.add_flags(p)  # --max-steps, --tb-dir, --tb-every
+    harness.add_flags(p)  # --max-steps, --tb-dir, --tb-every, --profile, --debug-collectives
     return p.parse_args(argv)
 
 
@@ -218,6 +218,8 @@ def main():
     # ----------------------------------------------------------------------------------- train
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
     step, speed = 0, harness.Throughput(device)
+    prof = harness.Profiler(args.profile, args.out_dir, rank, device)  # --profile: steps 3-6
+    speed.watch(model, forward=model.module)  # own_ms on the epoch line: data + forward
     tb = harness.TensorBoard(args.tb_dir, args.tb_every, is_main, vars(args))  # rank 0 alone writes
     diverged = harness.DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
     for epoch in range(args.epochs):
@@ -241,13 +243,14 @@ def main():
             step += 1
             diverged.update(step, loss)  # on the device: no sync per step
             speed.step(args.batch_size)
+            prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
             tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"])  # rank 0's own samples
             if tb.on and step % args.tb_every == 0:  # values are read here anyway
                 diverged.all_reduce_and_check(epoch, step)  # a collective: one verdict everywhere
             if step >= total_steps:
                 break
         epoch_time = speed.stop()  # waits for the device: the host clock runs ahead of queued GPU work
-        loss_meter.all_reduce(device)
+        loss_meter.all_reduce(device, ride=speed)  # with every rank's own_ms: one all-reduce
         acc_meter.all_reduce(device)
         diverged.all_reduce_and_check(epoch, step, model=model)  # before eval and any save: no file from NaN weights
         # BatchNorm's running statistics trail the weights (momentum 0.1): after a short or fast epoch, eval's loss
@@ -264,7 +267,8 @@ def main():
         val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device)
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
                f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
-               f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={speed.eta(total_steps - step)}")
+               f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={speed.eta(total_steps - step)}"
+               f"{speed.spread}")  # each rank's own work per step: a straggler has the max
         tb.epoch(step, device, train_loss=loss_meter.avg, train_acc1=acc_meter.avg, val_loss=val_loss,
                  val_acc1=val_acc1, val_acc5=val_acc5, images_per_sec=loss_meter.count / epoch_time)
         if step >= total_steps:
@@ -276,6 +280,9 @@ def main():
         torch.save(model.module.state_dict(), path)  # .module: keys without the "module." prefix
         print0(f"saved: {path}")
     # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
+    prof.stop()  # --profile: writes the steps it recorded
+    if args.profile:  # a collective (all-gather): every rank's compute, communication, data, idle
+        print0(harness.gather_profile_table(prof, device))
     tb.close()
     print0(harness.gather_result_line(device, speed, model, optimizer, recipe="mx_face_prefetch", steps=step,
                                       train_loss=loss_meter.avg, val_acc1=val_acc1, val_samples=val_samples))

@@ -67,7 +67,7 @@ def parse_args(argv=None):
     p.add_argument("--channels-last", action="store_true", help="NHWC layout for model and inputs")
     p.add_argument("--resume", help="a checkpoint.pt to continue from (model, optimizer, scheduler, scaler), "
                    "or 'auto': OUT_DIR/checkpoint.pt if it exists (for MAX_RESTARTS)")
-    harness.add_flags(p)  # --max-steps, --tb-dir, --tb-every
+    harness.add_flags(p)  # --max-steps, --tb-dir, --tb-every, --profile, --debug-collectives
     return p.parse_args(argv)
 
 
@@ -202,6 +202,8 @@ def main():
     # ----------------------------------------------------------------------------------- train
     total_steps = min(args.epochs * steps_per_epoch, args.max_steps or float("inf"))
     speed = harness.Throughput(device)
+    prof = harness.Profiler(args.profile, args.out_dir, rank, device)  # --profile: steps 3-6
+    speed.watch(model, forward=model.module)  # own_ms on the epoch line: data + forward
     # New: resumed, the curves go on from `step`; what an interrupted run logged after its checkpoint is dropped.
     tb = harness.TensorBoard(args.tb_dir, args.tb_every, is_main, vars(args), start_step=step)  # rank 0 alone writes
     diverged = harness.DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
@@ -243,6 +245,7 @@ def main():
             optimizer.zero_grad(set_to_none=True)
             step += 1
             speed.step(args.batch_size)
+            prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
             tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"],
                     loss_scale=scaler.get_scale if scaler.is_enabled() else None)
             if tb.on and step % args.tb_every == 0:  # values are read here anyway
@@ -250,7 +253,7 @@ def main():
             if step >= total_steps:
                 break
         epoch_time = speed.stop()  # waits for the device: the host clock runs ahead of queued GPU work
-        loss_meter.all_reduce(device)
+        loss_meter.all_reduce(device, ride=speed)  # with every rank's own_ms: one all-reduce
         acc_meter.all_reduce(device)
         # Before eval and any save: no file from NaN weights. fp16: a scale below 1 is divergence (a collective).
         diverged.all_reduce_and_check(epoch, step, scaler.get_scale() if scaler.is_enabled() else None, model)
@@ -270,7 +273,8 @@ def main():
             val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device)
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
                f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
-               f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={speed.eta(total_steps - step)}")
+               f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={speed.eta(total_steps - step)}"
+               f"{speed.spread}")  # each rank's own work per step: a straggler has the max
         tb.epoch(step, device, train_loss=loss_meter.avg, train_acc1=acc_meter.avg, val_loss=val_loss,
                  val_acc1=val_acc1, val_acc5=val_acc5, images_per_sec=loss_meter.count / epoch_time)
         # New: after each whole epoch (not one cut short by --max-steps), so an interrupted run can --resume.
@@ -290,6 +294,9 @@ def main():
         torch.save(model.module.state_dict(), path)  # .module: keys without the "module." prefix
         print0(f"saved: {path} and checkpoint.pt, scaler={scaler.state_dict()}")
     # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
+    prof.stop()  # --profile: writes the steps it recorded
+    if args.profile:  # a collective (all-gather): every rank's compute, communication, data, idle
+        print0(harness.gather_profile_table(prof, device))
     tb.close()
     print0(harness.gather_result_line(device, speed, model, optimizer, recipe="torch_amp", steps=step,
                                       train_loss=loss_meter.avg, val_acc1=val_acc1, val_samples=val_samples))

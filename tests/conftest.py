@@ -116,7 +116,7 @@ def ddp_counts(folder):
 def epoch_lines(stdout):
     """A recipe's per-epoch lines without the timing fields and the planned step total, which differ between runs
     (a --max-steps run plans fewer steps)."""
-    return [re.sub(r" img/s=\S+ eta=\S+", "", re.sub(r"step=(\d+)/\d+", r"step=\1", line))
+    return [re.sub(r" img/s=\S+ eta=\S+( own_ms=[^)]*\))?", "", re.sub(r"step=(\d+)/\d+", r"step=\1", line))
             for line in stdout.splitlines() if line.startswith("epoch=")]
 
 

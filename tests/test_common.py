@@ -236,6 +236,36 @@ def test_throughput_leaves_the_first_step_out_and_syncs_only_at_its_boundaries(m
     assert syncs == [torch.device("cpu")] * 5
 
 
+def test_own_ms_times_the_data_wait_and_the_forward_and_rides_on_the_meters_all_reduce(monkeypatch):
+    # A DDP-like wrapper: `outer` is what the loop calls, `inner` its module. Each step: the loop waits for data from
+    # the last step's end until it calls outer; inner's forward is the rank's own compute; the rest (DDP's waits,
+    # backward) is not timed. The first step is the warm-up, left out as images/s leaves it out.
+    stamps = iter([0.0,  # start()
+                   1.0, 2.0, 3.0, 4.0,  # step 1: called, forward starts, forward ends, step ends
+                   6.0, 7.0, 9.0, 10.0,  # step 2: data 2 s, forward 2 s
+                   11.0, 12.0, 15.0, 20.0])  # step 3: data 1 s, forward 3 s
+    monkeypatch.setattr("common.utils.time.monotonic", lambda: next(stamps))
+    inner = torch.nn.Linear(2, 2)
+    outer = torch.nn.Sequential(inner)
+    speed = Throughput(torch.device("cpu"))
+    speed.watch(outer, forward=inner)
+    speed.start()
+    for _ in range(3):
+        outer(torch.ones(1, 2))
+        speed.step(images=1)
+    speed.stop()
+    outer(torch.ones(1, 2))  # evaluation, after stop(): not timed (one more stamp would end the iterator)
+    assert speed.own_ms == pytest.approx(4000)  # (2 + 2 + 1 + 3) s over 2 steps
+    assert speed.spread == ""  # every rank's, once the all-reduce has carried them
+    meter = AverageMeter()
+    meter.update(1.0, 2)
+    meter.all_reduce(torch.device("cpu"), ride=speed)  # no process group here: this rank's alone
+    assert speed.own_ms_per_rank == [pytest.approx(4000)] and meter.avg == 1.0
+    assert speed.spread == " own_ms=4000.0-4000.0(max/min 1.00, rank 0)"
+    speed.own_ms_per_rank = [12.5, 125.0, 13.0]
+    assert speed.spread == " own_ms=12.5-125.0(max/min 10.00, rank 1)"
+
+
 # ------------------------------------------------------------------------------------- models
 
 

@@ -60,7 +60,7 @@ def test_no_helper_in_common_hides_a_collective():
     assert hidden(found) == {}
     assert found == {"all_reduce": "utils.py", "all_reduce_and_check": "utils.py", "gather_values": "utils.py",
                      "broadcast_out_dir_check": "outputs.py", "gather_result_line": "harness.py",
-                     "ddp_process_group": "harness.py"}
+                     "ddp_process_group": "harness.py", "gather_profile_table": "profiling.py"}
 
 
 def test_the_walk_finds_a_collective_hidden_one_call_deep():
@@ -102,6 +102,8 @@ def _rank0_alone_worker(rank, port, results):
         loss_meter, acc_meter, speed = AverageMeter(), AverageMeter(), harness.Throughput(device)
         tb = harness.TensorBoard(args.tb_dir, args.tb_every, True, vars(args))
         check = harness.DivergenceCheck(device)
+        speed.watch(model, forward=model)
+        prof = harness.Profiler(True, results["tb_dir"], 0, device)
         speed.start()
         for step in (1, 2):
             output = model(images)
@@ -114,8 +116,10 @@ def _rank0_alone_worker(rank, port, results):
             acc_meter.update(accuracy(output, targets)[0], 8)
             check.update(step, loss)
             speed.step(8)
+            prof.step()
             tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"])
         seconds = speed.stop()
+        prof.stop()
         with recomputed_batchnorm(model):
             model(images)
         tb.epoch(2, device, train_loss=loss_meter.avg, images_per_sec=16 / seconds)

@@ -46,27 +46,30 @@ TINY = ["--arch", "tiny", "--workers", "0"]
 # --debug-collectives (issue 42): 2 lines before init_process_group in every recipe with a process group, and DDP's
 # process_group= (a line of its own where the DDP call is indented deeper or has another keyword: apex_ddp, apex_amp,
 # ddp_compile, ddp_uneven, +1 each); dp has neither (+4).
+# --profile and own_ms (issue 42): the same 7 lines in every recipe; speed.watch() times the data wait alone where the
+# forward is compiled or waits for other ranks (dp, ddp_compile, fsdp, lm_tp, lm_fsdp_tp: +2 each, +1 against lm_tp),
+# none in lm_pp (+1, why), dp's table is no collective (+2); ddp_uneven and torch_amp: diff aligns the loop 2 lines off.
 @pytest.mark.parametrize(("base", "recipe", "max_changed"), [
-    ("ddp_torchrun", "dp", 134), ("ddp_torchrun", "ddp_launch", 39), ("ddp_torchrun", "ddp_spawn", 136),
+    ("ddp_torchrun", "dp", 138), ("ddp_torchrun", "ddp_launch", 39), ("ddp_torchrun", "ddp_spawn", 136),
     ("ddp_torchrun", "torch_amp", 176), ("ddp_torchrun", "ddp_checkpoint", 129), ("ddp_torchrun", "apex_ddp", 63),
     ("ddp_torchrun", "apex_amp", 257), ("ddp_torchrun", "mx_face_prefetch", 148),
     # ddp_compile: 78, then 81 with what --sync-bn costs it (issue 39) in its docstring and the breaks' reasons.
-    ("ddp_torchrun", "ddp_compile", 82),
+    ("ddp_torchrun", "ddp_compile", 84),
     # ddp_uneven: its training loop is indented under `with Join([model]):` (19 lines, counted twice); 123, then 136
     # with forward_sync_buffers=False and why (issue 39), 140 with the keyword chosen by torch version (2.11 has only
     # broadcast_buffers; the GPU machine's torch).
-    ("ddp_torchrun", "ddp_uneven", 141),
+    ("ddp_torchrun", "ddp_uneven", 143),
     # fsdp, ddp_zero and ddp_comm_hooks: their checkpoints are ddp_checkpoint's (sharded, consolidated, with PowerSGD's
     # state): read them against that one. ddp_zero 54 and ddp_comm_hooks 93 before issue 39 (the bucket view, and
     # PowerSGD's device sync on GPUs); fsdp 255 and ddp_comm_hooks 95 before the first GPU run (fsdp's G:N refusal,
     # PowerSGD's cuBLAS workspaces).
-    ("ddp_checkpoint", "fsdp", 260), ("ddp_checkpoint", "ddp_zero", 57), ("ddp_checkpoint", "ddp_comm_hooks", 99),
+    ("ddp_checkpoint", "fsdp", 262), ("ddp_checkpoint", "ddp_zero", 57), ("ddp_checkpoint", "ddp_comm_hooks", 99),
     # lm_tp: the plan, sharded checkpoints (fsdp.py's), loss_parallel, the gradients' layouts, and its block picture.
-    ("lm_ddp", "lm_tp", 274),
+    ("lm_ddp", "lm_tp", 276),
     # lm_pp: the stages, the schedule, the loss on the last stage, the clip across stages, DCP checkpoints (lm_tp's).
-    ("lm_ddp", "lm_pp", 322),
+    ("lm_ddp", "lm_pp", 323),
     # lm_fsdp_tp: lm_tp's with a dp dimension: the mesh, meta init, FSDP2, accumulation, the clip across meshes.
-    ("lm_tp", "lm_fsdp_tp", 301)])
+    ("lm_tp", "lm_fsdp_tp", 302)])
 def test_diff_against_its_sibling_stays_small(base, recipe, max_changed):
     diff = subprocess.run(["diff", f"recipes/{base}.py", f"recipes/{recipe}.py"], cwd=REPO,
                           capture_output=True, text=True).stdout
@@ -75,17 +78,18 @@ def test_diff_against_its_sibling_stays_small(base, recipe, max_changed):
 
 
 def test_the_flagship_imports_few_names_from_common_and_stays_short():
-    # Issue 30: at most 10 names from common/ (26 before the harness moved out), and about 200 lines: 215 now (213
-    # before --debug-collectives), 263 at c0965cd, 282 at its largest (docs/recipe_shape.md breaks it down).
+    # Issue 30: at most 10 names from common/ (26 before the harness moved out), and about 200 lines: 222 now (215
+    # before --profile and own_ms, 213 before --debug-collectives), 263 at c0965cd, 282 at its largest
+    # (docs/recipe_shape.md).
     text = (REPO / "recipes" / "ddp_torchrun.py").read_text()
     names = [alias.name for node in ast.walk(ast.parse(text)) if isinstance(node, ast.ImportFrom)
              and node.module and node.module.split(".")[0] == "common" for alias in node.names]
     assert len(names) <= 10 and "harness" in names, names
-    assert len(text.splitlines()) <= 215
+    assert len(text.splitlines()) <= 222
     # The issue's own measure of the AMP lesson's diff, `diff ddp_torchrun.py torch_amp.py | wc -l`: 241 at c0965cd.
     diff = subprocess.run(["diff", "recipes/ddp_torchrun.py", "recipes/torch_amp.py"], cwd=REPO, capture_output=True,
                           text=True).stdout
-    assert len(diff.splitlines()) <= 229
+    assert len(diff.splitlines()) <= 231
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -128,6 +132,24 @@ def test_every_recipe_with_a_process_group_takes_debug_collectives(recipe, capsy
     setup = text.split("distributed setup")[1]
     assert -1 < setup.find("dist.set_debug_level(dist.DebugLevel.DETAIL)") < setup.find("dist.init_process_group(")
     assert len(re.findall(r"\bDDP\(model,", text)) == text.count("process_group=harness.ddp_process_group(timeout)")
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_takes_profile_and_prints_each_ranks_own_ms(recipe):
+    # --profile and own_ms (docs/slow.md): the profiler steps right after each optimizer step and stops after the loop;
+    # its table is gathered only under --profile (an all-gather); own_ms rides on the epoch's loss all-reduce (no
+    # collective of its own); the forward is timed only where it is the rank's own work (DDP's inner module).
+    text = (REPO / "recipes" / f"{recipe}.py").read_text()
+    assert load_recipe(recipe).parse_args(["--profile"]).profile
+    train = text.split("# ----------------------------------------------------------------------------------- train")[1]
+    assert "prof = harness.Profiler(args.profile, args.out_dir, rank, device)" in train
+    assert len(re.findall(r"^( +)speed\.step\(.*\n\1prof\.step\(\)", text, re.M)) == text.count("prof.step()") == 1
+    assert re.search(r"prof\.stop\(\).*\n +if args\.profile:.*\n +print0\(harness\.gather_profile_table\(prof, "
+                     r"device\)\)", text)
+    assert text.count("loss_meter.all_reduce(device, ride=speed)") == 1 and "{speed.spread}\")" in text
+    watch = re.findall(r"speed\.watch\(model(, forward=model\.module)?\)", text)
+    assert watch == ([] if recipe == "lm_pp" else [", forward=model.module"] if
+                     "DDP(" in text and recipe != "ddp_compile" else [""]), watch
 
 
 # --------------------------------------------------------------------------------- ddp_launch

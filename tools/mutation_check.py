@@ -136,6 +136,15 @@ EDITS = [
          "dist.set_debug_level(dist.DebugLevel.DETAIL)  # before init", "pass  # before init"),
     Edit("ddp_checked_group", "DDP on gloo's checked group under --debug-collectives: torch 2.14's DDP dies (SIGSEGV)",
          'return dist.new_group(backend="gloo", timeout=timeout)', "return None", file="common/harness.py"),
+    # Issue 42: where the time goes (--profile's table, the epoch line's own_ms).
+    Edit("profile_gloo_comm", "--profile blind to gloo: collectives run on gloo's own threads, not the training one",
+         'comm = [span(e) for e in events if e["name"].startswith("gloo:")]', "comm = []",
+         file="common/profiling.py"),
+    Edit("profile_waits_compute", "an operator blocked on a collective (DTensor's wait_tensor) counted as compute",
+         '            active.discard("compute")', "            pass", file="common/profiling.py"),
+    Edit("own_ms_forward", "own_ms that counts DDP's wait for other ranks: timed from the call, not the inner forward",
+         "            forward.register_forward_pre_hook(self._forward_starts)",
+         "            model.register_forward_pre_hook(self._forward_starts, prepend=True)", file="common/utils.py"),
 ]
 # Edits that mean something in the language models too; the others are the image recipes' lessons.
 LM_TOO = {"divergence_check"}
@@ -149,7 +158,10 @@ CONFORMANCE = "tests/test_conformance.py"
 # --debug-collectives is ddp_launch's on 3 processes), and that test.
 ONE_RECIPE = {"hang_stacks": ("ddp_torchrun", ["tests/test_failures.py", "-k", "diverging_ranks"]),
               "debug_level": ("ddp_torchrun", ["tests/test_failures.py", "-k", "debug_collectives"]),
-              "ddp_checked_group": ("ddp_launch", [CONFORMANCE, "-k", "[ddp_launch:3]"])}
+              "ddp_checked_group": ("ddp_launch", [CONFORMANCE, "-k", "[ddp_launch:3]"]),
+              "profile_gloo_comm": ("ddp_torchrun", ["tests/test_profile.py", "-k", "cpu_step"]),
+              "profile_waits_compute": ("ddp_torchrun", ["tests/test_profile.py", "-k", "cpu_step"]),
+              "own_ms_forward": ("ddp_torchrun", ["tests/test_common.py", "-k", "own_ms"])}
 RESUME_TESTS = {
     "ddp_checkpoint": "tests/test_recipe_variants.py::test_resume_reproduces_the_uninterrupted_run_bitwise",
     "torch_amp": "tests/test_recipe_variants.py::test_fp16_trains_and_the_scaler_state_survives_resume",

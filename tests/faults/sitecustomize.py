@@ -140,3 +140,23 @@ if os.environ.get("FAULT_NAN_BATCH") and os.environ.get("RANK", "0") == os.envir
         return generate()
 
     torch.utils.data.DataLoader.__iter__ = _with_a_nan_batch
+
+# FAULT_SLOW="RANK:SECONDS": in the process whose RANK is RANK (a process without RANK counts as rank 0), every
+# training-mode forward of an nn.Linear sleeps SECONDS first, as a slower GPU or a throttled CPU would make its
+# forward: a straggler, not a hang (issue 42's straggler drill). Eval's forwards run at full speed.
+if os.environ.get("FAULT_SLOW") and os.environ.get("RANK", "0") == os.environ["FAULT_SLOW"].split(":")[0]:
+    import torch.nn
+
+    _pause, _linear = float(os.environ["FAULT_SLOW"].split(":")[1]), torch.nn.Linear.forward
+    _told = []
+
+    def _slow_linear(self, x):
+        if self.training:
+            if not _told:
+                _told.append(1)
+                sys.stdout.write(f"FAULT: rank {os.environ.get('RANK', '0')} sleeps {_pause} s in each nn.Linear\n")
+                sys.stdout.flush()
+            time.sleep(_pause)
+        return _linear(self, x)
+
+    torch.nn.Linear.forward = _slow_linear

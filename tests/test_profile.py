@@ -1,0 +1,137 @@
+"""--profile and the epoch line's own_ms (issue 42: where the time goes): common/profiling.py's cut of a step, on
+traces built by hand (test doubles of torch.profiler's output, named so) and on real runs, and the straggler drill."""
+
+import json
+import re
+
+import pytest
+from conftest import REPO, launch, result_of, run_direct
+
+from common.profiling import LABELS, breakdown
+
+TINY = ("--dataset", "synthetic", "--arch", "tiny", "--epochs", "1")
+ROW = re.compile(r"^ +(\d+) +([\d.]+) +([\d.]+)% +([\d.]+)% +\(([\d.]+)%\) +([\d.]+)% +([\d.]+)% +([\d.]+)%$", re.M)
+OWN = re.compile(r" own_ms=([\d.]+)-([\d.]+)\(max/min ([\d.]+), rank (\d+)\)$", re.M)
+
+
+def table(stdout):
+    """The profile table's rows: {rank: {step_ms, compute, communication, overlapped, data, optimizer, idle}}."""
+    names = ("step_ms", "compute", "communication", "overlapped", "data", "optimizer", "idle")
+    return {int(m[0]): dict(zip(names, map(float, m[1:]), strict=True)) for m in ROW.findall(stdout)}
+
+
+def x(name, ts, dur, tid=1, cat="cpu_op", **args):
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1, "cat": cat, "args": args}
+
+
+def trace_double(*events, gloo_tid=9):
+    """A Chrome trace as torch.profiler's export_chrome_trace writes it, cut down to what breakdown() reads."""
+    meta = {"ph": "M", "name": "thread_name", "tid": gloo_tid, "pid": 1, "args": {"name": "pt_gloo_runloop"}}
+    return {"traceEvents": [meta, *events]}
+
+
+def test_a_cpu_step_is_cut_into_shares_that_add_up_to_100():
+    # Two steps of 100 us. Step 1: data 0-10, forward+backward 10-60 with gloo's all-reduce 40-80 on its own thread
+    # (20 us overlapped, 20 exposed), optimizer 85-95, idle 80-85 and 95-100. Step 2: a DTensor wait 110-150 on the
+    # training thread (an operator blocked on gloo's 110-150 is waiting, not computing), compute 150-200.
+    trace = trace_double(
+        x("ProfilerStep#2", 0, 100, cat="user_annotation"), x("ProfilerStep#3", 100, 100, cat="user_annotation"),
+        x("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", 0, 10, cat="user_annotation"),
+        x("aten::addmm", 10, 50), x("gloo:all_reduce", 40, 40, tid=9, cat="user_annotation"),
+        x("Optimizer.step#SGD.step", 85, 10, cat="user_annotation"), x("aten::add_", 86, 8),
+        x("aten::mm", 100, 100), x("_c10d_functional::wait_tensor", 110, 40),
+        x("gloo:all_reduce", 110, 40, tid=9, cat="user_annotation"))
+    shares = breakdown(trace)
+    assert shares["steps"] == 2 and shares["step_ms"] == pytest.approx(0.1)
+    assert {k: round(shares[k], 6) for k in (*LABELS, "overlapped")} == {
+        "data": 5.0, "compute": 55.0, "overlapped": 10.0, "communication": 30.0, "optimizer": 5.0, "idle": 5.0}
+    assert sum(shares[k] for k in LABELS) == pytest.approx(100)
+    assert breakdown(trace, complete=1)["steps"] == 1  # a run cut short: its last step ran on through eval
+
+
+def test_a_gpu_step_is_cut_on_the_gpus_timeline():
+    # The GPU trails the host: the step's host range is 0-100, the kernels it launched run 20-120. NCCL's kernel 60-100
+    # overlaps compute 20-80 by 20 and runs alone 80-100; the kernel at 100-110 was launched inside the optimizer's
+    # host range; the GPU has nothing 0-20, while the host waits for data, and 110-112.
+    trace = trace_double(
+        x("ProfilerStep#2", 0, 100, cat="user_annotation"),
+        x("enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__", 0, 20, cat="user_annotation"),
+        x("Optimizer.step#AdamW.step", 90, 5, cat="user_annotation"),
+        *(x("cudaLaunchKernel", ts, 1, cat="cuda_runtime", correlation=c) for ts, c in ((15, 3), (50, 4), (91, 7),
+                                                                                        (96, 5))),
+        x("void gemm_kernel", 20, 60, tid=7, cat="kernel", correlation=3),
+        x("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 60, 40, tid=8, cat="kernel", correlation=4),
+        x("multi_tensor_apply_kernel", 100, 10, tid=7, cat="kernel", correlation=7),
+        x("void elementwise_kernel", 112, 8, tid=7, cat="kernel", correlation=5))
+    shares = breakdown(trace)
+    assert shares["step_ms"] == pytest.approx(0.12)  # to the last kernel's end
+    assert {k: round(shares[k] * 1.2, 6) for k in (*LABELS, "overlapped")} == {
+        "data": 20.0, "compute": 68.0, "overlapped": 20.0, "communication": 20.0, "optimizer": 10.0, "idle": 2.0}
+
+
+def test_profile_writes_a_trace_per_rank_and_a_table_that_adds_up(tmp_path):
+    two = launch("recipes/ddp_torchrun.py", "cpu:2", *TINY, "--max-steps", "10", "--profile", "--out-dir",
+                 tmp_path / "two")
+    one = launch("recipes/ddp_torchrun.py", "cpu:1", *TINY, "--max-steps", "10", "--profile", "--out-dir",
+                 tmp_path / "one")
+    for proc, out, ranks in ((two, tmp_path / "two", 2), (one, tmp_path / "one", 1)):
+        result_of(proc)  # exit 0, one RESULT line
+        assert "profile: steps 3-6, traces in" in proc.stdout
+        rows = table(proc.stdout)
+        assert sorted(rows) == list(range(ranks)), proc.stdout
+        for rank, row in rows.items():
+            assert sum(row[k] for k in LABELS) == pytest.approx(100, abs=0.3), row
+            trace = json.loads((out / "profile" / f"trace_rank{rank}.json").read_text())
+            assert sum(e["name"].startswith("ProfilerStep#") for e in trace["traceEvents"]) >= 4
+        assert sorted(p.name for p in (out / "profile").iterdir()) == [f"trace_rank{r}.json" for r in range(ranks)]
+        (own,) = OWN.findall(proc.stdout)  # the epoch line's spread over ranks: even ranks, no straggler
+        assert 0 < float(own[0]) <= float(own[1]) and float(own[2]) < 2, proc.stdout
+    print("2 ranks:", table(two.stdout), "\n1 rank:", table(one.stdout))
+    # DDP's gradient all-reduce: found with 2 ranks, absent with one (gloo's all-reduce over one rank returns at once)
+    assert all(row["communication"] + row["overlapped"] > 3 for row in table(two.stdout).values())
+    assert table(one.stdout)[0]["communication"] + table(one.stdout)[0]["overlapped"] < 2
+
+
+def test_a_run_shorter_than_the_schedule_writes_what_it_recorded(tmp_path):
+    short = run_direct("ddp_torchrun", *TINY, "--max-steps", "4", "--profile", "--out-dir", tmp_path / "four")
+    assert short.returncode == 0, short.stderr
+    assert "profile: steps 3-4, traces in" in short.stdout and len(table(short.stdout)) == 1
+    assert (tmp_path / "four" / "profile" / "trace_rank0.json").stat().st_size > 0
+    none = run_direct("ddp_torchrun", *TINY, "--max-steps", "2", "--profile", "--out-dir", tmp_path / "two")
+    assert none.returncode == 0, none.stderr
+    assert ("profile: nothing recorded: the run ended before step 3, the first one profiled (steps 1-2 are warm-up); "
+            "run at least 3 steps") in none.stdout
+    assert not (tmp_path / "two" / "profile").exists()
+
+
+@pytest.mark.slow
+def test_straggler_drill_names_the_slow_rank_on_the_epoch_line_and_in_the_profile(tmp_path):
+    # One rank of 3 ten times slower (tests/faults FAULT_SLOW: each training forward of an nn.Linear sleeps 0.2 s;
+    # a step takes ~15 ms here): a straggler, not a hang. The others wait for it in DDP's gradient all-reduce, so
+    # every rank's wall-clock step is the same; the epoch line's own_ms and the profile's table tell them apart.
+    env = {"PYTHONPATH": str(REPO / "tests" / "faults"), "FAULT_SLOW": "2:0.2"}
+    proc = launch("recipes/ddp_torchrun.py", "cpu:3", *TINY, "--max-steps", "8", "--profile", "--out-dir", tmp_path,
+                  env=env)
+    result_of(proc)
+    print(proc.stdout)
+    assert "FAULT: rank 2 sleeps 0.2 s in each nn.Linear" in proc.stdout
+    (own,) = OWN.findall(proc.stdout)
+    assert own[3] == "2" and float(own[2]) >= 5, own  # the slowest rank, and max/min
+    rows = table(proc.stdout)
+    assert rows[2]["idle"] > 60 and rows[2]["communication"] < 10, rows  # it sleeps; nobody makes it wait
+    assert all(rows[r]["communication"] > 60 for r in (0, 1)), rows  # they wait for it
+    assert len({round(row["step_ms"], -1) for row in rows.values()}) == 1, rows  # the same wall-clock step
+
+
+@pytest.mark.slow
+def test_tensor_parallel_waits_count_as_communication_not_compute(tmp_path):
+    # lm_tp's forward all-reduces on the training thread (DTensor's wait_tensor): the operators around that wait are
+    # blocked, not computing, so its communication is exposed; the batches come from common/lm.py's "data" range.
+    proc = launch("recipes/lm_tp.py", "cpu:2", "--max-steps", "7", "--profile", "--out-dir", tmp_path)
+    result_of(proc)
+    rows = table(proc.stdout)
+    print(rows)
+    assert sorted(rows) == [0, 1]
+    assert all(row["communication"] > 5 and row["compute"] > 30 for row in rows.values()), rows
+    assert all(sum(row[k] for k in LABELS) == pytest.approx(100, abs=0.3) for row in rows.values())
+    assert OWN.search(proc.stdout), proc.stdout  # own_ms: the data wait alone (lm_tp's forward waits for its peer)
