@@ -99,7 +99,8 @@ def segments(trace, complete=None):
     collective at once)), or None where no step was recorded. complete: how many recorded steps to count, the first
     ones (the rest ran on after training). See the module's docstring."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-    marks = sorted((e for e in events if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"])
+    marks = sorted((e for e in events if e["name"].startswith("ProfilerStep#") and e.get("cat") == "user_annotation"),
+                   key=lambda e: e["ts"])  # the host's (a GPU's timeline repeats them as gpu_user_annotation)
     marks = marks[:complete] if complete is not None else marks
     if not marks:
         return None

@@ -101,6 +101,9 @@ NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsew
     "python -m pytest -m gpu --collect-only": "tests/test_gpu_tier.py runs it with the GPUs hidden: exit 0, a test "
                                               "per recipe",
     "python3 -m venv .venv": "the set-up of the environment this suite runs in (.ci/run makes its own)",
+    "NCCL_DEBUG=INFO ./launch.sh recipes/ddp_torchrun.py 0,1 --max-steps 20":
+        "NCCL's log of its transports: GPUs only (gloo ignores the variable; the recipe's 2-process run is the "
+        "quickstart's)",
 }
 # Documented failures on a CPU box: (exit code, a line the error output must hold).
 APEX_NEEDS_A_GPU = (2, "error: NVIDIA apex needs a GPU and none is visible")
@@ -230,14 +233,16 @@ def stand_in(command, data):
     if recipe is None:
         return argv + rest, env, nodes
     name = recipe.split("/")[-1][:-3]
+    # --profile records from step 3 (steps 1-2 are warm-up): 4 steps, 2 of them profiled
+    length = ["--max-steps", "4"] if "--profile" in rest else ["--max-steps", "1"]
     if name.startswith("lm_"):  # text: the user's folder becomes a real one every machine has (the json package)
         if "--text" in rest:
             rest[rest.index("--text") + 1] = str(Path(sysconfig.get_paths()["stdlib"]) / "json")
-        return argv + rest + ["--max-steps", "1"], env, nodes
+        return argv + rest + length, env, nodes
     # Data a CPU box cannot have, replaced by data it can.
     if _flag(rest, "--dataset") == "cifar100" or (name != "mx_face_prefetch" and "--dataset" not in rest):
         rest = [("synthetic" if w == "cifar100" else w) for w in rest]
-        rest += ["--synthetic-train", "128", "--synthetic-val", "64"]
+        rest += ["--synthetic-train", "512" if "--profile" in rest else "128", "--synthetic-val", "64"]
         if "--image-size" not in rest:  # small in every way: 8 px (still below 64: the same stem and transforms)
             rest += ["--image-size", "8"]
     if _flag(rest, "--dataset") == "imagefolder":
@@ -246,7 +251,7 @@ def stand_in(command, data):
         rest[rest.index("--rec") + 1] = str(data / "rec")
         if "--num-classes" in rest:
             rest[rest.index("--num-classes") + 1] = "10"
-    return argv + rest + ["--max-steps", "1"], env, nodes
+    return argv + rest + length, env, nodes
 
 
 def data_word(word, data):
@@ -257,6 +262,9 @@ def producer(index, commands):
     """The earlier command whose output `commands[index]` reads (--resume, --init-from), or None."""
     where, command = commands[index]
     words = shlex.split(command)
+    if "tools/plot_profile.py" in words:  # draws the traces of the --profile run printed before it
+        return next((j for j in range(index - 1, -1, -1) if commands[j][0] == where
+                     and "--profile" in shlex.split(commands[j][1]) and commands[j][1] not in NOT_RUN), None)
     resume, init = _flag(words, "--resume"), _flag(words, "--init-from")
     if not init and resume in (None, "auto"):  # auto: goes on from a checkpoint if there is one, else starts
         return None
@@ -363,4 +371,7 @@ def test_every_documented_command_runs_on_a_cpu_stand_in(index, digits, folders,
             parts = 1 if "recipes/lm_tp.py" in words else parts  # tensor parallel: every rank takes the whole batch
             default = 32 if any(w.startswith("recipes/lm_") for w in words) else 128  # sequences, images
             assert int(setup[2]) == default // parts * parts, setup[0]
+    if "--profile" in words:  # the table, every rank's row, after the 2 steps the stand-in's 4 leave it
+        out = "".join(r.stdout for r in results)
+        assert "profile: steps 3-4, traces in" in out and re.search(r"^ +0 +[\d.]+ +[\d.]+%", out, re.M), shown
     assert os.listdir(cwd) is not None

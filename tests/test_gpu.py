@@ -25,6 +25,7 @@ import time
 import pytest
 import test_comm_hooks as cpu_hooks  # the CPU tests' runs and expectations, reused for the same runs on the GPU
 import test_fsdp as cpu_fsdp
+import test_profile as cpu_profile  # the profile table's reader
 import test_uneven as cpu_uneven
 import torch
 import torch.multiprocessing as mp
@@ -36,6 +37,7 @@ from torch.utils.data.distributed import DistributedSampler
 from common.data import SyntheticImages, build_datasets
 from common.loader import DataLoaderX
 from common.models import build_model
+from common.profiling import LABELS
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="the GPU tier needs a CUDA GPU; none here")]
@@ -638,8 +640,29 @@ def test_debug_collectives_on_gpu(tmp_path):
     print(f"--debug-collectives on GPU ({TWO_RANKS}): exit {code}\n{stderr[-2000:]}")
     assert code == 1, job.output()
     said = [line.split("error: ", 1)[1] for line in error_lines(stderr)]
-    assert said and all(re.match(r"the ranks called different collectives: rank 0 called ALLREDUCE of shape \[2\] "
-                                 r"\w+ .*rank 1 called ALLREDUCE of shape \[3\]", line) for line in said), said
+    assert said and all(re.match(r"the ranks called different collectives: rank 0 called ALLREDUCE of shape \[4\] "
+                                 r"\w+ .*rank 1 called ALLREDUCE of shape \[5\]", line) for line in said), said
+
+
+def test_profile_on_gpu(tmp_path):
+    # --profile on a GPU: the trace holds the GPU's kernels, and the table is cut on the GPU's timeline (its kernels;
+    # NCCL's, or gloo's host ranges on 0:2, are communication) and adds up. own_ms times forwards with CUDA events.
+    one = launch("recipes/ddp_torchrun.py", "0", *TINY, "--max-steps", "10", "--profile", "--out-dir",
+                 tmp_path / "one")
+    two = launch("recipes/ddp_torchrun.py", TWO_RANKS, *TINY, "--max-steps", "10", "--profile", "--out-dir",
+                 tmp_path / "two")
+    for proc, out, ranks in ((one, tmp_path / "one", 1), (two, tmp_path / "two", 2)):
+        result_of(proc)
+        rows = cpu_profile.table(proc.stdout)
+        print(f"--profile on GPU ({ranks} rank(s)):", rows, cpu_profile.OWN.findall(proc.stdout))
+        assert sorted(rows) == list(range(ranks)), proc.stdout
+        assert all(sum(row[k] for k in LABELS) == pytest.approx(100, abs=0.3) for row in rows.values()), rows
+        assert all(row["compute"] > 5 for row in rows.values()), rows
+        trace = json.loads((out / "profile" / "trace_rank0.json").read_text())
+        assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])
+        (own,) = cpu_profile.OWN.findall(proc.stdout)
+        assert 0 < float(own[0]) <= float(own[1]), own
+    assert all(row["communication"] + row["overlapped"] > 0.5 for row in cpu_profile.table(two.stdout).values())
 
 
 def test_drill_7_ctrl_c_stops_every_process(tmp_path):

@@ -8,6 +8,7 @@ import pytest
 from conftest import REPO, launch, result_of, run_direct
 
 from common.profiling import LABELS, breakdown
+from tools.plot_profile import main as plot_profile
 
 TINY = ("--dataset", "synthetic", "--arch", "tiny", "--epochs", "1")
 ROW = re.compile(r"^ +(\d+) +([\d.]+) +([\d.]+)% +([\d.]+)% +\(([\d.]+)%\) +([\d.]+)% +([\d.]+)% +([\d.]+)%$", re.M)
@@ -55,6 +56,7 @@ def test_a_gpu_step_is_cut_on_the_gpus_timeline():
     # host range; the GPU has nothing 0-20, while the host waits for data, and 110-112.
     trace = trace_double(
         x("ProfilerStep#2", 0, 100, cat="user_annotation"),
+        x("ProfilerStep#2", 20, 100, tid=7, cat="gpu_user_annotation"),  # the GPU's copy of the step's range
         x("enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__", 0, 20, cat="user_annotation"),
         x("Optimizer.step#AdamW.step", 90, 5, cat="user_annotation"),
         *(x("cudaLaunchKernel", ts, 1, cat="cuda_runtime", correlation=c) for ts, c in ((15, 3), (50, 4), (91, 7),
@@ -90,6 +92,15 @@ def test_profile_writes_a_trace_per_rank_and_a_table_that_adds_up(tmp_path):
     # DDP's gradient all-reduce: found with 2 ranks, absent with one (gloo's all-reduce over one rank returns at once)
     assert all(row["communication"] + row["overlapped"] > 3 for row in table(two.stdout).values())
     assert table(one.stdout)[0]["communication"] + table(one.stdout)[0]["overlapped"] < 2
+    # The picture of it (docs/slow.md's): a PNG with a row per rank.
+    assert plot_profile([str(tmp_path / "two" / "profile"), "--out", str(tmp_path / "two.png"), "--steps", "2"]) == 0
+    assert (tmp_path / "two.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_profile_refuses_a_folder_without_traces(tmp_path, capsys):
+    assert plot_profile([str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"error: no trace_rank*.json in {tmp_path}: run a recipe with --profile (at "
+                                       "least 3 steps)\n")
 
 
 def test_a_run_shorter_than_the_schedule_writes_what_it_recorded(tmp_path):

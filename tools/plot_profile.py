@@ -1,0 +1,70 @@
+"""Draw where each rank's step time goes, from the traces --profile wrote: ranks as rows, time along the steps.
+
+    ./launch.sh recipes/ddp_torchrun.py cpu:2 --dataset synthetic --arch tiny --max-steps 10 --profile
+    python tools/plot_profile.py runs/ddp_torchrun/profile --out profile.png            # every recorded step
+    python tools/plot_profile.py runs/ddp_torchrun/profile --steps 1 --out profile.png  # the first one alone
+
+Each rank's time is cut as the --profile table cuts it (common/profiling.py: compute, communication while nothing
+computes, compute with a collective under it, data, optimizer, idle). Time
+counts from each rank's first recorded step: the ranks' steps end together (DDP's all-reduce), so the rows line up.
+docs/slow.md shows two: DDP's all-reduce under backward, and a straggler.
+"""
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.profiling import segments
+
+COLOURS = {"compute": "#4c72b0", "both": "#8172b2", "communication": "#c44e52", "data": "#dd8452",
+           "optimizer": "#55a868", "idle": "#eeeeee"}
+NAMES = {"both": "compute + a collective (overlapped)", "communication": "communication (waiting)"}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("folder", help="OUT_DIR/profile of a run with --profile (trace_rank0.json, trace_rank1.json, ...)")
+    p.add_argument("--out", default="profile.png", help="the PNG to write")
+    p.add_argument("--steps", type=int, help="draw only the first N recorded steps (default: all)")
+    p.add_argument("--title", help="the picture's title (default: the folder)")
+    args = p.parse_args(argv)
+    files = sorted(Path(args.folder).glob("trace_rank*.json"), key=lambda f: int(re.findall(r"\d+", f.name)[-1]))
+    if not files:
+        print(f"error: no trace_rank*.json in {args.folder}: run a recipe with --profile (at least 3 steps)",
+              file=sys.stderr)
+        return 2
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 0.7 * len(files) + 1.6))
+    used = set()
+    for row, path in enumerate(files):
+        steps, pieces = segments(json.loads(path.read_text()), complete=args.steps)
+        start, end = steps[0][0], steps[-1][1]
+        y = len(files) - 1 - row  # rank 0 on top
+        for label in COLOURS:
+            bars = [((a - start) / 1000, (b - a) / 1000) for a, b, lab in pieces if lab == label and a < end]
+            if bars:
+                ax.broken_barh(bars, (y - 0.35, 0.7), facecolors=COLOURS[label], edgecolor="none")
+                used.add(label)
+        for a, _ in steps[1:]:  # where each step begins
+            ax.plot([(a - start) / 1000] * 2, [y - 0.45, y + 0.45], color="black", linewidth=0.8)
+    ax.set_yticks(range(len(files)), [f"rank {len(files) - 1 - y}" for y in range(len(files))])
+    ax.set_xlabel("ms from the first recorded step (black ticks: the next step begins)")
+    ax.set_title(args.title or str(args.folder))
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[k]) for k in COLOURS if k in used]
+    ax.legend(handles, [NAMES.get(k, k) for k in COLOURS if k in used], loc="upper center", ncol=3, fontsize=8,
+              bbox_to_anchor=(0.5, -0.35 if len(files) < 3 else -0.22), frameon=False)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110)
+    print(f"wrote {args.out}: {len(files)} ranks")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
