@@ -101,15 +101,15 @@ def check_text(train, val, seq_len, val_windows):
                         f"last {VAL_FRACTION:.0%}); use a longer text or a smaller --seq-len")
 
 
-@torch.profiler.record_function("data")  # --profile counts it as waiting for data (common/profiling.py)
 def train_batch(train, step, seed, batch_size, seq_len, dp_rank, dp_size):
     """Step `step`'s sequences for data-parallel rank dp_rank of dp_size: (inputs, targets), each (B / D, seq_len)
     int64. The global batch's starts come from a generator seeded with (seed, step) alone."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    starts = torch.randint(0, len(train) - seq_len - 1, (batch_size,), generator=g)
-    mine = starts.view(dp_size, batch_size // dp_size)[dp_rank]
-    rows = torch.stack([train[s:s + seq_len + 1] for s in mine.tolist()]).long()
-    return rows[:, :-1], rows[:, 1:]
+    with torch.profiler.record_function("data"):  # --profile counts it as waiting for data (common/profiling.py)
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        starts = torch.randint(0, len(train) - seq_len - 1, (batch_size,), generator=g)
+        mine = starts.view(dp_size, batch_size // dp_size)[dp_rank]
+        rows = torch.stack([train[s:s + seq_len + 1] for s in mine.tolist()]).long()
+        return rows[:, :-1], rows[:, 1:]
 
 
 def val_windows(val, seq_len, count):

@@ -96,8 +96,11 @@ class _PrefetchIterator:
     def __iter__(self):
         return self
 
-    @torch.profiler.record_function("data")  # --profile: the training thread waits for a batch (common/profiling.py)
     def __next__(self):
+        with torch.profiler.record_function("data"):  # --profile: the training thread waits for a batch
+            return self._next()
+
+    def _next(self):
         if self.stop.is_set():
             raise StopIteration
         while True:

@@ -43,7 +43,7 @@ class Profiler:
 
     def __init__(self, enabled, out_dir, rank, device):
         self.path = os.path.join(out_dir, "profile", f"trace_rank{rank}.json")
-        self.shares, self.prof, self.calls = None, None, 0
+        self.shares, self.prof, self.calls, self._recorded = None, None, 0, False
         if not enabled:
             return
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -62,18 +62,26 @@ class Profiler:
             self.prof.step()
 
     def stop(self):
-        if self.prof is not None:
-            self.prof.stop()
-            self.prof = None
-
-    def _save(self, prof):
+        """Stops the profiler and writes the trace: here, after training, not at step 6 inside the loop (that would
+        stall a step and count as its data wait). Local."""
+        if self.prof is None:
+            return
+        prof, self.prof = self.prof, None
+        prof.stop()
         complete = min(self.calls - STEPS_SKIPPED, STEPS_RECORDED)  # a run cut short: its last recorded step runs
-        if complete < 1:  # on to stop(), through eval and the save; none before it: nothing to write
+        if not self._recorded or complete < 1:  # on to stop(), through eval and the save; none before: nothing
             return
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         prof.export_chrome_trace(self.path)
         with open(self.path) as f:
-            self.shares = breakdown(json.load(f), complete=complete)
+            trace = json.load(f)
+        trace["completeSteps"] = complete  # for tools/plot_profile.py: the steps that are whole training steps
+        with open(self.path, "w") as f:
+            json.dump(trace, f)
+        self.shares = breakdown(trace, complete=complete)
+
+    def _save(self, prof):
+        self._recorded = True  # the schedule's end (or stop()): the results stay in `prof` until stop() writes them
 
 
 def _union(intervals):
@@ -119,7 +127,9 @@ def segments(trace, complete=None):
                     if e.get("cat") in ("cuda_runtime", "cuda_driver")}
         launched = lambda e: launches.get(e["args"].get("correlation"), e["ts"])  # noqa: E731
         device = [e for e in device if start <= launched(e) < end]  # launched in the recorded steps
-        optimizer = _union(span(e) for e in device if _inside(launched(e), optimizer))
+        # The optimizer's: launched (as the trace shows) inside its range; NCCL's stay communication (ZeRO's).
+        optimizer = _union(span(e) for e in device if not is_comm(e) and _inside(
+            launches.get(e["args"].get("correlation"), -1.0), optimizer))
         comm += [span(e) for e in device if is_comm(e)]
         compute = _union(span(e) for e in device if not is_comm(e))
         end = max([end] + [e["ts"] + e["dur"] for e in device])  # the GPU trails the host: to its last kernel's end
@@ -129,7 +139,7 @@ def segments(trace, complete=None):
         # less those that wait for a collective (DTensor's wait_tensor, and the operators around it)
         compute = _union(span(e) for e in host if e.get("cat") == "cpu_op")
         waits = _union(span(e) for e in host if e.get("cat") == "cpu_op" and _WAITS.search(e["name"]))
-        order = ("data", "optimizer", "both", "compute", "communication")
+        order = ("data", "wait", "optimizer", "both", "compute", "communication")
     sets = {"data": data, "optimizer": optimizer, "compute": compute, "communication": _union(comm), "waits": waits}
     # Sweep: cut [start, end) at every boundary; each piece takes the first label of `order` active in it ("both":
     # compute and communication at once); neighbours with one label are one piece.
@@ -141,7 +151,10 @@ def segments(trace, complete=None):
             active.discard("compute")
         if {"compute", "communication"} <= active:
             active.add("both")
+        elif "communication" in active:  # a collective and no compute: waiting, also inside optimizer.step (ZeRO)
+            active.add("wait")
         label = next((name for name in order if name in active), "idle")
+        label = "communication" if label == "wait" else label
         if pieces and pieces[-1][2] == label and pieces[-1][1] == a:
             pieces[-1] = (pieces[-1][0], b, label)
         else:
@@ -179,16 +192,21 @@ def gather_profile_table(profiler, device):
         rows = [mine]
     rows = [r.tolist() for r in rows]
     where = os.path.join(os.path.dirname(profiler.path), "trace_rank*.json")
-    if any(r[0] != r[0] for r in rows):  # NaN: that rank recorded nothing
+    recorded = [r for r in rows if r[0] == r[0]]  # NaN: that rank recorded nothing
+    if not recorded:
         return (f"profile: nothing recorded: the run ended before step {STEPS_SKIPPED + 1}, the first one profiled "
                 f"(steps 1-{STEPS_SKIPPED} are warm-up); run at least {STEPS_SKIPPED + 1} steps")
-    lines = [f"profile: steps {STEPS_SKIPPED + 1}-{STEPS_SKIPPED + int(rows[0][0])}, traces in {where} "
+    steps = sorted({int(r[0]) for r in recorded})  # ranks with uneven inputs (ddp_uneven.py) may differ
+    lines = [f"profile: this run's steps {STEPS_SKIPPED + 1}-{STEPS_SKIPPED + steps[-1]}, traces in {where} "
              "(chrome://tracing or https://ui.perfetto.dev)",
              f"{'rank':>4} {'step_ms':>8} {'compute':>8} {'communication':>14} {'(overlapped)':>13} {'data':>6} "
              f"{'optimizer':>10} {'idle':>6}"]
-    for rank, (_, step_ms, compute, comm, data, opt, idle, overlapped) in enumerate(rows):
+    for rank, (count, step_ms, compute, comm, data, opt, idle, overlapped) in enumerate(rows):
+        if count != count:
+            lines.append(f"{rank:>4} nothing recorded: it took fewer than {STEPS_SKIPPED + 1} steps")
+            continue
         lines.append(f"{rank:>4} {step_ms:>8.1f} {compute:>7.1f}% {comm:>13.1f}% {f'({overlapped:.1f}%)':>13} "
-                     f"{data:>5.1f}% {opt:>9.1f}% {idle:>5.1f}%")
+                     f"{data:>5.1f}% {opt:>9.1f}% {idle:>5.1f}%" + (f" ({int(count)} steps)" if len(steps) > 1 else ""))
     lines.append("shares of each rank's recorded steps: compute + communication + data + optimizer + idle = 100%; "
                  "communication is time a collective ran while the rank computed nothing (waiting for the others); "
                  "(overlapped) is collective time hidden behind compute, counted in compute")

@@ -392,18 +392,22 @@ class Throughput:
 
     def watch(self, model, forward=None):
         """Time this rank's own work in each training step, the part no other rank can slow down: from the end of
-        the last step until `model` (what the loop calls) is called, i.e. waiting for data, plus the forward of
-        `forward` (DDP: model.module, which runs after DDP's broadcast of the buffers, a wait for every rank, and
-        before backward's gradient all-reduce, another). Leave forward out where the forward itself waits for other
-        ranks (FSDP's all-gathers, tensor parallel's all-reduces): the data wait alone. A straggler, slow in its
-        data or its forward, shows as the largest own_ms; under DDP every rank's wall-clock step is the same, since
-        the others wait for it. Forward hooks, local; on a GPU CUDA events, read at stop(): no sync per step."""
+        the last step (step(), after the loop's own logging) until `model` (what the loop calls) is called, i.e.
+        waiting for data, plus the forward of `forward` (DDP: model.module, which runs after DDP's broadcast of the
+        buffers, a wait for every rank, and before backward's gradient all-reduce, another). Leave forward out where
+        the forward itself waits for other ranks (FSDP's all-gathers, tensor parallel's all-reduces, SyncBatchNorm's
+        all-gathers): the data wait alone. A straggler, slow in its data or its forward, shows as the largest
+        own_ms; under DDP every rank's wall-clock step is the same, since the others wait for it. With gradient
+        accumulation: the first micro-batch's data wait and every micro-batch's forward.
+        Forward hooks, local. The data wait is the host's clock (on a GPU too: a wait the GPU's queue hides is still
+        the rank's); the forward, on a GPU, CUDA events read at stop(): no sync per step."""
         model.register_forward_pre_hook(self._called, prepend=True)  # before any other pre-hook (FSDP's gather)
         if forward is not None:
             forward.register_forward_pre_hook(self._forward_starts)
             forward.register_forward_hook(self._forward_ends)
 
     def _stamp(self):
+        """The forward's marks: a recorded CUDA event on a GPU, else the clock."""
         if self.device.type != "cuda":
             return time.monotonic()  # (perf_counter is the epoch's clock, read after a sync)
         event = torch.cuda.Event(enable_timing=True)
@@ -412,7 +416,7 @@ class Throughput:
 
     def _called(self, *_):
         if self._step_end is not None:  # the step's first call (micro-batches: later calls follow a backward)
-            self._own_step.append((self._step_end, self._stamp()))
+            self._own_step.append((self._step_end, time.monotonic()))
             self._step_end = None
 
     def _forward_starts(self, *_):
@@ -431,7 +435,7 @@ class Throughput:
     def start(self):
         self._epoch_start = self._since = self._now()
         self._images = self._steps = 0
-        self._step_end, self._own_step, self._own_epoch = self._stamp(), [], []
+        self._step_end, self._own_step, self._own_epoch = time.monotonic(), [], []
 
     def step(self, images):
         if self.first_step_at is None:  # the warm-up step: measured from its end
@@ -441,7 +445,7 @@ class Throughput:
             self._images += images
             self._steps += 1
             self._own_epoch += self._own_step
-        self._own_step, self._step_end = [], self._stamp()
+        self._own_step, self._step_end = [], time.monotonic()
 
     def stop(self):
         """The epoch's seconds, start() to now; adds its steps (the first step of the run left out)."""
@@ -450,7 +454,7 @@ class Throughput:
             self.images, self.steps = self.images + self._images, self.steps + self._steps
             self.seconds += now - self._since
         if self._steps:
-            self.own_ms = sum(a.elapsed_time(b) if self.device.type == "cuda" else 1000 * (b - a)
+            self.own_ms = sum(1000 * (b - a) if isinstance(a, float) else a.elapsed_time(b)  # clock, or events
                               for a, b in self._own_epoch) / self._steps
         seconds, self._images, self._steps = now - self._epoch_start, 0, 0
         self._epoch_start = self._step_end = self._forward_start = None  # eval's forwards are not timed
@@ -462,10 +466,11 @@ class Throughput:
         """The epoch line's field: own_ms=MIN-MAX over ranks, their ratio and the slowest rank (after
         AverageMeter.all_reduce(ride=this)); empty before that, or where watch() was not called."""
         ranks = self.own_ms_per_rank
-        if not ranks or not min(ranks) > 0:
+        if not ranks or not max(ranks) > 0:
             return ""
         slowest = max(range(len(ranks)), key=ranks.__getitem__)
-        return f" own_ms={min(ranks):.1f}-{max(ranks):.1f}(max/min {max(ranks) / min(ranks):.2f}, rank {slowest})"
+        ratio = f"{max(ranks) / min(ranks):.2f}" if min(ranks) > 0 else "-"
+        return f" own_ms={min(ranks):.1f}-{max(ranks):.1f}(max/min {ratio}, rank {slowest})"
 
     @property
     def images_per_sec(self):

@@ -321,11 +321,11 @@ def main():
             step += 1
             if not scales_loss:  # New: O1/O2 skip an overflowing step, which is normal; the scale tells
                 diverged.update(step, loss)  # on the device: no sync per step
-            speed.step(args.batch_size)
-            prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
             tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"], loss_scale=loss_scale)
             if tb.on and step % args.tb_every == 0:  # values are read here anyway
                 diverged.all_reduce_and_check(epoch, step, loss_scale() if scales_loss else None)
+            speed.step(args.batch_size)
+            prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
             if step >= total_steps:
                 break
         epoch_time = speed.stop()  # waits for the device: the host clock runs ahead of queued GPU work

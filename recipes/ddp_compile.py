@@ -196,8 +196,6 @@ def main():
             acc_meter.update(accuracy(output, targets)[0], images.size(0))
             step += 1
             diverged.update(step, loss)  # on the device: no sync per step
-            speed.step(args.batch_size)
-            prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
             if step == 1:  # New: the first step traced and compiled the model (forward and backward)
                 first_graphs, breaks = compiled_graphs()
                 if first_graphs == 0:
@@ -208,6 +206,8 @@ def main():
             tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"])  # rank 0's own samples
             if tb.on and step % args.tb_every == 0:  # values are read here anyway
                 diverged.all_reduce_and_check(epoch, step)  # a collective: one verdict everywhere
+            speed.step(args.batch_size)
+            prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
             if step >= total_steps:
                 break
         epoch_time = speed.stop()  # waits for the device: the host clock runs ahead of queued GPU work

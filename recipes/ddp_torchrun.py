@@ -147,7 +147,7 @@ def main():
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
     step, speed = 0, harness.Throughput(device)
     prof = harness.Profiler(args.profile, args.out_dir, rank, device)  # --profile: steps 3-6
-    speed.watch(model, forward=model.module)  # own_ms on the epoch line: data + forward
+    speed.watch(model, forward=None if args.sync_bn else model.module)  # own_ms: data + forward (--sync-bn's waits)
     tb = harness.TensorBoard(args.tb_dir, args.tb_every, is_main, vars(args))  # rank 0 alone writes
     diverged = harness.DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
     for epoch in range(args.epochs):
@@ -170,11 +170,11 @@ def main():
             acc_meter.update(accuracy(output, targets)[0], images.size(0))
             step += 1
             diverged.update(step, loss)  # on the device: no sync per step
-            speed.step(args.batch_size)
-            prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
             tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"])  # rank 0's own samples
             if tb.on and step % args.tb_every == 0:  # values are read here anyway
                 diverged.all_reduce_and_check(epoch, step)  # a collective: one verdict everywhere
+            speed.step(args.batch_size)
+            prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
             if step >= total_steps:
                 break
         epoch_time = speed.stop()  # waits for the device: the host clock runs ahead of queued GPU work

@@ -203,9 +203,9 @@ def main():
                 acc_meter.update(accuracy(output, targets)[0], images.size(0))
                 step += 1
                 diverged.update(step, loss)  # on the device: no sync per step
+                tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"])  # rank 0's own samples
                 speed.step(args.batch_size)
                 prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
-                tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"])  # rank 0's own samples
                 if step >= total_steps:
                     break
         # New: the steps this rank sat out: its schedule goes on from the longest rank's count.

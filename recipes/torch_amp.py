@@ -203,7 +203,7 @@ def main():
     total_steps = min(args.epochs * steps_per_epoch, args.max_steps or float("inf"))
     speed = harness.Throughput(device)
     prof = harness.Profiler(args.profile, args.out_dir, rank, device)  # --profile: steps 3-6
-    speed.watch(model, forward=model.module)  # own_ms on the epoch line: data + forward
+    speed.watch(model, forward=None if args.sync_bn else model.module)  # own_ms: data + forward (--sync-bn's waits)
     # New: resumed, the curves go on from `step`; what an interrupted run logged after its checkpoint is dropped.
     tb = harness.TensorBoard(args.tb_dir, args.tb_every, is_main, vars(args), start_step=step)  # rank 0 alone writes
     diverged = harness.DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
@@ -244,12 +244,12 @@ def main():
             scheduler.step()  # every optimizer step: warm-up, then cosine
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            speed.step(args.batch_size)
-            prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
             tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"],
                     loss_scale=scaler.get_scale if scaler.is_enabled() else None)
             if tb.on and step % args.tb_every == 0:  # values are read here anyway
                 diverged.all_reduce_and_check(epoch, step, scaler.get_scale() if scaler.is_enabled() else None)
+            speed.step(args.batch_size)
+            prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
             if step >= total_steps:
                 break
         epoch_time = speed.stop()  # waits for the device: the host clock runs ahead of queued GPU work

@@ -264,6 +264,8 @@ def test_own_ms_times_the_data_wait_and_the_forward_and_rides_on_the_meters_all_
     assert speed.spread == " own_ms=4000.0-4000.0(max/min 1.00, rank 0)"
     speed.own_ms_per_rank = [12.5, 125.0, 13.0]
     assert speed.spread == " own_ms=12.5-125.0(max/min 10.00, rank 1)"
+    speed.own_ms_per_rank = [0.0, 0.4]  # a rank whose waits were all below the clock's tick: no ratio, still shown
+    assert speed.spread == " own_ms=0.0-0.4(max/min -, rank 1)"
 
 
 # ------------------------------------------------------------------------------------- models

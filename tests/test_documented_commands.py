@@ -8,11 +8,13 @@ CPU stand-in with the same process count (0,1,3 -> cpu:3, 0 -> cpu:1, G:N -> cpu
 - data that needs a download or the user's folder: CIFAR-100 becomes 128 + 64 synthetic images of 8 px (one step an
   epoch at the default batch), a user's ImageFolder or .rec becomes 250 of scikit-learn's real digits in that format
   (also one step an epoch);
-- the length: --max-steps 1, one whole epoch (a checkpoint to --resume from); tools/tune_loader.py: --batches 2,
+- the length: --max-steps 1, one whole epoch (a checkpoint to --resume from); with --profile, 512 synthetic images
+  and --max-steps 4 (its table then holds 2 profiled steps, checked); tools/tune_loader.py: --batches 2,
   --rounds 1; the output: a fresh folder as the working directory (runs/... lands there);
 - two nodes (NNODES=2, MASTER_ADDR of node 0): both nodes on this machine, over 127.0.0.1.
 A recipe must exit 0 with its RESULT line; a documented failure (--impl apex without a GPU) its documented line.
-A command that --resume's or --init-from's an earlier one runs in a copy of that one's folder, after it. What
+A command that --resume's or --init-from's an earlier one runs in a copy of that one's folder, after it (and
+tools/plot_profile.py after the --profile command printed before it). What
 cannot run here is in NOT_RUN with the reason, and the test fails on a command that is in neither: a new command
 is never skipped silently.
 """
@@ -373,5 +375,6 @@ def test_every_documented_command_runs_on_a_cpu_stand_in(index, digits, folders,
             assert int(setup[2]) == default // parts * parts, setup[0]
     if "--profile" in words:  # the table, every rank's row, after the 2 steps the stand-in's 4 leave it
         out = "".join(r.stdout for r in results)
-        assert "profile: steps 3-4, traces in" in out and re.search(r"^ +0 +[\d.]+ +[\d.]+%", out, re.M), shown
+        assert "profile: this run's steps 3-4, traces in" in out, shown
+        assert re.search(r"^ +0 +[\d.]+ +[\d.]+%", out, re.M), shown
     assert os.listdir(cwd) is not None

@@ -41,13 +41,18 @@ def test_a_cpu_step_is_cut_into_shares_that_add_up_to_100():
         x("aten::addmm", 10, 50), x("gloo:all_reduce", 40, 40, tid=9, cat="user_annotation"),
         x("Optimizer.step#SGD.step", 85, 10, cat="user_annotation"), x("aten::add_", 86, 8),
         x("aten::mm", 100, 100), x("_c10d_functional::wait_tensor", 110, 40),
-        x("gloo:all_reduce", 110, 40, tid=9, cat="user_annotation"))
+        x("gloo:all_reduce", 110, 40, tid=9, cat="user_annotation"),
+        # Step 3: optimizer.step 200-300 (ZeRO's): its own operator 200-220, then it waits 220-300 for gloo's
+        # broadcast of the other ranks' shards (communication, not optimizer).
+        x("ProfilerStep#4", 200, 100, cat="user_annotation"),
+        x("Optimizer.step#ZeroRedundancyOptimizer.step", 200, 100, cat="user_annotation"), x("aten::add_", 200, 20),
+        x("gloo:broadcast", 220, 80, tid=9, cat="user_annotation"))
     shares = breakdown(trace)
-    assert shares["steps"] == 2 and shares["step_ms"] == pytest.approx(0.1)
-    assert {k: round(shares[k], 6) for k in (*LABELS, "overlapped")} == {
-        "data": 5.0, "compute": 55.0, "overlapped": 10.0, "communication": 30.0, "optimizer": 5.0, "idle": 5.0}
+    assert shares["steps"] == 3 and shares["step_ms"] == pytest.approx(0.1)
+    assert {k: round(shares[k] * 3, 6) for k in (*LABELS, "overlapped")} == {
+        "data": 10.0, "compute": 110.0, "overlapped": 20.0, "communication": 140.0, "optimizer": 30.0, "idle": 10.0}
     assert sum(shares[k] for k in LABELS) == pytest.approx(100)
-    assert breakdown(trace, complete=1)["steps"] == 1  # a run cut short: its last step ran on through eval
+    assert breakdown(trace, complete=2)["steps"] == 2  # a run cut short: its last step ran on through eval
 
 
 def test_a_gpu_step_is_cut_on_the_gpus_timeline():
@@ -64,11 +69,17 @@ def test_a_gpu_step_is_cut_on_the_gpus_timeline():
         x("void gemm_kernel", 20, 60, tid=7, cat="kernel", correlation=3),
         x("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 60, 40, tid=8, cat="kernel", correlation=4),
         x("multi_tensor_apply_kernel", 100, 10, tid=7, cat="kernel", correlation=7),
-        x("void elementwise_kernel", 112, 8, tid=7, cat="kernel", correlation=5))
+        x("void elementwise_kernel", 112, 8, tid=7, cat="kernel", correlation=5),
+        # 120-130: ZeRO's broadcast, an NCCL kernel launched in the optimizer's range: communication. 92-94: a kernel
+        # whose launch the trace lacks, running during the optimizer's host range, is not the optimizer's: compute
+        # (under NCCL's 60-100: overlapped).
+        x("cudaLaunchKernel", 93, 1, cat="cuda_runtime", correlation=8),
+        x("ncclDevKernel_Broadcast_RING_LL", 120, 10, tid=8, cat="kernel", correlation=8),
+        x("void stray_kernel", 92, 2, tid=9, cat="kernel", correlation=99))
     shares = breakdown(trace)
-    assert shares["step_ms"] == pytest.approx(0.12)  # to the last kernel's end
-    assert {k: round(shares[k] * 1.2, 6) for k in (*LABELS, "overlapped")} == {
-        "data": 20.0, "compute": 68.0, "overlapped": 20.0, "communication": 20.0, "optimizer": 10.0, "idle": 2.0}
+    assert shares["step_ms"] == pytest.approx(0.13)  # to the last kernel's end
+    assert {k: round(shares[k] * 1.3, 6) for k in (*LABELS, "overlapped")} == {
+        "data": 20.0, "compute": 70.0, "overlapped": 22.0, "communication": 28.0, "optimizer": 10.0, "idle": 2.0}
 
 
 def test_profile_writes_a_trace_per_rank_and_a_table_that_adds_up(tmp_path):
@@ -78,7 +89,7 @@ def test_profile_writes_a_trace_per_rank_and_a_table_that_adds_up(tmp_path):
                  tmp_path / "one")
     for proc, out, ranks in ((two, tmp_path / "two", 2), (one, tmp_path / "one", 1)):
         result_of(proc)  # exit 0, one RESULT line
-        assert "profile: steps 3-6, traces in" in proc.stdout
+        assert "profile: this run's steps 3-6, traces in" in proc.stdout
         rows = table(proc.stdout)
         assert sorted(rows) == list(range(ranks)), proc.stdout
         for rank, row in rows.items():
@@ -106,7 +117,7 @@ def test_plot_profile_refuses_a_folder_without_traces(tmp_path, capsys):
 def test_a_run_shorter_than_the_schedule_writes_what_it_recorded(tmp_path):
     short = run_direct("ddp_torchrun", *TINY, "--max-steps", "4", "--profile", "--out-dir", tmp_path / "four")
     assert short.returncode == 0, short.stderr
-    assert "profile: steps 3-4, traces in" in short.stdout and len(table(short.stdout)) == 1
+    assert "profile: this run's steps 3-4, traces in" in short.stdout and len(table(short.stdout)) == 1
     assert (tmp_path / "four" / "profile" / "trace_rank0.json").stat().st_size > 0
     none = run_direct("ddp_torchrun", *TINY, "--max-steps", "2", "--profile", "--out-dir", tmp_path / "two")
     assert none.returncode == 0, none.stderr
@@ -131,7 +142,8 @@ def test_straggler_drill_names_the_slow_rank_on_the_epoch_line_and_in_the_profil
     rows = table(proc.stdout)
     assert rows[2]["idle"] > 60 and rows[2]["communication"] < 10, rows  # it sleeps; nobody makes it wait
     assert all(rows[r]["communication"] > 60 for r in (0, 1)), rows  # they wait for it
-    assert len({round(row["step_ms"], -1) for row in rows.values()}) == 1, rows  # the same wall-clock step
+    steps = [row["step_ms"] for row in rows.values()]
+    assert max(steps) - min(steps) < 0.05 * max(steps), rows  # the same wall-clock step on every rank
 
 
 @pytest.mark.slow

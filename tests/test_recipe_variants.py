@@ -48,17 +48,18 @@ TINY = ["--arch", "tiny", "--workers", "0"]
 # ddp_compile, ddp_uneven, +1 each); dp has neither (+4).
 # --profile and own_ms (issue 42): the same 7 lines in every recipe; speed.watch() times the data wait alone where the
 # forward is compiled or waits for other ranks (dp, ddp_compile, fsdp, lm_tp, lm_fsdp_tp: +2 each, +1 against lm_tp),
-# none in lm_pp (+1, why), dp's table is no collective (+2); ddp_uneven and torch_amp: diff aligns the loop 2 lines off.
+# none in lm_pp (+1, why), dp's table is no collective (+2); ddp_uneven and torch_amp: diff aligns the loop 2 lines off;
+# apex_amp, mx_face_prefetch and ddp_uneven have no --sync-bn, so their watch() times the forward unguarded (+2).
 @pytest.mark.parametrize(("base", "recipe", "max_changed"), [
     ("ddp_torchrun", "dp", 138), ("ddp_torchrun", "ddp_launch", 39), ("ddp_torchrun", "ddp_spawn", 136),
     ("ddp_torchrun", "torch_amp", 176), ("ddp_torchrun", "ddp_checkpoint", 129), ("ddp_torchrun", "apex_ddp", 63),
-    ("ddp_torchrun", "apex_amp", 257), ("ddp_torchrun", "mx_face_prefetch", 148),
+    ("ddp_torchrun", "apex_amp", 259), ("ddp_torchrun", "mx_face_prefetch", 150),
     # ddp_compile: 78, then 81 with what --sync-bn costs it (issue 39) in its docstring and the breaks' reasons.
     ("ddp_torchrun", "ddp_compile", 84),
     # ddp_uneven: its training loop is indented under `with Join([model]):` (19 lines, counted twice); 123, then 136
     # with forward_sync_buffers=False and why (issue 39), 140 with the keyword chosen by torch version (2.11 has only
     # broadcast_buffers; the GPU machine's torch).
-    ("ddp_torchrun", "ddp_uneven", 143),
+    ("ddp_torchrun", "ddp_uneven", 145),
     # fsdp, ddp_zero and ddp_comm_hooks: their checkpoints are ddp_checkpoint's (sharded, consolidated, with PowerSGD's
     # state): read them against that one. ddp_zero 54 and ddp_comm_hooks 93 before issue 39 (the bucket view, and
     # PowerSGD's device sync on GPUs); fsdp 255 and ddp_comm_hooks 95 before the first GPU run (fsdp's G:N refusal,
@@ -147,9 +148,13 @@ def test_every_recipe_takes_profile_and_prints_each_ranks_own_ms(recipe):
     assert re.search(r"prof\.stop\(\).*\n +if args\.profile:.*\n +print0\(harness\.gather_profile_table\(prof, "
                      r"device\)\)", text)
     assert text.count("loss_meter.all_reduce(device, ride=speed)") == 1 and "{speed.spread}\")" in text
-    watch = re.findall(r"speed\.watch\(model(, forward=model\.module)?\)", text)
-    assert watch == ([] if recipe == "lm_pp" else [", forward=model.module"] if
-                     "DDP(" in text and recipe != "ddp_compile" else [""]), watch
+    watch = re.findall(r"speed\.watch\(model(, forward=(?:None if args\.sync_bn else )?model\.module)?\)", text)
+    forward = ", forward=None if args.sync_bn else model.module" if "args.sync_bn" in text else ", forward=model.module"
+    assert watch == ([] if recipe == "lm_pp" else [forward] if "DDP(" in text and recipe != "ddp_compile" else
+                     [""]), watch  # the forward only where it waits for no other rank (--sync-bn's does)
+    # The step ends after the loop's own logging (TensorBoard, its divergence check: a collective), so the next
+    # data wait starts there.
+    assert not re.search(r"speed\.step\(.*\n.*\n *tb\.step\(", text), "speed.step() before tb.step()"
 
 
 # --------------------------------------------------------------------------------- ddp_launch

@@ -142,6 +142,8 @@ EDITS = [
          file="common/profiling.py"),
     Edit("profile_waits_compute", "an operator blocked on a collective (DTensor's wait_tensor) counted as compute",
          '            active.discard("compute")', "            pass", file="common/profiling.py"),
+    Edit("profile_zero_wait", "a collective waited on inside optimizer.step (ZeRO's broadcast) counted as optimizer",
+         '            active.add("wait")', "            pass", file="common/profiling.py"),
     Edit("own_ms_forward", "own_ms that counts DDP's wait for other ranks: timed from the call, not the inner forward",
          "            forward.register_forward_pre_hook(self._forward_starts)",
          "            model.register_forward_pre_hook(self._forward_starts, prepend=True)", file="common/utils.py"),
@@ -161,6 +163,7 @@ ONE_RECIPE = {"hang_stacks": ("ddp_torchrun", ["tests/test_failures.py", "-k", "
               "ddp_checked_group": ("ddp_launch", [CONFORMANCE, "-k", "[ddp_launch:3]"]),
               "profile_gloo_comm": ("ddp_torchrun", ["tests/test_profile.py", "-k", "cpu_step"]),
               "profile_waits_compute": ("ddp_torchrun", ["tests/test_profile.py", "-k", "cpu_step"]),
+              "profile_zero_wait": ("ddp_torchrun", ["tests/test_profile.py", "-k", "cpu_step"]),
               "own_ms_forward": ("ddp_torchrun", ["tests/test_common.py", "-k", "own_ms"])}
 RESUME_TESTS = {
     "ddp_checkpoint": "tests/test_recipe_variants.py::test_resume_reproduces_the_uninterrupted_run_bitwise",

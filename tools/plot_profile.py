@@ -32,6 +32,10 @@ def main(argv=None):
     p.add_argument("--title", help="the picture's title (default: the folder)")
     args = p.parse_args(argv)
     files = sorted(Path(args.folder).glob("trace_rank*.json"), key=lambda f: int(re.findall(r"\d+", f.name)[-1]))
+    traces = [json.loads(f.read_text()) for f in files]
+    world = traces[0].get("distributedInfo", {}).get("world_size") if traces else None
+    if world:  # an earlier run with more ranks may have left its higher ranks' files here
+        files, traces = files[:world], traces[:world]
     if not files:
         print(f"error: no trace_rank*.json in {args.folder}: run a recipe with --profile (at least 3 steps)",
               file=sys.stderr)
@@ -43,8 +47,9 @@ def main(argv=None):
 
     fig, ax = plt.subplots(figsize=(11, 0.7 * len(files) + 1.6))
     used = set()
-    for row, path in enumerate(files):
-        steps, pieces = segments(json.loads(path.read_text()), complete=args.steps)
+    for row, trace in enumerate(traces):
+        # Whole training steps only: a run cut short recorded a last step that ran on through eval and the save.
+        steps, pieces = segments(trace, complete=min(args.steps or 99, trace.get("completeSteps", 99)))
         start, end = steps[0][0], steps[-1][1]
         y = len(files) - 1 - row  # rank 0 on top
         for label in COLOURS:
