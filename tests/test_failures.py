@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import IMAGE_RECIPES, REPO, launch, make_imagefolder, run_direct
+from conftest import IMAGE_RECIPES, REPO, launch, make_imagefolder, run_direct, spawn_gloo
 from jobs import Job, error_lines, job_mid_epoch, signal_all, survivors, tracebacks_beyond_multiprocessing
 
 from common.recordio import IndexedRecordReader
@@ -200,6 +200,42 @@ def test_debug_collectives_names_what_each_rank_called(tmp_path, fault, says):
     assert sorted(blocks) == [0, 1], job.output()
     assert recipe_line(blocks[0]) == recipe_line(blocks[1]), blocks
     assert recipe_line(blocks[0]).startswith("loss_meter.all_reduce(device, ride=speed)"), blocks
+
+
+def _flight_recorder_worker(rank, port, results):
+    import datetime
+    import json
+
+    import torch.distributed as dist
+
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "100"  # what docs/failures.md exports; read when the group is made
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=3))
+    dist.all_reduce(torch.ones(3))
+    dist.broadcast(torch.ones(2, 2), 0)
+    if rank == 0:  # rank 1 stops here, as a hung rank would: rank 0's third collective times out
+        try:
+            dist.all_reduce(torch.ones(5))
+        except RuntimeError as exc:
+            results["error"] = str(exc).splitlines()[0]
+    buffer = json.loads(torch._C._distributed_c10d._dump_fr_trace_json())["entries"]
+    results[rank] = [(e["collective_seq_id"], e["profiling_name"], e["input_sizes"], e["state"]) for e in buffer]
+    while "error" not in results:  # rank 1 stays (in no collective) until rank 0 has timed out and dumped
+        time.sleep(0.05)
+
+
+def test_the_flight_recorder_records_gloos_collectives_on_the_cpu_and_shows_which_rank_is_behind():
+    # docs/failures.md: torch 2.14.1 keeps gloo's collectives in the Flight Recorder's buffer (TORCH_FR_BUFFER_SIZE),
+    # as NCCL's: each rank's buffer, side by side, says which rank stopped before which collective (what torchfrtrace
+    # reports from the dumps; it fails on gloo's in 2.14.1, and gloo has no watchdog to dump on a timeout).
+    results = spawn_gloo(_flight_recorder_worker)
+    assert "Timed out" in results["error"] or "timed out" in results["error"].lower(), results["error"]
+    common = [(1, "gloo:all_reduce", [[3]]), (2, "gloo:broadcast", [[2, 2]])]
+    assert [e[:3] for e in results[1]] == common, results[1]  # rank 1: two collectives, then nothing
+    assert [e[:3] for e in results[0]] == [*common, (3, "gloo:all_reduce", [[5]])], results[0]
+    # gloo leaves every entry "scheduled": it has no watchdog to mark them completed (NCCL's does).
+    assert {e[3] for rank in (0, 1) for e in results[rank]} == {"scheduled"}, dict(results)
 
 
 # ---------------------------------------------------------- drill 4: a sample that does not load
