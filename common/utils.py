@@ -387,7 +387,7 @@ class Throughput:
         self._images = self._steps = 0  # this epoch's, counted from _since
         # watch(): this rank's own work per step, in ms (the epoch's mean), and every rank's after all_reduce(ride=)
         self.own_ms, self.own_ms_per_rank = 0.0, None
-        self._step_end = self._forward_start = None  # clock stamps: perf_counter() or a recorded CUDA event
+        self._step_end = self._forward_start = None  # stamps: time.monotonic(), or (a forward's) a CUDA event
         self._own_step, self._own_epoch = [], []  # (start, end) stamp pairs: this step's, this epoch's
 
     def watch(self, model, forward=None):
@@ -453,9 +453,8 @@ class Throughput:
         if self.first_step_at is not None:
             self.images, self.steps = self.images + self._images, self.steps + self._steps
             self.seconds += now - self._since
-        if self._steps:
-            self.own_ms = sum(1000 * (b - a) if isinstance(a, float) else a.elapsed_time(b)  # clock, or events
-                              for a, b in self._own_epoch) / self._steps
+        self.own_ms = sum(1000 * (b - a) if isinstance(a, float) else a.elapsed_time(b)  # clock, or events
+                          for a, b in self._own_epoch) / max(self._steps, 1)  # an epoch of the warm-up step alone: 0
         seconds, self._images, self._steps = now - self._epoch_start, 0, 0
         self._epoch_start = self._step_end = self._forward_start = None  # eval's forwards are not timed
         self._own_step, self._own_epoch = [], []
