@@ -30,7 +30,8 @@ import os
 import re
 
 import torch
-import torch.distributed as dist
+
+from common.utils import gather_values
 
 STEPS_SKIPPED = 2  # the run's first steps: warm-up (the second one is the profiler's own warm-up)
 STEPS_RECORDED = 4
@@ -183,14 +184,7 @@ def breakdown(trace, complete=None):
 def gather_profile_table(profiler, device):
     """Every rank's breakdown, as a table for rank 0 to print. A COLLECTIVE (an all-gather): every rank calls it."""
     row = profiler.shares or {}
-    mine = torch.tensor([row.get(k, float("nan")) for k in ("steps", "step_ms", *LABELS, "overlapped")],
-                        dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(rows, mine)
-    else:
-        rows = [mine]
-    rows = [r.tolist() for r in rows]
+    rows = gather_values([row.get(k, float("nan")) for k in ("steps", "step_ms", *LABELS, "overlapped")], device)
     where = os.path.join(os.path.dirname(profiler.path), "trace_rank*.json")
     recorded = [r for r in rows if r[0] == r[0]]  # NaN: that rank recorded nothing
     if not recorded:

@@ -596,19 +596,21 @@ class DivergenceCheck:
 
 
 def gather_values(value, device):
-    """Every rank's `value` (a number), in rank order, on every rank: a collective (a world of one: [value]).
+    """Every rank's `value` (a number, or a list of numbers of the same length on every rank), in rank order, on
+    every rank: a collective (a world of one: [value]).
 
     It returns once the process group has let go of the tensors it sent. gloo's worker thread frees a finished
     collective's tensors a moment after the caller moves on; when that is a run's last collective and the moment
     falls after Python has begun to shut down, the freeing thread aborts the whole process (SIGABRT, "terminate
     called without an active exception") after a run that succeeded: 4 of 75 benchmark runs here. Waiting for the
     tensors' weak references to die, while Python is still running, rules that out for these tensors."""
+    value = [float(v) for v in value] if isinstance(value, (list, tuple)) else float(value)
     if not (dist.is_available() and dist.is_initialized()):
-        return [float(value)]
-    mine = torch.tensor(float(value), dtype=torch.float64, device=device)
-    everyone = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
+        return [value]
+    mine = torch.tensor(value, dtype=torch.float64, device=device)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
-    values = [t.item() for t in everyone]
+    values = [t.tolist() for t in everyone]  # a 0-d tensor's: a float
     refs = [weakref.ref(t) for t in (mine, *everyone)]
     del mine, everyone
     deadline = time.monotonic() + 10

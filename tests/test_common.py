@@ -204,14 +204,16 @@ def _meter_worker(rank, port, results):
         # Returned only once gloo's worker thread let go of the tensors it gathered: none is left alive, so none can
         # be freed later by that thread, after Python has begun to shut down (which aborts the process).
         left.append(_float64_scalars() - before)
-    results[rank] = (m.sum, m.count, m.avg, values, max(left))
+    results[rank] = (m.sum, m.count, m.avg, values, max(left), gather_values([rank, 2.5], torch.device("cpu")))
     dist.destroy_process_group()
 
 
 def test_average_meter_all_reduce_and_gather_values_across_two_gloo_processes():
     results = spawn_gloo(_meter_worker)
-    assert results[0] == results[1] == (50.0, 3, pytest.approx(50.0 / 3), [700.5, 701.5], 0)
+    assert results[0] == results[1] == (50.0, 3, pytest.approx(50.0 / 3), [700.5, 701.5], 0,
+                                        [[0.0, 2.5], [1.0, 2.5]])  # a list each: --profile's table rows
     assert gather_values(3, torch.device("cpu")) == [3.0]  # no process group: a world of one
+    assert gather_values([3, 4], torch.device("cpu")) == [[3.0, 4.0]]
 
 
 def test_throughput_leaves_the_first_step_out_and_syncs_only_at_its_boundaries(monkeypatch):
