@@ -193,8 +193,9 @@ if [[ -n ${MASTER_PORT:-} ]]; then
   fi
   master_port=$((10#$MASTER_PORT))
 else
-  # The kernel hands out an unused port, so two jobs started at once get different ones.
-  master_port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])') ||
+  # A random free port below the kernel's ephemeral range, where no other job's connection can take it before
+  # torchrun listens on it (tools/free_port.py says why).
+  master_port=$("$python" "$here/tools/free_port.py") ||
     fail "could not run '$python' to pick a free port; set PYTHON to your environment's python"
 fi
 

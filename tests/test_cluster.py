@@ -3,10 +3,8 @@ exactly (MAX_RESTARTS), two launch.sh "nodes" form one world, and slurm/train.sb
 from SLURM's variables alone."""
 
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import time
 
@@ -15,20 +13,10 @@ import torch
 from conftest import REPO, launch, launch_env, result_of
 from jobs import Job, job_mid_epoch, survivors
 
+from tools.free_port import free_port
+
 TINY = ["--arch", "tiny", "--workers", "0"]
 SBATCH = REPO / "slurm" / "train.sbatch"
-
-
-def free_port(low=1024, high=65535):
-    for _ in range(1000):
-        port = random.randint(low, high - 1)
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {low}-{high}")
 
 
 def same_weights(a, b):

@@ -24,7 +24,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -35,6 +34,7 @@ from conftest import REPO, launch_env
 from test_defaults import THREE_HERE
 from test_profile import table as profile_table
 
+from tools.free_port import free_port
 from tools.procs import run_group
 from tools.real_data import export
 
@@ -169,12 +169,6 @@ def documented():
 
 
 # ----------------------------------------------------------------------------------------- stand-ins
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _devices(word):
     """A GPU list or G:N as the CPU stand-in with the same process count; anything else as it is."""
     if re.fullmatch(r"\d+(,\d+)*", word):
@@ -199,7 +193,7 @@ def stand_in(command, data):
     gpus = env.pop("CUDA_VISIBLE_DEVICES", None)
     nodes = int(env.get("NNODES", 1))
     if nodes > 1:  # every node on this machine: node 0's address is ours
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU stand-in, also where a GPU is present
     recipe = None
     if program == "./launch.sh":

@@ -12,6 +12,8 @@ import time
 import pytest
 from conftest import LAUNCH, REPO, launch
 
+from tools.free_port import ephemeral_range
+
 
 def dry_run(*args, env=None, cwd=REPO):
     """Returns (env dict, argv list, stderr) of the command launch.sh would run."""
@@ -215,6 +217,15 @@ def test_master_port_from_environment_is_used():
     env, argv, _ = dry_run("recipes/ddp_torchrun.py", "cpu", env={"MASTER_PORT": "29614"})
     assert env["MASTER_PORT"] == "29614" and flag(argv, "master-port") == "29614"
     assert flag(argv, "master-addr") == "127.0.0.1"
+
+
+def test_default_master_port_is_free_and_below_the_kernels_ephemeral_range():
+    # A port from bind(0) is ephemeral: another job's outgoing connection could take it before torchrun listens on
+    # it (EADDRINUSE, seen with 8 jobs at once on a GPU machine). The default is a random free one below that range.
+    low = ephemeral_range()[0]
+    ports = {int(dry_run("recipes/ddp_torchrun.py", "cpu")[0]["MASTER_PORT"]) for _ in range(3)}
+    assert all(max(1024, low - 12000) <= port < low for port in ports), (ports, low)
+    assert len(ports) > 1, ports  # random, not one fixed port that two jobs started together would share
 
 
 def test_busy_master_port_fails_clearly():
