@@ -657,7 +657,9 @@ def test_profile_on_gpu(tmp_path):
         print(f"--profile on GPU ({ranks} rank(s)):", rows, cpu_profile.OWN.findall(proc.stdout))
         assert sorted(rows) == list(range(ranks)), proc.stdout
         assert all(sum(row[k] for k in LABELS) == pytest.approx(100, abs=0.3) for row in rows.values()), rows
-        assert all(row["compute"] > 5 for row in rows.values()), rows
+        # Kernels are counted. Not more than that: the tiny model on an H100 is 4.5% compute and 94% idle (5.5 ms
+        # steps of Python and kernel launches the GPU waits for), which is what the table is for (docs/slow.md).
+        assert all(row["compute"] > 0.5 for row in rows.values()), rows
         trace = json.loads((out / "profile" / "trace_rank0.json").read_text())
         assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])
         (own,) = cpu_profile.OWN.findall(proc.stdout)
