@@ -3,8 +3,10 @@ architecture raise CheckpointError naming the file and the mismatch, before anyt
 and a write the disk refuses (full, I/O error) raises SaveError naming the file and the cause, the previous
 checkpoint left whole."""
 
+import atexit
 import os
 import shutil
+import signal
 
 import torch
 
@@ -70,6 +72,33 @@ def save_atomic(obj, path):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+EX_TEMPFAIL = 75  # sysexits.h: "try again later". A job that saved on a preemption signal exits with it: requeue me
+
+
+class SignalFlag:
+    """True once `signum` has reached this process: a handler that only records it, for the training loop to act on
+    at a step boundary (SIGUSR1: SLURM's --signal=USR1@120 asks for a save before the job's end).
+
+    A DataLoader worker forked from this process inherits the handler: there the signal is ignored (a scheduler that
+    signals every process of a job reaches the workers too, and SIGUSR1's default action would kill them). Under
+    tools/torchrun.py (launch.sh) a rank starts with SIGUSR1 ignored until this handler replaces that, and the
+    launcher passes the signal on again every second while a rank runs: one that came before is not lost."""
+
+    def __init__(self, signum):
+        self.signum, self.pid, self.count = signum, os.getpid(), 0
+        signal.signal(signum, self._handler)
+        # At its exit Python puts the default action back, which for SIGUSR1 is to die: a signal passed on again
+        # while the process exits (the launcher's, each second) would turn its exit 75 or 0 into "killed".
+        atexit.register(signal.signal, signum, signal.SIG_IGN)
+
+    def _handler(self, signum, frame):
+        if os.getpid() == self.pid:
+            self.count += 1
+
+    def __bool__(self):
+        return self.count > 0
 
 
 def find_resume(resume, latest):

@@ -7,11 +7,12 @@ A file that fails to load during training raises SampleError naming the sample (
 
 import contextlib
 import fcntl
+import itertools
 import os
 import sys
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Sampler
 
 from common.models import SMALL_IMAGES
 from common.utils import OneLineError
@@ -99,6 +100,51 @@ class SyntheticImages(Dataset):
 # it. 16 leaves room for faster GPUs and smaller models; past it, more workers mostly add memory (each holds 2
 # batches ahead and its own copy of the dataset object) and start-up. Measure yours: tools/tune_loader.py.
 MAX_DEFAULT_WORKERS = 16
+
+
+class SeededSamples(Dataset):
+    """Sample i of epoch e drawn with the random augmentation of seed (seed, e, i): the same wherever and whenever it
+    is loaded, so a run resumed mid-epoch, its DataLoader workers started afresh, augments each remaining sample as
+    the uninterrupted run did. (A worker's random stream otherwise depends on the samples it loaded before: the
+    batches a resumed run skips.) The process's own random stream is left as it was (fork_rng): with --workers 0
+    the loop draws from it too. set_epoch(e) before each epoch's iter(): workers that are not persistent copy it."""
+
+    def __init__(self, dataset, seed):
+        self.dataset, self.seed, self.epoch = dataset, seed, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed((self.seed * 1_000_003 + self.epoch) * 10_000_019 + index)
+            return self.dataset[index]
+
+
+class SkipFirst(Sampler):
+    """A sampler's indices less its first `skip` (set before an epoch's iter(); 0 after it): a run resumed after
+    step k of an epoch skips the k x batch samples it already trained on, without loading them. len() is the whole
+    epoch's, as the learning-rate schedule counts it."""
+
+    def __init__(self, sampler):
+        self.sampler, self.skip = sampler, 0
+
+    def set_epoch(self, epoch):
+        self.sampler.set_epoch(epoch)
+
+    @property
+    def epoch(self):
+        return self.sampler.epoch
+
+    def __iter__(self):
+        skip, self.skip = self.skip, 0  # once: the next epoch starts at its beginning
+        return itertools.islice(iter(self.sampler), skip, None)
+
+    def __len__(self):
+        return len(self.sampler)
 
 
 def default_worker_count(cores, processes_per_node):

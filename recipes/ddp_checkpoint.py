@@ -2,6 +2,7 @@
 
     ./launch.sh recipes/ddp_checkpoint.py 0,1,3 --dataset cifar100 --epochs 30
     ./launch.sh recipes/ddp_checkpoint.py 0,1,3 --dataset cifar100 --epochs 30 --resume auto   # after a crash
+    ./launch.sh recipes/ddp_checkpoint.py 0,1,3 --dataset cifar100 --epochs 30 --save-every 200  # + every 200 steps
     MAX_RESTARTS=3 ./launch.sh recipes/ddp_checkpoint.py 0,1,3 --epochs 30 --resume auto  # restarts by itself
     sbatch --nodes 2 slurm/train.sbatch recipes/ddp_checkpoint.py --epochs 30 --resume auto   # SLURM, 2 nodes
     ./launch.sh recipes/ddp_checkpoint.py cpu:2 --arch tiny --epochs 3 --resume auto
@@ -17,9 +18,17 @@ What it shows (the rest is recipes/ddp_torchrun.py):
 - Writes are atomic (common.checkpoint.save_atomic: a temp file, then os.replace): a crash or a full disk mid-write
   leaves the previous checkpoint whole.
 - --resume PATH|auto continues with the same losses and, on CPU, bitwise the same weights as a run that never
-  stopped: the DataLoader workers are not persistent, so each epoch's worker seeds come from the checkpointed RNG.
-  Files hold only tensors and plain types (torch.load(weights_only=True) reads them). AMP adds the scaler's state
+  stopped, also from the middle of an epoch: each sample's augmentation is seeded by (seed, epoch, index)
+  (SeededSamples), the sampler skips what was trained (SkipFirst), each rank's running sums and random state are in
+  the file, and one backward before training lays DDP's gradient buckets out as the first run's were. Files hold
+  only tensors and plain types (torch.load(weights_only=True) reads them). AMP adds the scaler's state
   (recipes/torch_amp.py).
+- Preemption (SLURM's --signal=USR1@120; docs/clusters.md): SIGUSR1 reaches the ranks at different times, so
+  each step all-reduces a stop flag on a gloo group of its own without waiting, read one step later: every rank
+  stops after the same step, saves latest.pt, and exits 75 (EX_TEMPFAIL), which launch.sh passes on and
+  slurm/train.sbatch requeues. --save-every N also saves every N steps. Within an epoch's last 4 steps the save
+  waits for the epoch's own (BatchNorm's statistics are recomputed from its last 4 batches). SIGTERM still stops
+  every rank at once (exit 143): a scheduler sends it with about 30 s left, too little to be sure of a save.
 - --init-from loads weights with or without the "module." prefix (recipes/dp.py's model.pt too) into the plain model.
 - Validation runs on every rank. On rank 0 alone it hangs: the DDP wrapper's forward can start a collective that the
   others, waiting at the barrier, never join (write-up 000). For rank-0-only inference, call model.module(x).
@@ -32,6 +41,7 @@ import argparse
 import collections
 import datetime
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -44,8 +54,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common import harness  # plumbing, not the lesson: every line that uses it says so
-from common.checkpoint import find_resume, load_checkpoint, load_weights, save_atomic
-from common.data import add_data_flags, build_datasets, prepare_dataset
+from common.checkpoint import EX_TEMPFAIL, SignalFlag, find_resume, load_checkpoint, load_weights, save_atomic
+from common.data import SeededSamples, SkipFirst, add_data_flags, build_datasets, prepare_dataset
 from common.models import build_model, recomputed_batchnorm
 from common.schedule import warmup_cosine
 from common.utils import AverageMeter, accuracy, print0
@@ -69,6 +79,8 @@ def parse_args(argv=None):
     # New
     p.add_argument("--resume", help="a latest.pt to continue from, or 'auto': OUT_DIR/latest.pt if it exists")
     p.add_argument("--init-from", help="weights to start from (a state_dict, with or without 'module.')")
+    p.add_argument("--save-every", type=int, help="also save latest.pt every N steps within an epoch (default: "
+                   "at each epoch's end only); SIGUSR1 saves at the next step and exits 75")
     harness.add_flags(p)  # --max-steps, --tb-dir, --tb-every, --profile, --debug-collectives
     return p.parse_args(argv)
 
@@ -88,6 +100,20 @@ def check_args(args, world_size):
 # ------------------------------------------------------------------------------------ checkpoints
 def rng_state(device):  # New
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def save_latest(path, model, optimizer, scheduler, meters, args, device, **progress):  # New
+    """Every rank calls it: an all-gather of each rank's random state and running sums, rank 0 writes `path`
+    atomically, then a barrier, so no rank reads the file, or exits, before it is whole. progress: epoch (whole
+    epochs done), step, step_in_epoch (0 at an epoch's end), best_acc1."""
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, {"rng": rng_state(device), "meters": [(float(m.sum), m.count) for m in meters]})
+    if dist.get_rank() == 0:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                     "scheduler": scheduler.state_dict(), "rng": [r["rng"] for r in ranks],
+                     "meters": [r["meters"] for r in ranks], "args": vars(args), **progress}, path)
+    dist.barrier()
 
 
 # ------------------------------------------------------------------------------------------- eval
@@ -117,6 +143,8 @@ def main():
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     is_main = rank == 0
     check_args(args, world_size)
+    # New: SIGUSR1 (SLURM's --signal=USR1@120) asks for a save and exit 75; the loop acts on it at a step boundary.
+    preempt = SignalFlag(signal.SIGUSR1)
     if torch.cuda.is_available():
         device, backend = torch.device("cuda", local_rank), "nccl"  # one GPU per process; NCCL between GPUs
         device, backend = harness.check_gpu(device, backend)  # visible? (launch.sh G:N: N ranks on GPU G, gloo)
@@ -132,6 +160,7 @@ def main():
         dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    stop_group = dist.new_group(backend="gloo")  # New: the stop vote's own group, so it can run beside the step's
     batch_per_process = args.batch_size // world_size
     workers_per_process = harness.default_workers(args.workers, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     print0(f"setup: world_size={world_size} backend={backend} device={device.type} global_batch={args.batch_size} "
@@ -144,12 +173,19 @@ def main():
     # number of classes. build_datasets fails with one line naming the folder or file that is wrong.
     train_set, val_set, num_classes = build_datasets(args.dataset, args.data_root, args.image_size,
                                                      args.synthetic_train, args.synthetic_val, flip=not args.no_flip)
+    # New: each sample's augmentation is seeded by (seed, epoch, index): a run resumed mid-epoch augments the rest as
+    # the uninterrupted run did, whatever its workers loaded before.
+    train_set = SeededSamples(train_set, args.seed)
     # Same seed on every rank: each process sees a different shard of one shared permutation.
-    train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    # New: SkipFirst, a resumed epoch leaves out what the ranks trained on before the save.
+    train_sampler = SkipFirst(DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
+                                                 seed=args.seed))
     loader_args = dict(batch_size=batch_per_process, num_workers=workers_per_process,
                        pin_memory=device.type == "cuda", persistent_workers=workers_per_process > 0)
-    # New: not persistent, workers are re-seeded from the (checkpointed) RNG each epoch, so resume is exact.
+    # New: workers not persistent, so each epoch's copy of train_set has its epoch; their seeds come from a
+    # generator of the loader's own, so starting them does not move the (checkpointed) random stream of the model.
     train_loader = DataLoader(train_set, sampler=train_sampler, drop_last=True,
+                              generator=torch.Generator().manual_seed(args.seed + rank),
                               **{**loader_args, "persistent_workers": False})
     # DistributedSampler pads val with repeated samples; a strided shard counts each sample once.
     val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), **loader_args)
@@ -174,7 +210,7 @@ def main():
     scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs)  # per step
     # New: ---------------------------------------------------------------------- resume or start
     latest, best = os.path.join(args.out_dir, "latest.pt"), os.path.join(args.out_dir, "best.pt")
-    start_epoch, step, best_acc1 = 0, 0, float("-inf")
+    start_epoch, step, best_acc1, start_step, resumed_in_epoch = 0, 0, float("-inf"), 0, 0
     if args.init_from:
         state = load_checkpoint(args.init_from, map_location=device)  # onto THIS rank's device
         load_weights(model.module, state.get("model", state), args.init_from)  # a checkpoint or bare weights
@@ -186,11 +222,15 @@ def main():
         load_weights(model.module, ckpt["model"], resume)
         optimizer.load_state_dict(ckpt["optimizer"])
         start_epoch, step, best_acc1 = ckpt["epoch"], ckpt["step"], ckpt["best_acc1"]
-        # The schedule goes by this run's steps per epoch (another world size or batch counts others).
-        scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs,
-                                  start_epoch * len(train_loader))
+        start_step, resumed_in_epoch = step, ckpt.get("step_in_epoch", 0)  # New: 0 from an epoch's end
         if ckpt["args"]["epochs"] != args.epochs:  # the cosine schedule was laid out for that many epochs
             harness.die(f"{resume} was trained with --epochs {ckpt['args']['epochs']}; resume with the same --epochs")
+        if resumed_in_epoch and ckpt["args"]["batch_size"] != args.batch_size:  # New: steps would cover other samples
+            harness.die(f"{resume} was saved at step {resumed_in_epoch} of epoch {start_epoch + 1} with --batch-size "
+                        f"{ckpt['args']['batch_size']} (global); resume it with the same --batch-size")
+        # The schedule goes by this run's steps per epoch (another world size or batch counts others).
+        scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs,
+                                  start_epoch * len(train_loader) + resumed_in_epoch)
         # What the saved streams do not cover (another world size; the CUDA stream of a checkpoint saved on CPU) gets
         # a seed per epoch: seed + rank again would replay epoch 0's random draws (distinct below 10,000 ranks).
         torch.manual_seed(args.seed + rank + 10_000 * start_epoch)
@@ -201,7 +241,15 @@ def main():
         else:
             print0(f"resume: saved with {len(ckpt['rng'])} ranks, now {world_size}: random streams reseeded "
                    f"after epoch {start_epoch}")
-        print0(f"resume: {resume} at epoch {start_epoch} step {step} best_acc1={best_acc1:.2f}")
+        print0(f"resume: {resume} at epoch {start_epoch} step {step} best_acc1={best_acc1:.2f}"
+               + (f", {resumed_in_epoch} steps into epoch {start_epoch + 1}" if resumed_in_epoch else ""))
+        # New: DDP lays its gradient buckets out again after the first backward, in the order the gradients came, and
+        # on 3+ ranks where an element sits in a bucket changes how the all-reduce rounds its sum. One backward now
+        # (eval mode: no statistics move; no step) gives the resumed run the layout the uninterrupted one trained
+        # with, so its weights stay bitwise the same.
+        model.eval()
+        model(torch.zeros(batch_per_process, 3, args.image_size, args.image_size, device=device)).sum().backward()
+        optimizer.zero_grad(set_to_none=True)
 
     # Before the first step: an --out-dir that cannot hold the checkpoints, or that another node cannot see (every
     # rank loads latest.pt), fails now, not after hours of training.
@@ -219,10 +267,19 @@ def main():
     diverged = harness.DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
     diverged.last_good = resume  # New: what the stop message names; each save below updates it
     harness.check_epochs_left(resume, start_epoch, args.epochs)  # New
+    vote, ballot, stopped = None, None, False  # New: the stop vote in flight, its tensor; True once SIGUSR1 agreed
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
+        train_set.set_epoch(epoch)  # New: the epoch in each sample's augmentation seed
         model.train()
         loss_meter, acc_meter = AverageMeter(), AverageMeter()
+        in_epoch = 0  # New: steps of this epoch done
+        if epoch == start_epoch and resumed_in_epoch:  # New: mid-epoch: skip what was trained, go on with its sums
+            in_epoch, train_sampler.skip = resumed_in_epoch, resumed_in_epoch * batch_per_process
+            sums = ckpt["meters"]  # per rank; saved by another world size: all of it on rank 0 (all-reduced: same)
+            mine = sums[rank] if len(sums) == world_size else [
+                (sum(r[i][0] for r in sums), sum(r[i][1] for r in sums)) if is_main else (0.0, 0) for i in range(2)]
+            (loss_meter.sum, loss_meter.count), (acc_meter.sum, acc_meter.count) = mine
         recent = collections.deque(maxlen=4)  # this epoch's last inputs, for BatchNorm below
         speed.start()
         bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", leave=False, disable=not (is_main and sys.stdout.isatty()))
@@ -238,14 +295,35 @@ def main():
             loss_meter.update(loss, images.size(0))  # a tensor: summed on the device, no sync per step
             acc_meter.update(accuracy(output, targets)[0], images.size(0))
             step += 1
+            in_epoch += 1  # New
             diverged.update(step, loss)  # on the device: no sync per step
             tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"])  # rank 0's own samples
             if tb.on and step % args.tb_every == 0:  # values are read here anyway
                 diverged.all_reduce_and_check(epoch, step)  # a collective: one verdict everywhere
+            # New: SIGUSR1 reaches the ranks at different times; they must stop after the same step. Each step starts
+            # an all-reduce (MAX) of its flag on the vote's own gloo group, and reads the last step's, which ran
+            # under this step: no step waits for it, and every rank reads the same vote at the same step.
+            stop = vote is not None and vote.wait() and ballot.item() > 0
+            ballot = torch.tensor([float(bool(preempt))])
+            vote = dist.all_reduce(ballot, dist.ReduceOp.MAX, group=stop_group, async_op=True)
+            stopped = stopped or stop
+            # New: a save within the epoch (--save-every, or the stop) leaves 4 steps or more of it: the BatchNorm
+            # recompute below takes the epoch's last 4 batches. Nearer its end, the epoch's own save comes first.
+            if ((stop or args.save_every and step % args.save_every == 0) and len(train_loader) - in_epoch >= 4
+                    and step < total_steps):
+                diverged.all_reduce_and_check(epoch, step, model=model)  # a collective: no file from NaN weights
+                save_latest(latest, model.module, optimizer, scheduler, (loss_meter, acc_meter), args, device,
+                            epoch=epoch, step=step, step_in_epoch=in_epoch, best_acc1=best_acc1)
+                diverged.last_good = latest
+                print0(f"saved: {latest} at step {step} ({in_epoch} of epoch {epoch + 1})")
+                if stop:
+                    break
             speed.step(args.batch_size)
             prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
             if step >= total_steps:
                 break
+        if stopped and in_epoch < len(train_loader):  # New: saved mid-epoch above
+            break
         epoch_time = speed.stop()  # waits for the device: the host clock runs ahead of queued GPU work
         loss_meter.all_reduce(device, ride=speed)  # with every rank's own_ms: one all-reduce
         acc_meter.all_reduce(device)
@@ -272,24 +350,27 @@ def main():
         # New: ---------------------------------------------- checkpoint: rank 0 saves, barrier, all load
         if step % len(train_loader):  # an epoch cut short by --max-steps is not a resume point
             break
-        rngs = [None] * world_size
-        dist.all_gather_object(rngs, rng_state(device))  # a collective: every rank calls it
         improved = val_acc1 > best_acc1  # val_acc1 is all-reduced, so every rank agrees
         best_acc1 = max(best_acc1, val_acc1)
-        if is_main:
+        if is_main and improved:
             os.makedirs(args.out_dir, exist_ok=True)
-            save_atomic({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                         "scheduler": scheduler.state_dict(), "epoch": epoch + 1, "step": step,
-                         "best_acc1": best_acc1, "rng": rngs, "args": vars(args)}, latest)
-            if improved:
-                save_atomic({"model": model.module.state_dict(), "epoch": epoch + 1, "val_acc1": val_acc1}, best)
-                print0(f"best: epoch={epoch + 1} val_acc1={val_acc1:.2f} saved {best}")
-        dist.barrier()  # nobody reads latest.pt before rank 0 has finished writing it
+            save_atomic({"model": model.module.state_dict(), "epoch": epoch + 1, "val_acc1": val_acc1}, best)
+            print0(f"best: epoch={epoch + 1} val_acc1={val_acc1:.2f} saved {best}")
+        # Every rank: each one's random state goes in; nobody reads latest.pt before rank 0 has finished writing it.
+        save_latest(latest, model.module, optimizer, scheduler, (loss_meter, acc_meter), args, device,
+                    epoch=epoch + 1, step=step, step_in_epoch=0, best_acc1=best_acc1)
         diverged.last_good = latest
         # The weights alone, mapped: read only as they are copied in (not the optimizer and RNG states onto the GPU)
         load_weights(model.module, load_checkpoint(latest, map_location="cpu", mmap=True)["model"], latest)
-        if step >= total_steps:
+        if step >= total_steps or stopped:
             break
+    if vote is not None:  # New: the last vote; every rank started as many
+        vote.wait()
+    if stopped and step < total_steps:  # New: saved; the scheduler's requeue resumes it (--resume auto)
+        print0(f"preempt: SIGUSR1: saved {latest} at step {step}; exit {EX_TEMPFAIL}: requeue the job with "
+               "--resume auto to go on from there")
+        dist.destroy_process_group()
+        sys.exit(EX_TEMPFAIL)
     # ------------------------------------------------------------------------------------ save
     if is_main:
         os.makedirs(args.out_dir, exist_ok=True)
@@ -302,7 +383,8 @@ def main():
         print0(harness.gather_profile_table(prof, device))
     tb.close()
     print0(harness.gather_result_line(device, speed, model, optimizer, recipe="ddp_checkpoint", steps=step,
-                                      train_loss=loss_meter.avg, val_acc1=val_acc1, val_samples=val_samples))
+                                      start_step=start_step, train_loss=loss_meter.avg, val_acc1=val_acc1,
+                                      val_samples=val_samples))
     dist.destroy_process_group()
 
 

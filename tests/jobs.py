@@ -58,8 +58,10 @@ class Job:
     """./launch.sh in a new session, its output read line by line, so that a test can act mid-training. It starts
     as a terminal starts a foreground job: job-control signals at their defaults, whatever the suite inherited."""
 
-    def __init__(self, *args, env=None, ignored=()):
-        self.proc = subprocess.Popen([str(LAUNCH), *map(str, args)], env=launch_env(env), cwd=REPO, text=True,
+    def __init__(self, *args, env=None, ignored=(), command=None):
+        """./launch.sh ARGS, or another `command` (a list) in the same environment."""
+        argv = command or [str(LAUNCH), *map(str, args)]
+        self.proc = subprocess.Popen(argv, env=launch_env(env), cwd=REPO, text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                                      preexec_fn=started_with(ignored))
         self.stdout, self.stderr, self.lines = [], [], queue.Queue()

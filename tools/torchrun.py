@@ -17,7 +17,15 @@ parent-death signal (prctl PR_SET_PDEATHSIG): the kernel SIGKILLs it when this p
 dies; its DataLoader workers notice that their parent is gone within 5 s and exit.
 
 With --max-restarts N (launch.sh: MAX_RESTARTS=N), torchrun restarts all ranks when one fails, up to N
-times; recipes run with --resume auto then continue from their last whole epoch.
+times; recipes run with --resume auto then continue from their last checkpoint.
+
+SIGUSR1 (a scheduler's warning before a preemption or the time limit: SLURM's --signal=USR1@120) is passed on to
+each rank, and only to the ranks: not to their DataLoader workers, and this process does not die of it. A recipe
+that saves on it (ddp_checkpoint.py, the language models) saves at a step every rank agrees on and every rank
+exits 75 (EX_TEMPFAIL); then this process exits 75 too, without restarting them (MAX_RESTARTS is for failures):
+the scheduler's job script requeues the job (slurm/train.sbatch). A rank starts with SIGUSR1 ignored, until its
+recipe installs its handler (common.checkpoint.SignalFlag), and the signal is passed on again every second while a
+rank runs, so one sent while a rank was starting is not lost. Recipes without a save on it ignore it.
 
 After a hang or a lost peer (a rank's collective timed out, or its peer is gone; or NCCL's watchdog aborted a rank),
 every rank's Python stack is printed, in rank order, before the ranks are stopped: show_stacks, docs/failures.md.
@@ -25,7 +33,6 @@ every rank's Python stack is printed, in rank order, before the ranks are stoppe
 
 import contextlib
 import ctypes
-import functools
 import gc
 import linecache
 import os
@@ -34,34 +41,94 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from torch.distributed import launch as legacy_launch
 from torch.distributed import run as torch_run
+from torch.distributed.elastic.agent.server.api import WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException, SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/, for a script run from anywhere
+from common.checkpoint import EX_TEMPFAIL
 from common.utils import STACK_SIGNAL, STACKS_ENV
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+RANKS = []  # the Popen of every rank started, for SIGUSR1
 
 
-def ranks_die_with_this_process():
-    """Every rank torchrun starts from now on gets SIGKILL from the kernel when this process dies (Linux)."""
-    if not sys.platform.startswith("linux"):
-        return
-    prctl, launcher = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()
+def start_ranks_here():
+    """Every rank torchrun starts from now on is in RANKS, starts with SIGUSR1 ignored (until its recipe's handler;
+    an ignored signal stays ignored across exec), and gets SIGKILL from the kernel when this process dies (Linux)."""
+    libc, launcher = ctypes.CDLL(None, use_errno=True), os.getpid()
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
 
     def in_the_rank():  # between fork and exec, in the new process
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != launcher:  # it died before prctl: no signal will come
-            os._exit(1)
+        libc.signal(signal.SIGUSR1, 1)  # SIG_IGN
+        if sys.platform.startswith("linux"):
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            if os.getppid() != launcher:  # it died before prctl: no signal will come
+                os._exit(1)
+
+    def popen(*args, **kwargs):
+        proc = subprocess.Popen(*args, preexec_fn=in_the_rank, **kwargs)
+        RANKS.append(proc)
+        return proc
 
     # torchrun's SubprocessHandler starts each rank with this module's Popen.
-    subprocess_handler.Popen = functools.partial(subprocess.Popen, preexec_fn=in_the_rank)
+    subprocess_handler.Popen = popen
+
+
+def pass_sigusr1_to_the_ranks():
+    """SIGUSR1 to this process: to each running rank (os.kill, not its process group: its DataLoader workers are
+    left alone), once at once and then every second while one runs (a rank still starting ignores it)."""
+    asked = threading.Event()
+
+    def send():
+        for proc in RANKS:
+            if proc.returncode is None:  # not yet reaped: its pid is still its own
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGUSR1)
+
+    def again():  # a thread: printing from the handler could land inside the main thread's own print
+        print(f"launch.sh: SIGUSR1 received: passed on to the {sum(p.returncode is None for p in RANKS)} rank(s); "
+              f"a recipe that saves on it saves and exits {EX_TEMPFAIL}", file=sys.stderr, flush=True)
+        while any(proc.returncode is None for proc in RANKS):
+            time.sleep(1.0)
+            send()
+
+    def handler(signum, frame):
+        send()
+        if not asked.is_set():
+            asked.set()
+            threading.Thread(target=again, daemon=True).start()
+
+    signal.signal(signal.SIGUSR1, handler)
+
+
+def saved_and_left(failures):
+    """Every rank that did not exit 0 exited 75 after its save, or was stopped (SIGTERM) by torchrun right after
+    the first of them left."""
+    codes = {failure.exitcode for failure in failures.values()}
+    return EX_TEMPFAIL in codes and codes <= {EX_TEMPFAIL, -signal.SIGTERM}
+
+
+def no_restart_after_a_save():
+    """torchrun restarts the ranks (--max-restarts) after any non-zero exit: not after a save for a requeue."""
+    monitor = LocalElasticAgent._monitor_workers
+
+    def monitor_then_check(self, worker_group):
+        result = monitor(self, worker_group)
+        if result.state == WorkerState.FAILED and saved_and_left(result.failures):
+            self._remaining_restarts = 0  # as torch does for a rank stuck in an uninterruptible state
+        return result
+
+    LocalElasticAgent._monitor_workers = monitor_then_check
 
 
 HEADER = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+) \(most recent call first\):$")
@@ -194,7 +261,9 @@ def main(argv):
     legacy = argv[:1] == ["--legacy-launch"]
     if legacy:
         argv = argv[1:]
-    ranks_die_with_this_process()
+    start_ranks_here()
+    pass_sigusr1_to_the_ranks()
+    no_restart_after_a_save()
     with tempfile.TemporaryDirectory(prefix="launch_stacks_") as folder:
         os.environ[STACKS_ENV] = folder  # the ranks inherit it: their stacks, and their error line after a hang
         stacks_before_stopping(Path(folder))
@@ -216,6 +285,10 @@ def run(legacy, argv):
             # its DataLoader workers behind, holding the output pipe open until they notice, up to 5 s later.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(failure.pid, signal.SIGKILL)  # each rank leads its own group (start_new_session)
+        if saved_and_left(exc.failures):
+            print(f"launch.sh: the ranks saved and exited {EX_TEMPFAIL} (SIGUSR1): requeue the job; with --resume "
+                  "auto it goes on from the save", file=sys.stderr, flush=True)
+            return EX_TEMPFAIL
         ranked = root_cause(exc.failures)
         first = ranked[0][1]
         print(f"launch.sh: job failed: {'; '.join(describe(rank, f) for rank, f in ranked)} "

@@ -160,3 +160,64 @@ if os.environ.get("FAULT_SLOW") and os.environ.get("RANK", "0") == os.environ["F
         return _linear(self, x)
 
     torch.nn.Linear.forward = _slow_linear
+
+# FAULT_SIGNAL="RANK:WHEN:TARGET[,...]": in the process whose RANK is RANK (none: rank 0), SIGUSR1 is sent to TARGET
+# when WHEN comes: WHEN is step=N (after this rank's N-th optimizer step) or save=N (as this process opens a file
+# named latest.pt.tmp for writing for the N-th time: inside a save); TARGET is launcher (this rank's parent, which
+# passes it on), self (this rank alone) or job (the launcher and every process under it: ranks and DataLoader
+# workers, as SLURM's --signal=USR1@120 does). A test double of a SCHEDULER's preemption warning.
+if os.environ.get("FAULT_SIGNAL"):
+    import signal
+
+    _signals = [spec.split(":") for spec in os.environ["FAULT_SIGNAL"].split(",")]
+    _signals = [(when, target) for rank, when, target in _signals if os.environ.get("RANK", "0") == rank]
+
+    def _job_pids(root):
+        parents = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    pass
+        pids, grew = {root}, True
+        while grew:
+            more = {pid for pid, parent in parents.items() if parent in pids} - pids
+            pids, grew = pids | more, bool(more)
+        return pids
+
+    def _send(when, target):
+        sys.stdout.write(f"FAULT: rank {os.environ.get('RANK', '0')} sends SIGUSR1 to {target} at {when}\n")
+        sys.stdout.flush()
+        launcher = os.getppid()
+        for pid in {"launcher": [launcher], "self": [os.getpid()], "job": sorted(_job_pids(launcher))}[target]:
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+
+    _counts = {"step": [0], "save": [0]}
+
+    def _tick(kind):
+        _counts[kind][0] += 1
+        for when, target in _signals:
+            if when == f"{kind}={_counts[kind][0]}":
+                _send(when, target)
+
+    if any(when.startswith("step=") for when, _ in _signals):
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        register_optimizer_step_post_hook(lambda *args: _tick("step"))
+    if any(when.startswith("save=") for when, _ in _signals):
+        import builtins
+        import io
+
+        _open_before = builtins.open
+
+        def _open_watching(file, mode="r", *args, **kwargs):
+            if "w" in mode and os.path.basename(str(file)) == "latest.pt.tmp":
+                _tick("save")
+            return _open_before(file, mode, *args, **kwargs)
+
+        builtins.open = io.open = _open_watching
