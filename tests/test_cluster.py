@@ -128,6 +128,34 @@ def test_the_sbatch_node_part_forms_one_world_from_slurms_variables(tmp_path):
     assert (result["world_size"], result["steps"]) == (2, 3)
 
 
+@pytest.mark.slow
+def test_sbatch_passes_sigusr1_on_requeues_after_the_save_and_the_requeued_run_goes_on(tmp_path):
+    # SLURM's --signal=B:USR1@120: the signal reaches the batch shell alone. It passes it to srun (a test double in
+    # tests/slurm_double, as are scontrol and the 2 nodes, both here), srun to each node's launch.sh, launch.sh to
+    # the ranks: they save, exit 75, and the batch shell requeues the job. The requeued run, the same command, goes
+    # on from the save to the end, and requeues nothing.
+    port = free_port(20000, 40000)  # the script's MASTER_PORT: 20000 + SLURM_JOB_ID % 20000
+    job_id = str(port - 20000 + 20000 * 3)
+    env = {"PATH": f"{REPO / 'tests' / 'slurm_double'}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": job_id,
+           "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "localhost", "SLURM_SUBMIT_DIR": str(REPO), "DEVICES": "cpu:1",
+           "SCONTROL_LOG": str(tmp_path / "scontrol.log")}
+    command = ["bash", str(SBATCH), "recipes/ddp_checkpoint.py", *TINY, "--synthetic-train", "8192", "--batch-size",
+               "64", "--save-every", "5", "--out-dir", tmp_path / "out", "--resume", "auto"]
+    job = Job(env=env, command=list(map(str, command)))
+    job.wait_for("saved: ")  # step 5's: training runs on both nodes
+    os.kill(job.proc.pid, signal.SIGUSR1)  # the batch shell alone
+    assert job.finish(timeout=120) == 75, job.output()
+    saved = torch.load(tmp_path / "out" / "latest.pt", weights_only=True)
+    assert (saved["epoch"], len(saved["rng"])) == (0, 2) and 5 < saved["step"] < 128, job.output()
+    assert (tmp_path / "scontrol.log").read_text() == f"requeue {job_id}\n", job.output()
+    assert "srun (test double): tasks ended, exit 75" in "".join(job.stderr), job.output()
+    again = Job(env=env, command=list(map(str, command)))
+    assert again.finish(timeout=120) == 0, again.output()
+    result = result_of(subprocess.CompletedProcess([], 0, "".join(again.stdout), ""))
+    assert (result["world_size"], result["start_step"], result["steps"]) == (2, saved["step"], 128)
+    assert (tmp_path / "scontrol.log").read_text() == f"requeue {job_id}\n"  # finished: not requeued again
+
+
 @pytest.mark.parametrize(("nodelist", "master"), [("gpu[07-08,11],login2", "gpu07"), ("n[001-004]", "n001"),
                                                   ("node7,node9", "node7")])
 def test_the_sbatch_node_part_takes_the_first_host_as_master(nodelist, master):
