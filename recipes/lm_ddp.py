@@ -25,6 +25,7 @@ What it shows, against ddp_torchrun.py (diff them: the lesson is what a transfor
 import argparse
 import datetime
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -36,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common import harness  # plumbing, not the lesson: every line that uses it says so
-from common.checkpoint import find_resume, load_same_flags, save_atomic
+from common.checkpoint import EX_TEMPFAIL, SignalFlag, find_resume, load_same_flags, save_atomic
 from common.lm import (
     TextError,
     Transformer,
@@ -76,6 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--amp-dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast, no loss scaler")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
     p.add_argument("--eval-every", type=int, default=250, help="validate (and save) every N steps, and at the end")
+    p.add_argument("--save-every", type=int, help="also save every N steps between evaluations; "
+                   "SIGUSR1 saves at the next step and exits 75")
     p.add_argument("--val-windows", type=int, default=128, help="validation windows of --seq-len (fixed)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="runs/lm_ddp", help="model.pt and latest.pt (the resume point)")
@@ -128,6 +131,8 @@ def main():
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     is_main = rank == 0
     check_args(args, world_size)
+    # SIGUSR1 (SLURM's --signal=USR1@120) asks for a save and exit 75; the loop acts on it at a step boundary.
+    preempt = SignalFlag(signal.SIGUSR1)
     if torch.cuda.is_available():
         device, backend = torch.device("cuda", local_rank), "nccl"  # one GPU per process; NCCL between GPUs
         device, backend = harness.check_gpu(device, backend)  # visible? (launch.sh G:N: N ranks on GPU G, gloo)
@@ -142,6 +147,7 @@ def main():
         dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    stop_group = dist.new_group(backend="gloo")  # the stop vote's own group: it runs beside the step's
     batch_per_process = args.batch_size // world_size
     print0(f"setup: world_size={world_size} backend={backend} device={device.type} global_batch={args.batch_size} "
            f"({batch_per_process} per process x {world_size}) sequences of {args.seq_len} bytes")
@@ -182,6 +188,11 @@ def main():
         optimizer.load_state_dict(ckpt["optimizer"])
         start_step = ckpt["step"]
         print0(f"resume: {resume} at step {start_step}")
+        # DDP lays its gradient buckets out again after its first backward, in the order the gradients came, and on
+        # 3+ ranks where an element sits in a bucket changes how the all-reduce rounds its sum. One backward now (no
+        # step) gives the resumed run the layout the uninterrupted one trained with: its weights stay bitwise the same.
+        model(torch.zeros(batch_per_process, args.seq_len, dtype=torch.long, device=device)).sum().backward()
+        optimizer.zero_grad(set_to_none=True)
     # The rate per step: warm-up, then cosine over --steps; a resumed run takes up the schedule where it stopped.
     scheduler = warmup_cosine(optimizer, 1, args.steps, args.warmup_steps / args.steps, start_step=start_step)
     harness.broadcast_out_dir_check(args.out_dir, is_main, {"model.pt": harness.state_bytes(model.module),
@@ -195,6 +206,7 @@ def main():
     diverged = harness.DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
     loss_meter = AverageMeter()
     val_loss = None
+    vote, ballot, stop = None, None, False  # the stop vote in flight, its tensor; True once SIGUSR1 is agreed
     speed.start()
     while step < last:
         # The same (seed, step) on every rank: rank r takes the r-th slice of one global batch.
@@ -213,15 +225,23 @@ def main():
         diverged.update(step, loss)
         speed.step(args.batch_size * args.seq_len)  # tokens (bytes)
         prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
-        if step % args.eval_every == 0 or step == last:
-            # -------------------------------------------------------------------------------- eval
-            speed.stop()
-            loss_meter.all_reduce(device, ride=speed)  # with every rank's own_ms: one all-reduce
+        # SIGUSR1 reaches the ranks at different times; they must stop after the same step. Each step starts
+        # an all-reduce (MAX) of its flag on the vote's own gloo group, and reads the last step's, which ran
+        # under this step: no step waits for it, and every rank reads the same vote at the same step.
+        stop = vote is not None and vote.wait() and ballot.item() > 0
+        ballot = torch.tensor([float(bool(preempt))])
+        vote = dist.all_reduce(ballot, dist.ReduceOp.MAX, group=stop_group, async_op=True)
+        evaluating = step % args.eval_every == 0 or step == last
+        if evaluating or stop or (args.save_every and step % args.save_every == 0):  # --save-every, SIGUSR1
             diverged.all_reduce_and_check(None, step, model=model)  # before eval and any save
-            val_loss = evaluate(model.module, val_x, val_y, rank, world_size, batch_per_process, device, amp)
-            print0(f"step={step}/{args.steps} train_loss={loss_meter.avg:.4f} val_loss={val_loss:.4f} "
-                   f"val_bpb={bits_per_byte(val_loss):.4f} lr={scheduler.get_last_lr()[0]:.2e} "
-                   f"tok/s={speed.images_per_sec:.0f} eta={speed.eta(last - step)}{speed.spread}")
+            if evaluating:
+                # -------------------------------------------------------------------------------- eval
+                speed.stop()
+                loss_meter.all_reduce(device, ride=speed)  # with every rank's own_ms: one all-reduce
+                val_loss = evaluate(model.module, val_x, val_y, rank, world_size, batch_per_process, device, amp)
+                print0(f"step={step}/{args.steps} train_loss={loss_meter.avg:.4f} val_loss={val_loss:.4f} "
+                       f"val_bpb={bits_per_byte(val_loss):.4f} lr={scheduler.get_last_lr()[0]:.2e} "
+                       f"tok/s={speed.images_per_sec:.0f} eta={speed.eta(last - step)}{speed.spread}")
             # -------------------------------------------------------------------------------- save
             if is_main:  # the resume point: weights, AdamW's moments, the step (the data follows from it)
                 os.makedirs(args.out_dir, exist_ok=True)
@@ -229,9 +249,20 @@ def main():
                              "epoch": 0, "flags": {k: getattr(args, k) for k in SAME_ON_RESUME}}, latest)
                 torch.save(model.module.state_dict(), os.path.join(args.out_dir, "model.pt"))
                 print0(f"saved: {latest} and model.pt at step {step}")
-            train_loss, loss_meter = loss_meter.avg, AverageMeter()
-            speed.start()
+            if evaluating:
+                train_loss, loss_meter = loss_meter.avg, AverageMeter()
+                speed.start()
+            if stop:  # saved; every rank leaves the loop at this step
+                break
     speed.stop()
+    if vote is not None:  # the last vote; every rank started as many
+        vote.wait()
+    if stop and step < last:  # saved; the scheduler's requeue resumes it (--resume auto)
+        dist.barrier()  # rank 0's files are whole before any rank exits (torchrun stops the rest at the first)
+        print0(f"preempt: SIGUSR1: saved {latest} at step {step}; exit {EX_TEMPFAIL}: requeue the job with "
+               "--resume auto to go on from there")
+        dist.destroy_process_group()
+        sys.exit(EX_TEMPFAIL)
     # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
     if val_loss is None:  # resumed at or past --max-steps / --steps: nothing left to train
         val_loss = evaluate(model.module, val_x, val_y, rank, world_size, batch_per_process, device, amp)

@@ -49,6 +49,7 @@ import datetime
 import os
 import secrets  # New
 import shutil  # New
+import signal
 import sys
 from pathlib import Path
 
@@ -63,7 +64,16 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common import harness  # plumbing, not the lesson: every line that uses it says so
-from common.checkpoint import CheckpointError, SaveError, dcp_failure, find_resume, load_same_flags, save_atomic
+from common.checkpoint import (
+    EX_TEMPFAIL,
+    CheckpointError,
+    SaveError,
+    SignalFlag,
+    dcp_failure,
+    find_resume,
+    load_same_flags,
+    save_atomic,
+)
 from common.lm import (
     TextError,
     Transformer,
@@ -114,6 +124,8 @@ def parse_args(argv=None):
     p.add_argument("--microbatches", type=int, help="pieces each step's batch is cut into, to flow through the "
                    "stages (default: 2 x --pp)")  # New
     p.add_argument("--eval-every", type=int, default=250, help="validate (and save) every N steps, and at the end")
+    p.add_argument("--save-every", type=int, help="also save every N steps between evaluations; "
+                   "SIGUSR1 saves at the next step and exits 75")
     p.add_argument("--val-windows", type=int, default=128, help="validation windows of --seq-len (fixed)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="runs/lm_pp", help="model.pt and checkpoint/ (a shard per stage; latest.pt: "
@@ -261,6 +273,8 @@ def main():
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     is_main = rank == 0
     check_args(args, world_size)
+    # SIGUSR1 (SLURM's --signal=USR1@120) asks for a save and exit 75; the loop acts on it at a step boundary.
+    preempt = SignalFlag(signal.SIGUSR1)
     if torch.cuda.is_available():
         device, backend = torch.device("cuda", local_rank), "nccl"  # one GPU per process; NCCL between GPUs
         device, backend = harness.check_gpu(device, backend, why=P2P_ON_SHARED_GPU)  # New: not launch.sh G:N
@@ -275,6 +289,7 @@ def main():
         dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    stop_group = dist.new_group(backend="gloo")  # the stop vote's own group: it runs beside the step's
     print0(f"setup: world_size={world_size} backend={backend} device={device.type} global_batch={args.batch_size} "
            f"(all of it through every stage: pp={args.pp}, {args.microbatches} microbatches of "  # New
            f"{args.batch_size // args.microbatches}, schedule {args.schedule}) sequences of {args.seq_len} bytes")
@@ -337,6 +352,7 @@ def main():
     diverged = harness.DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
     loss_meter = AverageMeter()
     val_loss = None
+    vote, ballot, stop = None, None, False  # the stop vote in flight, its tensor; True once SIGUSR1 is agreed
     speed.start()
     while step < last:
         # New: dp_rank 0 of 1: every stage takes the whole batch of (seed, step), the one lm_ddp.py splits; the first
@@ -359,15 +375,23 @@ def main():
             diverged.update(step, loss)  # New: the check below all-reduces the first bad step to every rank
         speed.step(args.batch_size * args.seq_len)  # tokens (bytes)
         prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
-        if step % args.eval_every == 0 or step == last:
-            # -------------------------------------------------------------------------------- eval
-            speed.stop()
-            loss_meter.all_reduce(device, ride=speed)  # New: the last stage's sum and count, onto every rank
+        # SIGUSR1 reaches the ranks at different times; they must stop after the same step. Each step starts
+        # an all-reduce (MAX) of its flag on the vote's own gloo group, and reads the last step's, which ran
+        # under this step: no step waits for it, and every rank reads the same vote at the same step.
+        stop = vote is not None and vote.wait() and ballot.item() > 0
+        ballot = torch.tensor([float(bool(preempt))])
+        vote = dist.all_reduce(ballot, dist.ReduceOp.MAX, group=stop_group, async_op=True)
+        evaluating = step % args.eval_every == 0 or step == last
+        if evaluating or stop or (args.save_every and step % args.save_every == 0):  # --save-every, SIGUSR1
             diverged.all_reduce_and_check(None, step, model=model)  # before eval and any save
-            val_loss = evaluate(schedule, stage, val_x, val_y, args.batch_size, device)  # New: through the stages
-            print0(f"step={step}/{args.steps} train_loss={loss_meter.avg:.4f} val_loss={val_loss:.4f} "
-                   f"val_bpb={bits_per_byte(val_loss):.4f} lr={scheduler.get_last_lr()[0]:.2e} "
-                   f"tok/s={speed.images_per_sec:.0f} eta={speed.eta(last - step)}{speed.spread}")
+            if evaluating:
+                # -------------------------------------------------------------------------------- eval
+                speed.stop()
+                loss_meter.all_reduce(device, ride=speed)  # New: the last stage's sum and count, onto every rank
+                val_loss = evaluate(schedule, stage, val_x, val_y, args.batch_size, device)  # New: through the stages
+                print0(f"step={step}/{args.steps} train_loss={loss_meter.avg:.4f} val_loss={val_loss:.4f} "
+                       f"val_bpb={bits_per_byte(val_loss):.4f} lr={scheduler.get_last_lr()[0]:.2e} "
+                       f"tok/s={speed.images_per_sec:.0f} eta={speed.eta(last - step)}{speed.spread}")
             # -------------------------------------------------------------------------------- save
             # New: every stage writes its own part (torch.save on rank 0 would write stage 0's alone), then rank 0
             # points latest.pt at them: weights, AdamW's moments, the step (the data follows from it).
@@ -392,9 +416,20 @@ def main():
                 full = {k: v for part in parts for k, v in part.items()}  # New: stage 0's keys first, in order
                 torch.save(full, os.path.join(args.out_dir, "model.pt"))  # New: loads into Transformer(...)
                 print0(f"saved: {latest} and model.pt at step {step}")
-            train_loss, loss_meter = loss_meter.avg, AverageMeter()
-            speed.start()
+            if evaluating:
+                train_loss, loss_meter = loss_meter.avg, AverageMeter()
+                speed.start()
+            if stop:  # saved; every rank leaves the loop at this step
+                break
     speed.stop()
+    if vote is not None:  # the last vote; every rank started as many
+        vote.wait()
+    if stop and step < last:  # saved; the scheduler's requeue resumes it (--resume auto)
+        dist.barrier()  # rank 0's files are whole before any rank exits (torchrun stops the rest at the first)
+        print0(f"preempt: SIGUSR1: saved {latest} at step {step}; exit {EX_TEMPFAIL}: requeue the job with "
+               "--resume auto to go on from there")
+        dist.destroy_process_group()
+        sys.exit(EX_TEMPFAIL)
     # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
     if val_loss is None:  # resumed at or past --max-steps / --steps: nothing left to train
         val_loss = evaluate(schedule, stage, val_x, val_y, args.batch_size, device)  # New

@@ -44,6 +44,7 @@ import datetime
 import os
 import secrets  # New
 import shutil  # New
+import signal
 import sys
 from pathlib import Path
 
@@ -72,7 +73,16 @@ from torch.distributed.tensor.parallel import (  # New
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common import harness  # plumbing, not the lesson: every line that uses it says so
-from common.checkpoint import CheckpointError, SaveError, dcp_failure, find_resume, load_same_flags, save_atomic
+from common.checkpoint import (
+    EX_TEMPFAIL,
+    CheckpointError,
+    SaveError,
+    SignalFlag,
+    dcp_failure,
+    find_resume,
+    load_same_flags,
+    save_atomic,
+)
 from common.lm import (
     TextError,
     Transformer,
@@ -114,6 +124,8 @@ def parse_args(argv=None):
     p.add_argument("--sequence-parallel", action="store_true",  # New
                    help="cut the activations between the cut layers along the sequence too (--seq-len / --tp each)")
     p.add_argument("--eval-every", type=int, default=250, help="validate (and save) every N steps, and at the end")
+    p.add_argument("--save-every", type=int, help="also save every N steps between evaluations; "
+                   "SIGUSR1 saves at the next step and exits 75")
     p.add_argument("--val-windows", type=int, default=128, help="validation windows of --seq-len (fixed)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="runs/lm_tp", help="model.pt and checkpoint/ (sharded; latest.pt: the resume "
@@ -233,6 +245,8 @@ def main():
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     is_main = rank == 0
     check_args(args, world_size)
+    # SIGUSR1 (SLURM's --signal=USR1@120) asks for a save and exit 75; the loop acts on it at a step boundary.
+    preempt = SignalFlag(signal.SIGUSR1)
     if torch.cuda.is_available():
         device, backend = torch.device("cuda", local_rank), "nccl"  # one GPU per process; NCCL between GPUs
         device, backend = harness.check_gpu(device, backend, dtensor=True)  # New: dtensor: not launch.sh G:N
@@ -247,6 +261,7 @@ def main():
         dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    stop_group = dist.new_group(backend="gloo")  # the stop vote's own group: it runs beside the step's
     mesh = init_device_mesh(device.type, (args.tp,), mesh_dim_names=("tp",))  # New: the ranks that cut each layer
     print0(f"setup: world_size={world_size} backend={backend} device={device.type} global_batch={args.batch_size} "
            f"(all of it on every rank: tp={args.tp}, sequence_parallel={args.sequence_parallel}) sequences of "
@@ -307,6 +322,7 @@ def main():
     diverged = harness.DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
     loss_meter = AverageMeter()
     val_loss = None
+    vote, ballot, stop = None, None, False  # the stop vote in flight, its tensor; True once SIGUSR1 is agreed
     speed.start()
     while step < last:
         # New: dp_rank 0 of 1: every rank takes the whole batch of (seed, step), the one lm_ddp.py splits.
@@ -330,15 +346,23 @@ def main():
         diverged.update(step, loss)
         speed.step(args.batch_size * args.seq_len)  # tokens (bytes)
         prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
-        if step % args.eval_every == 0 or step == last:
-            # -------------------------------------------------------------------------------- eval
-            speed.stop()
-            loss_meter.all_reduce(device, ride=speed)  # with every rank's own_ms: one all-reduce
+        # SIGUSR1 reaches the ranks at different times; they must stop after the same step. Each step starts
+        # an all-reduce (MAX) of its flag on the vote's own gloo group, and reads the last step's, which ran
+        # under this step: no step waits for it, and every rank reads the same vote at the same step.
+        stop = vote is not None and vote.wait() and ballot.item() > 0
+        ballot = torch.tensor([float(bool(preempt))])
+        vote = dist.all_reduce(ballot, dist.ReduceOp.MAX, group=stop_group, async_op=True)
+        evaluating = step % args.eval_every == 0 or step == last
+        if evaluating or stop or (args.save_every and step % args.save_every == 0):  # --save-every, SIGUSR1
             diverged.all_reduce_and_check(None, step, model=model)  # before eval and any save
-            val_loss = evaluate(model, val_x, val_y, args.batch_size, device, amp)  # New: all windows, every rank
-            print0(f"step={step}/{args.steps} train_loss={loss_meter.avg:.4f} val_loss={val_loss:.4f} "
-                   f"val_bpb={bits_per_byte(val_loss):.4f} lr={scheduler.get_last_lr()[0]:.2e} "
-                   f"tok/s={speed.images_per_sec:.0f} eta={speed.eta(last - step)}{speed.spread}")
+            if evaluating:
+                # -------------------------------------------------------------------------------- eval
+                speed.stop()
+                loss_meter.all_reduce(device, ride=speed)  # with every rank's own_ms: one all-reduce
+                val_loss = evaluate(model, val_x, val_y, args.batch_size, device, amp)  # New: all windows, every rank
+                print0(f"step={step}/{args.steps} train_loss={loss_meter.avg:.4f} val_loss={val_loss:.4f} "
+                       f"val_bpb={bits_per_byte(val_loss):.4f} lr={scheduler.get_last_lr()[0]:.2e} "
+                       f"tok/s={speed.images_per_sec:.0f} eta={speed.eta(last - step)}{speed.spread}")
             # -------------------------------------------------------------------------------- save
             # New: every rank writes its slices (torch.save on rank 0 would write rank 0's alone), then rank 0 points
             # latest.pt at them: weights, AdamW's moments, the step (the data follows from it).
@@ -361,9 +385,20 @@ def main():
                         shutil.rmtree(os.path.join(checkpoints, old), ignore_errors=True)
                 torch.save(full, os.path.join(args.out_dir, "model.pt"))  # New: loads into Transformer(...)
                 print0(f"saved: {latest} and model.pt at step {step}")
-            train_loss, loss_meter = loss_meter.avg, AverageMeter()
-            speed.start()
+            if evaluating:
+                train_loss, loss_meter = loss_meter.avg, AverageMeter()
+                speed.start()
+            if stop:  # saved; every rank leaves the loop at this step
+                break
     speed.stop()
+    if vote is not None:  # the last vote; every rank started as many
+        vote.wait()
+    if stop and step < last:  # saved; the scheduler's requeue resumes it (--resume auto)
+        dist.barrier()  # rank 0's files are whole before any rank exits (torchrun stops the rest at the first)
+        print0(f"preempt: SIGUSR1: saved {latest} at step {step}; exit {EX_TEMPFAIL}: requeue the job with "
+               "--resume auto to go on from there")
+        dist.destroy_process_group()
+        sys.exit(EX_TEMPFAIL)
     # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
     if val_loss is None:  # resumed at or past --max-steps / --steps: nothing left to train
         val_loss = evaluate(model, val_x, val_y, args.batch_size, device, amp)  # New

@@ -9,6 +9,7 @@ a save, with a second one inside the next save.
 """
 
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -170,3 +171,65 @@ def test_signal_flag_counts_in_its_process_and_not_in_a_forked_child():
             "print(os.waitstatus_to_exitcode(status), flag.count)\n")
     proc = subprocess.run([sys.executable, "-c", code, str(REPO)], capture_output=True, text=True, timeout=60)
     assert proc.stdout.split() == ["10", "1"], proc.stderr  # the child survived it and counted nothing
+
+
+# ------------------------------------------------------------------------- the language models
+LM = ["--n-layer=2", "--n-head=4", "--d-model=32", "--block-size=32", "--seq-len=16", "--batch-size=12",
+      "--steps=16", "--warmup-steps=2", "--eval-every=8", "--val-windows=12"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe, processes", [("lm_ddp", 3), ("lm_tp", 2)])
+def test_a_language_model_stops_between_evaluations_and_resumes_bitwise(tmp_path, recipe, processes):
+    # Their batches follow from (seed, step), so any step is a resume point: the stop saves where it is (lm_tp: the
+    # DCP shards, then latest.pt pointing at them), between two evaluations, and every rank exits 75 after it. The
+    # signal reaches rank 0 alone: the others learn of it from the vote.
+    straight = launch(f"recipes/{recipe}.py", f"cpu:{processes}", *LM, "--out-dir", tmp_path / "straight")
+    assert result_of(straight)["steps"] == 16
+    seed = random.randrange(10**6)
+    step = random.Random(seed).randint(1, 5)
+    run = [f"recipes/{recipe}.py", f"cpu:{processes}", *LM, "--out-dir", tmp_path / "run"]
+    first = launch(*run, env={"PYTHONPATH": FAULTS, "FAULT_SIGNAL": f"0:step={step}:self"})  # rank 0 alone
+    said = f"seed {seed}, step {step}\nstdout:\n{first.stdout}\nstderr:\n{first.stderr[-3000:]}"
+    assert first.returncode == EX_TEMPFAIL and "RESULT" not in first.stdout, said
+    saved = re.search(r"^preempt: SIGUSR1: saved \S+ at step (\d+); exit 75", first.stdout, re.M)
+    assert saved and step < int(saved[1]) <= step + 3, said
+    resumed = launch(*run, "--resume", "auto")
+    assert result_of(resumed)["start_step"] == int(saved[1]), resumed.stdout
+    assert max_diff(params(tmp_path / "run" / "model.pt"), params(tmp_path / "straight" / "model.pt")) == 0, said
+
+
+@pytest.mark.slow
+def test_a_recipe_without_the_save_ignores_sigusr1_to_every_process(tmp_path):
+    # ddp_torchrun.py has no preemption save: its ranks start with SIGUSR1 ignored (tools/torchrun.py), their
+    # DataLoader workers inherit that, and the launcher passes it on: nothing dies, the run ends as usual.
+    proc = launch("recipes/ddp_torchrun.py", "cpu:2", "--arch", "tiny", "--workers", "1", "--epochs", "1",
+                  "--out-dir", tmp_path, env={"PYTHONPATH": FAULTS, "FAULT_SIGNAL": "1:step=2:job"})
+    assert result_of(proc)["steps"] == 16 and "FAULT: rank 1 sends SIGUSR1 to job at step=2" in proc.stdout
+    assert "launch.sh: SIGUSR1 received: passed on to the 2 rank(s)" in proc.stderr
+
+
+# ------------------------------------------------------------------------- asynchronous saves (fsdp.py)
+@pytest.mark.slow
+def test_a_crash_while_an_async_save_writes_leaves_the_last_checkpoint_to_resume_from(tmp_path):
+    # --async-save: epoch 2's shards are written by a thread while epoch 3 trains. Every process of the job is
+    # killed (SIGKILL) as that thread opens rank 0's shard file: latest.pt still names epoch 1's shards, whole, and
+    # --resume auto goes on from them to the weights of a run never stopped; the killed save's folder (no .metadata:
+    # DCP writes it last) is removed by the next save.
+    args = ["recipes/fsdp.py", "cpu:2", "--arch", "tiny", "--workers", "0", "--epochs", "3", "--synthetic-train",
+            "256", "--batch-size", "32", "--async-save"]
+    straight = launch(*args, "--out-dir", tmp_path / "straight")
+    assert straight.stdout.count("in the background; training waited") == 3, straight.stdout
+    killed = launch(*args, "--out-dir", tmp_path / "run",
+                    env={"PYTHONPATH": FAULTS, "FAULT_KILL_ON_WRITE": "__0_0.distcp:2"})
+    assert killed.returncode == -signal.SIGKILL and "FAULT: killing the job as" in killed.stdout, killed.stderr
+    checkpoints = tmp_path / "run" / "checkpoint"
+    pointer = torch.load(checkpoints / "latest.pt", weights_only=True)
+    assert pointer["epoch"] == 1 and (checkpoints / pointer["shards"] / ".metadata").exists()
+    (half,) = [d for d in checkpoints.glob("epoch_2-*")]
+    assert not (half / ".metadata").exists()  # the killed save: no metadata, never named by latest.pt
+    resumed = launch(*args, "--out-dir", tmp_path / "run", "--resume", "auto")
+    assert result_of(resumed)["steps"] == 24 and "at epoch 1 step 8" in resumed.stdout, resumed.stdout
+    assert not half.exists() and [d.name for d in checkpoints.glob("epoch_*")] == [
+        torch.load(checkpoints / "latest.pt", weights_only=True)["shards"]]
+    assert max_diff(params(tmp_path / "run" / "model.pt"), params(tmp_path / "straight" / "model.pt")) == 0
