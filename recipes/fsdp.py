@@ -7,6 +7,7 @@ checkpoints (torch.distributed.checkpoint) that resume on another number of GPUs
     NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 \
         ./launch.sh recipes/fsdp.py 0,1,2,3 --dataset cifar100     # node 0; NODE_RANK=1 on node 1
     ./launch.sh recipes/fsdp.py cpu:2 --arch tiny --epochs 3 --resume auto               # CPU (gloo)
+    ./launch.sh recipes/fsdp.py 0,1 --dataset cifar100 --epochs 30 --async-save   # shards written by a thread
 
 What it shows (the rest is recipes/ddp_checkpoint.py):
 - fully_shard makes each parameter a DTensor sharded along dim 0: a rank holds 1/N of the parameters, gradients and
@@ -28,6 +29,12 @@ What it shows (the rest is recipes/ddp_checkpoint.py):
   latest.pt (scheduler, epoch, step, RNG, args, the folder), atomically and last, so it points at complete shards
   only; RUN is new each run, so no save overwrites them. --resume PATH|auto loads them on any number of ranks (DCP
   reshards); on the same number, bitwise the same weights as a run that never stopped (CPU).
+- --async-save: dcp.async_save copies the shards to CPU memory (training waits for that alone) and a thread writes
+  them while the next epoch trains; its collectives go on a gloo group of their own (async_save needs a CPU backend;
+  sharing training's group would interleave two threads' collectives). One save in flight: the next save, and the
+  job's end, wait for it first, and only then does latest.pt name its folder. A crash while the thread writes
+  leaves latest.pt naming the previous shards, whole (DCP writes .metadata last); the next save removes the half
+  folder. docs/benchmarks.md: what training waits with each.
 - OUT_DIR/model.pt: the full state_dict, gathered to rank 0's CPU, loadable by a plain model without a process group.
 - Evaluation: every forward all-gathers, so a rank whose validation shard has fewer batches runs empty ones. BatchNorm
   buffers are neither sharded nor synchronized: rank 0's are broadcast before evaluating, as in ddp_checkpoint.py.
@@ -38,11 +45,13 @@ What it shows (the rest is recipes/ddp_checkpoint.py):
 
 import argparse
 import collections
+import copy
 import datetime
 import os
 import secrets
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -90,6 +99,8 @@ def parse_args(argv=None):
                         "evaluation, which has no backward, the whole model stays gathered)")
     p.add_argument("--resume", help="a checkpoint/latest.pt to continue from, or 'auto': OUT_DIR/checkpoint/latest.pt "
                                     "if it exists; any number of ranks")
+    p.add_argument("--async-save", action="store_true",  # New
+                   help="write the shards from a thread while training goes on (dcp.async_save); one save in flight")
     harness.add_flags(p)  # --max-steps, --tb-dir, --tb-every, --profile, --debug-collectives
     return p.parse_args(argv)
 
@@ -148,6 +159,31 @@ def shard(model, mesh, amp_dtype, reshard_after_forward):
 # ------------------------------------------------------------------------------------ checkpoints
 def rng_state(device):  # New
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def point_latest(pointer, checkpoints, latest):  # New
+    """Rank 0, once every rank's shards are written: latest.pt (atomically) names them; older shard folders go."""
+    save_atomic(pointer, latest)
+    for old in os.listdir(checkpoints):  # older shards (an epoch before, an earlier run's, a killed save's): not named
+        if old.startswith("epoch_") and old != pointer["shards"]:
+            shutil.rmtree(os.path.join(checkpoints, old), ignore_errors=True)
+
+
+def shard_failure(exc, folder, latest):  # New
+    return SaveError(f"cannot write the shards in {folder} ({dcp_failure(exc, os.path.dirname(folder))}): {latest}, "
+                     "if any, still points at the previous ones; free some space, then --resume")
+
+
+def finish_async_save(in_flight, checkpoints, latest):  # New
+    """Every rank: wait for the save in flight to end (its thread's collectives: every rank's shards written); then
+    rank 0 names it in latest.pt."""
+    future, pointer, folder = in_flight
+    try:
+        future.result()
+    except dcp.CheckpointException as exc:
+        raise shard_failure(exc, folder, latest) from exc
+    if dist.get_rank() == 0:
+        point_latest(pointer, checkpoints, latest)
 
 
 def load_shards(model, optimizer, path):
@@ -258,6 +294,9 @@ def main():
     run_tag = [secrets.token_hex(3)]
     dist.broadcast_object_list(run_tag, src=0)  # every rank writes into the same folder
     run_tag = run_tag[0]
+    # New: --async-save's writer thread makes collectives (the plan, the results) while training makes its own: on a
+    # group of their own, so the two never interleave. A CPU backend: async_save refuses a group without one.
+    save_group, in_flight = (dist.new_group(backend="gloo") if args.async_save else None), None
     start_epoch, step, best_acc1 = 0, 0, float("-inf")
     resume = find_resume(args.resume, latest)  # 'auto': latest.pt if there is one (what MAX_RESTARTS reruns)
     if resume:
@@ -356,22 +395,31 @@ def main():
         best_acc1 = max(best_acc1, val_acc1)  # val_acc1 is all-reduced, so every rank agrees
         shards = f"epoch_{epoch + 1}-{run_tag}"
         model_state, optim_state = get_state_dict(model, optimizer)  # DTensors: each rank's own shard
-        try:
-            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=os.path.join(checkpoints, shards))
-        except dcp.CheckpointException as exc:  # a full disk, on any rank: every rank gets it
-            raise SaveError(f"cannot write the shards in {os.path.join(checkpoints, shards)} "
-                            f"({dcp_failure(exc, checkpoints)}): "
-                            f"{latest}, if any, still points at the previous ones; free some space, then "
-                            "--resume") from exc
-        if is_main:  # dcp.save returned on every rank: all shards are written. Now point latest.pt at them.
-            save_atomic({"shards": shards, "scheduler": scheduler.state_dict(), "epoch": epoch + 1, "step": step,
-                         "best_acc1": best_acc1, "rng": rngs, "args": vars(args)}, latest)
-            for old in os.listdir(checkpoints):  # older shards (an epoch before, an earlier run's): not pointed at
-                if old.startswith("epoch_") and old != shards:
-                    shutil.rmtree(os.path.join(checkpoints, old), ignore_errors=True)
-        diverged.last_good = latest
+        pointer = {"shards": shards, "scheduler": copy.deepcopy(scheduler.state_dict()), "epoch": epoch + 1,
+                   "step": step, "best_acc1": best_acc1, "rng": rngs, "args": vars(args)}  # what latest.pt will say
+        folder, started = os.path.join(checkpoints, shards), time.perf_counter()
+        if args.async_save:  # New: one save in flight: the last one ends, and latest.pt names it, before the next
+            if in_flight is not None:
+                finish_async_save(in_flight, checkpoints, latest)
+                diverged.last_good = latest
+            # Staged: copied to CPU memory now (training changes the weights next), then written by a thread.
+            in_flight = (dcp.async_save({"model": model_state, "optimizer": optim_state}, checkpoint_id=folder,
+                                        process_group=save_group), pointer, folder)
+            print0(f"saving: {folder} in the background; training waited {time.perf_counter() - started:.3f} s")
+        else:
+            try:
+                dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=folder)
+            except dcp.CheckpointException as exc:  # a full disk, on any rank: every rank gets it
+                raise shard_failure(exc, folder, latest) from exc
+            if is_main:  # dcp.save returned on every rank: all shards are written. Now point latest.pt at them.
+                point_latest(pointer, checkpoints, latest)
+            print0(f"saved: {folder}; training waited {time.perf_counter() - started:.3f} s")
+            diverged.last_good = latest
         if step >= total_steps:
             break
+    if in_flight is not None:  # New: the last save in flight ends (and latest.pt names it) before the job does
+        finish_async_save(in_flight, checkpoints, latest)
+        print0(f"saved: {in_flight[2]} (written in the background)")
     # ------------------------------------------------------------------------------------ save
     # The full weights, gathered shard by shard onto rank 0's CPU (a collective: every rank calls it; the others
     # get an empty dict). Plain tensors, no prefix: they load into build_model(arch, classes, image_size) anywhere.

@@ -161,6 +161,24 @@ if os.environ.get("FAULT_SLOW") and os.environ.get("RANK", "0") == os.environ["F
 
     torch.nn.Linear.forward = _slow_linear
 
+
+def _job_pids(root):
+    """root and every process under it (from /proc): a job's launcher, ranks and DataLoader workers."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    pids, grew = {root}, True
+    while grew:
+        more = {pid for pid, parent in parents.items() if parent in pids} - pids
+        pids, grew = pids | more, bool(more)
+    return pids
+
+
 # FAULT_SIGNAL="RANK:WHEN:TARGET[,...]": in the process whose RANK is RANK (none: rank 0), SIGUSR1 is sent to TARGET
 # when WHEN comes: WHEN is step=N (after this rank's N-th optimizer step) or save=N (as this process opens a file
 # named latest.pt.tmp for writing for the N-th time: inside a save); TARGET is launcher (this rank's parent, which
@@ -171,21 +189,6 @@ if os.environ.get("FAULT_SIGNAL"):
 
     _signals = [spec.split(":") for spec in os.environ["FAULT_SIGNAL"].split(",")]
     _signals = [(when, target) for rank, when, target in _signals if os.environ.get("RANK", "0") == rank]
-
-    def _job_pids(root):
-        parents = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    with open(f"/proc/{entry}/stat") as f:
-                        parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-                except (OSError, IndexError, ValueError):
-                    pass
-        pids, grew = {root}, True
-        while grew:
-            more = {pid for pid, parent in parents.items() if parent in pids} - pids
-            pids, grew = pids | more, bool(more)
-        return pids
 
     def _send(when, target):
         sys.stdout.write(f"FAULT: rank {os.environ.get('RANK', '0')} sends SIGUSR1 to {target} at {when}\n")
@@ -221,3 +224,31 @@ if os.environ.get("FAULT_SIGNAL"):
             return _open_before(file, mode, *args, **kwargs)
 
         builtins.open = io.open = _open_watching
+
+# FAULT_KILL_ON_WRITE="NAME:N": in rank 0 (or a process without RANK), when a file named NAME is opened for writing
+# for the N-th time (torch.distributed.checkpoint's shard files: __0_0.distcp; from --async-save's writer thread too),
+# every process of the job (the launcher and all under it) is killed with SIGKILL: a node lost mid-write. A test double
+# of a CRASH.
+if os.environ.get("FAULT_KILL_ON_WRITE") and os.environ.get("RANK", "0") == "0":
+    import builtins
+    import io
+    import signal
+
+    _kill_name, _kill_nth = os.environ["FAULT_KILL_ON_WRITE"].split(":")
+    _kill_seen, _open_unkilled = [0], builtins.open
+
+    def _open_or_kill(file, mode="r", *args, **kwargs):
+        if "w" in mode and os.path.basename(str(file)) == _kill_name:
+            _kill_seen[0] += 1
+            if _kill_seen[0] == int(_kill_nth):
+                sys.stdout.write(f"FAULT: killing the job as {file} opens\n")
+                sys.stdout.flush()
+                launcher = os.getppid()
+                for pid in sorted(_job_pids(launcher) - {os.getpid()}) + [os.getpid()]:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+        return _open_unkilled(file, mode, *args, **kwargs)
+
+    builtins.open = io.open = _open_or_kill
