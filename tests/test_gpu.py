@@ -20,7 +20,9 @@ import re
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
+from pathlib import Path
 
 import pytest
 import test_comm_hooks as cpu_hooks  # the CPU tests' runs and expectations, reused for the same runs on the GPU
@@ -425,6 +427,33 @@ def test_ddp_checkpoint_resume_on_gpu(tmp_path):
     assert diff < 1e-4
 
 
+@pytest.mark.parametrize("recipe, devices, flags, data_flag, target, steps", [
+    ("ddp_checkpoint", TWO_RANKS, ["--dataset", "imagefolder", "--image-size", "16", "--batch-size", "4", "--arch",
+                                   "tiny", "--workers", "2", "--epochs", "2"], "--data-root", "launcher", 30),
+    ("lm_ddp", "0", ["--steps", "40", "--eval-every", "20", "--seq-len", "64", "--val-windows", "16"], "--text", "self",
+     40)])
+def test_a_preemption_save_mid_epoch_resumes_on_gpu(tmp_path, recipe, devices, flags, data_flag, target, steps):
+    # SIGUSR1 (tests/faults' FAULT_SIGNAL: the scheduler's warning) after step 3: the stop vote runs on its own gloo
+    # group beside NCCL (or beside gloo over CUDA on one GPU), every rank saves (mid-epoch; the language model between
+    # evaluations) and exits 75; --resume auto goes on from there. On the CPU: tests/test_preempt.py, bitwise.
+    data = make_imagefolder(tmp_path / "data") if recipe == "ddp_checkpoint" else (
+        Path(sysconfig.get_paths()["stdlib"]) / "json")  # a small real text every machine has
+    args = [*flags, data_flag, data]
+    straight = launch(f"recipes/{recipe}.py", devices, *args, "--out-dir", tmp_path / "straight", env=FP32)
+    first = launch(f"recipes/{recipe}.py", devices, *args, "--out-dir", tmp_path / "run",
+                   env={**FP32, "PYTHONPATH": str(REPO / "tests" / "faults"), "FAULT_SIGNAL": f"0:step=3:{target}"})
+    print(f"{recipe} on {devices}: exit {first.returncode}\n{first.stdout[-1500:]}{first.stderr[-1500:]}")
+    assert first.returncode == 75 and "preempt: SIGUSR1: saved" in first.stdout, first.stderr[-3000:]
+    assert "launch.sh: the ranks saved and exited 75 (SIGUSR1): requeue the job" in first.stderr
+    resumed = launch(f"recipes/{recipe}.py", devices, *args, "--out-dir", tmp_path / "run", "--resume", "auto",
+                     env=FP32)
+    result = result_of(resumed)
+    assert 3 < result["start_step"] <= 6 and result["steps"] == result_of(straight)["steps"] == steps, result
+    diff = max_diff(params(tmp_path / "straight/model.pt"), params(tmp_path / "run/model.pt"))
+    print(f"{recipe} preempted and resumed on GPU: max weight difference {diff:.2e}")
+    assert diff < 1e-4
+
+
 def test_ddp_zero_consolidates_every_ranks_shard_and_resumes_on_gpu(tmp_path):
     # consolidate_state_dict(to=0) gathers each rank's optimizer shard onto rank 0 (under NCCL through CUDA tensors),
     # which saves the whole SGD state; --resume auto gives each rank its shard back, and its CPU and CUDA RNG streams.
@@ -544,6 +573,24 @@ def test_fsdp_sharded_checkpoint_resumes_on_gpu(tmp_path):
     diff = max_diff(params(tmp_path / "straight/model.pt"), weights)
     print(f"fsdp resume on {TWO_RANKS}: max weight difference {diff:.2e}")
     assert max_diff(weights, initial_weights("tiny", image_size=16)) > 1e-3  # it trained
+    assert diff < 1e-4
+
+
+def test_fsdp_async_save_on_gpu(tmp_path):
+    # --async-save on one GPU under NCCL: async_save's own gloo group beside NCCL, the shards staged from the GPU to
+    # CPU memory, written by a thread while the next epoch trains; the same weights as the synchronous save's run
+    # (the save does not touch training), latest.pt naming the last epoch's whole shards. On the CPU:
+    # tests/test_preempt.py (a crash mid-write) and test_fsdp.py.
+    args = ["recipes/fsdp.py", "0", *cpu_fsdp.ARGS]
+    plain = launch(*args, "--out-dir", tmp_path / "plain", env=FP32)
+    in_thread = launch(*args, "--async-save", "--out-dir", tmp_path / "async", env=FP32)
+    assert result_of(in_thread)["steps"] == result_of(plain)["steps"] == 3 * cpu_fsdp.PER_EPOCH
+    print(in_thread.stdout[-2000:])
+    assert in_thread.stdout.count("in the background; training waited") == 3, in_thread.stdout
+    pointer = params(tmp_path / "async/checkpoint/latest.pt")
+    assert pointer["epoch"] == 3 and (tmp_path / "async/checkpoint" / pointer["shards"] / ".metadata").exists()
+    diff = max_diff(params(tmp_path / "plain/model.pt"), params(tmp_path / "async/model.pt"))
+    print(f"fsdp --async-save on GPU: max weight difference from the synchronous save's run {diff:.2e}")
     assert diff < 1e-4
 
 

@@ -147,6 +147,25 @@ EDITS = [
     Edit("own_ms_forward", "own_ms that counts DDP's wait for other ranks: timed from the call, not the inner forward",
          "            forward.register_forward_pre_hook(self._forward_starts)",
          "            model.register_forward_pre_hook(self._forward_starts, prepend=True)", file="common/utils.py"),
+    # Issue 43: the preemption save (tests/test_preempt.py).
+    Edit("preempt_vote", "each rank stops when SIGUSR1 reaches it, no vote: one saves while the others train",
+         "stop = vote is not None and vote.wait() and ballot.item() > 0", "stop = bool(preempt)"),
+    Edit("lm_preempt_vote", "each rank stops when SIGUSR1 reaches it, no vote: one saves while the others train",
+         "stop = vote is not None and vote.wait() and ballot.item() > 0", "stop = bool(preempt)"),
+    Edit("resume_bucket_layout", "no backward before a resumed DDP run's first step: other buckets, other roundings",
+         "model(torch.zeros(batch_per_process, 3, args.image_size, args.image_size, device=device)).sum().backward()",
+         "pass"),
+    Edit("lm_resume_bucket_layout", "no backward before a resumed DDP run's first step: other buckets, other roundings",
+         "model(torch.zeros(batch_per_process, args.seq_len, dtype=torch.long, device=device)).sum().backward()",
+         "pass"),
+    Edit("seeded_samples", "augmentation from the workers' streams: a run resumed mid-epoch crops other samples' way",
+         "torch.manual_seed((self.seed * 1_000_003 + self.epoch) * 10_000_019 + index)", "pass",
+         file="common/data.py"),
+    Edit("skip_first", "a run resumed mid-epoch trains the epoch's first batches again",
+         "return itertools.islice(iter(self.sampler), skip, None)", "return iter(self.sampler)",
+         file="common/data.py"),
+    Edit("restart_after_save", "MAX_RESTARTS restarts ranks that saved and exited 75 for a requeue",
+         "self._remaining_restarts = 0  # as torch does", "pass  # as torch does", file="tools/torchrun.py"),
 ]
 # Edits that mean something in the language models too; the others are the image recipes' lessons.
 LM_TOO = {"divergence_check"}
@@ -156,6 +175,7 @@ FILE_EDIT_RECIPES = {"lm_tp", "lm_fsdp_tp"}
 # The tests that guard a recipe: its conformance cases (a -k expression), and for the edits they cannot see on the
 # CPU, the test that can (a checkpoint tagged as saved on cuda:1 must be loaded with map_location).
 CONFORMANCE = "tests/test_conformance.py"
+PREEMPT = "tests/test_preempt.py"
 # Edits that one recipe's test guards for all (the drills run ddp_torchrun; the conformance case with
 # --debug-collectives is ddp_launch's on 3 processes), and that test.
 ONE_RECIPE = {"hang_stacks": ("ddp_torchrun", ["tests/test_failures.py", "-k", "diverging_ranks"]),
@@ -164,7 +184,14 @@ ONE_RECIPE = {"hang_stacks": ("ddp_torchrun", ["tests/test_failures.py", "-k", "
               "profile_gloo_comm": ("ddp_torchrun", ["tests/test_profile.py", "-k", "cpu_step"]),
               "profile_waits_compute": ("ddp_torchrun", ["tests/test_profile.py", "-k", "cpu_step"]),
               "profile_zero_wait": ("ddp_torchrun", ["tests/test_profile.py", "-k", "cpu_step"]),
-              "own_ms_forward": ("ddp_torchrun", ["tests/test_common.py", "-k", "own_ms"])}
+              "own_ms_forward": ("ddp_torchrun", ["tests/test_common.py", "-k", "own_ms"]),
+              "preempt_vote": ("ddp_checkpoint", [PREEMPT, "-k", "3-self"]),
+              "lm_preempt_vote": ("lm_ddp", [PREEMPT, "-k", "lm_ddp"]),
+              "resume_bucket_layout": ("ddp_checkpoint", [PREEMPT, "-k", "3-self"]),
+              "lm_resume_bucket_layout": ("lm_ddp", [PREEMPT, "-k", "lm_ddp"]),
+              "seeded_samples": ("ddp_checkpoint", [PREEMPT, "-k", "2-launcher"]),
+              "skip_first": ("ddp_checkpoint", [PREEMPT, "-k", "2-launcher"]),
+              "restart_after_save": ("ddp_checkpoint", [PREEMPT, "-k", "2-launcher"])}
 RESUME_TESTS = {
     "ddp_checkpoint": "tests/test_recipe_variants.py::test_resume_reproduces_the_uninterrupted_run_bitwise",
     "torch_amp": "tests/test_recipe_variants.py::test_fp16_trains_and_the_scaler_state_survives_resume",
