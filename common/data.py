@@ -9,8 +9,10 @@ import contextlib
 import fcntl
 import itertools
 import os
+import random
 import sys
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
@@ -106,8 +108,9 @@ class SeededSamples(Dataset):
     """Sample i of epoch e drawn with the random augmentation of seed (seed, e, i): the same wherever and whenever it
     is loaded, so a run resumed mid-epoch, its DataLoader workers started afresh, augments each remaining sample as
     the uninterrupted run did. (A worker's random stream otherwise depends on the samples it loaded before: the
-    batches a resumed run skips.) The process's own random stream is left as it was (fork_rng): with --workers 0
-    the loop draws from it too. set_epoch(e) before each epoch's iter(): workers that are not persistent copy it."""
+    batches a resumed run skips.) torch's generator (torchvision's transforms), Python's `random` and NumPy's global
+    one (other augmentation libraries) are seeded for the sample, then put back as they were: with --workers 0 the
+    loop draws from them too. set_epoch(e) before each epoch's iter(): workers that are not persistent copy it."""
 
     def __init__(self, dataset, seed):
         self.dataset, self.seed, self.epoch = dataset, seed, 0
@@ -119,9 +122,17 @@ class SeededSamples(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed((self.seed * 1_000_003 + self.epoch) * 10_000_019 + index)
-            return self.dataset[index]
+        seed = (self.seed * 1_000_003 + self.epoch) * 10_000_019 + index
+        python_state, numpy_state = random.getstate(), np.random.get_state()
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                random.seed(seed)
+                np.random.seed(seed % 2**32)
+                return self.dataset[index]
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
 
 
 class SkipFirst(Sampler):

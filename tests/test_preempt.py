@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from conftest import REPO, launch, max_diff, params, result_of
@@ -132,19 +133,20 @@ def test_the_launcher_stops_restarting_only_for_a_save():
 
 
 def test_seeded_samples_augment_alike_in_any_order_and_leave_the_stream_alone():
-    class Noisy(torch.utils.data.Dataset):
+    class Noisy(torch.utils.data.Dataset):  # torchvision's draws, and other libraries' (Python's, NumPy's)
         def __len__(self):
             return 10
 
         def __getitem__(self, i):
-            return torch.rand(3) + i
+            return torch.rand(3) + i + random.random() + float(np.random.rand())
 
     data = SeededSamples(Noisy(), seed=3)
     forward = [data[i] for i in range(10)]
     torch.manual_seed(0)
-    before = torch.get_rng_state()
+    before = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
     backward = [data[i] for i in reversed(range(10))][::-1]
-    assert torch.equal(torch.get_rng_state(), before)  # with --workers 0 the loop's own draws are untouched
+    after = torch.get_rng_state(), random.getstate(), np.random.get_state()[1]
+    assert torch.equal(after[0], before[0]) and after[1] == before[1] and (after[2] == before[2]).all()  # untouched
     assert all(torch.equal(a, b) for a, b in zip(forward, backward, strict=True))
     data.set_epoch(1)
     assert not torch.equal(data[0], forward[0])  # another epoch, another crop
