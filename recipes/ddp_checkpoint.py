@@ -322,7 +322,7 @@ def main():
             prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
             if step >= total_steps:
                 break
-        if stopped and in_epoch < len(train_loader):  # New: saved mid-epoch above
+        if stopped and in_epoch < len(train_loader) and step < total_steps:  # New: saved mid-epoch above
             break
         epoch_time = speed.stop()  # waits for the device: the host clock runs ahead of queued GPU work
         loss_meter.all_reduce(device, ride=speed)  # with every rank's own_ms: one all-reduce

@@ -78,6 +78,8 @@ NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsew
     "python tools/mutation_check.py --recipes ddp_uneven,ddp_zero --edits join_buffer_sync,zero_bucket_view": MUTANTS,
     "python tools/mutation_check.py --recipes lm_ddp,lm_tp": MUTANTS,
     "python tools/mutation_check.py --edits hang_stacks,debug_level,ddp_checked_group": MUTANTS,
+    "python tools/mutation_check.py --edits preempt_vote,lm_preempt_vote,resume_bucket_layout,lm_resume_bucket_layout,"
+    "seeded_samples,skip_first,restart_after_save": MUTANTS,
     "python tools/lm_bench.py --rounds 2": "every language-model entry on cpu:1 and cpu:2, twice, and the bare loop: "
                                           "about 5 minutes; docs/benchmarks.md gives its table",
     "python tools/lm_bench.py --activations": "the default model on 2 processes (50 s); tests/test_lm_tp.py runs the "

@@ -68,6 +68,13 @@ def stopped_then_resumed(digits, tmp_path, processes, fault, *flags, env=None):
     saved = torch.load(out / "latest.pt", weights_only=True)  # whole: torch.load reads it
     assert f"preempt: SIGUSR1: saved {out / 'latest.pt'} at step {saved['step']}; exit {EX_TEMPFAIL}" in first.stdout
     assert not list(out.glob("*.tmp")), said
+    if processes == 2 and saved["step_in_epoch"]:  # another global batch would make its steps other samples: refused
+        other = launch("recipes/ddp_checkpoint.py", "cpu:2", *args(digits, out), "--resume", "auto",
+                       "--batch-size", "12")
+        assert other.returncode == 2 and (
+            f"error: {out / 'latest.pt'} was saved at step {saved['step_in_epoch']} of epoch {saved['epoch'] + 1} "
+            f"with --batch-size {GLOBAL_BATCH} (global); resume it with the same --batch-size") in other.stderr, (
+            other.stderr)
     resumed = launch("recipes/ddp_checkpoint.py", f"cpu:{processes}", *args(digits, out), "--resume", "auto")
     result = result_of(resumed)
     assert result["start_step"] == saved["step"] and result["steps"] == 2 * STEPS_PER_EPOCH
