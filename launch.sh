@@ -2,6 +2,9 @@
 # Start a recipe on a list of GPUs or on N CPU processes, with the launcher the recipe declares.
 # Run ./launch.sh --help for usage.
 set -euo pipefail
+# SIGUSR1 (a scheduler's warning) must not kill this script before it becomes the launcher, which passes it on to the
+# ranks: ignored until then (an ignored signal stays ignored across exec, until tools/torchrun.py's own handler).
+trap '' USR1
 
 usage() {
   cat <<'EOF'

@@ -84,11 +84,13 @@ class SignalFlag:
     A DataLoader worker forked from this process inherits the handler: there the signal is ignored (a scheduler that
     signals every process of a job reaches the workers too, and SIGUSR1's default action would kill them). Under
     tools/torchrun.py (launch.sh) a rank starts with SIGUSR1 ignored until this handler replaces that, and the
-    launcher passes the signal on again every second while a rank runs: one that came before is not lost."""
+    launcher passes the signal on again every second until this handler is in place: one that came before is not
+    lost."""
 
     def __init__(self, signum):
         self.signum, self.pid, self.count = signum, os.getpid(), 0
         signal.signal(signum, self._handler)
+        signal.siginterrupt(signum, False)  # SA_RESTART: a read or wait in C code (gloo, NCCL) goes on after it
         # At its exit Python puts the default action back, which for SIGUSR1 is to die: a signal passed on again
         # while the process exits (the launcher's, each second) would turn its exit 75 or 0 into "killed".
         atexit.register(signal.signal, signum, signal.SIG_IGN)

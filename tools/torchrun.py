@@ -24,8 +24,10 @@ each rank, and only to the ranks: not to their DataLoader workers, and this proc
 that saves on it (ddp_checkpoint.py, the language models) saves at a step every rank agrees on and every rank
 exits 75 (EX_TEMPFAIL); then this process exits 75 too, without restarting them (MAX_RESTARTS is for failures):
 the scheduler's job script requeues the job (slurm/train.sbatch). A rank starts with SIGUSR1 ignored, until its
-recipe installs its handler (common.checkpoint.SignalFlag), and the signal is passed on again every second while a
-rank runs, so one sent while a rank was starting is not lost. Recipes without a save on it ignore it.
+recipe installs its handler (common.checkpoint.SignalFlag), and the signal is passed on again every second to each
+rank until it has that handler (and to ranks started later), so one sent while a rank was starting is not lost.
+Recipes without a save on it ignore it. torchrun's own --signals-to-handle loses SIGUSR1 (its handler would stop
+every rank at once, with no save).
 
 After a hang or a lost peer (a rank's collective timed out, or its peer is gone; or NCCL's watchdog aborted a rank),
 every rank's Python stack is printed, in rank order, before the ranks are stopped: show_stacks, docs/failures.md.
@@ -65,13 +67,15 @@ def start_ranks_here():
     """Every rank torchrun starts from now on is in RANKS, starts with SIGUSR1 ignored (until its recipe's handler;
     an ignored signal stays ignored across exec), and gets SIGKILL from the kernel when this process dies (Linux)."""
     libc, launcher = ctypes.CDLL(None, use_errno=True), os.getpid()
-    libc.signal.restype = ctypes.c_void_p
-    libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+    # Looked up here, in the parent: between fork and exec the child of a threaded process should only call.
+    set_action, prctl = libc.signal, libc.prctl if sys.platform.startswith("linux") else None
+    set_action.restype = ctypes.c_void_p
+    set_action.argtypes = (ctypes.c_int, ctypes.c_void_p)
 
     def in_the_rank():  # between fork and exec, in the new process
-        libc.signal(signal.SIGUSR1, 1)  # SIG_IGN
-        if sys.platform.startswith("linux"):
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        set_action(signal.SIGUSR1, 1)  # SIG_IGN
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
             if os.getppid() != launcher:  # it died before prctl: no signal will come
                 os._exit(1)
 
@@ -84,21 +88,36 @@ def start_ranks_here():
     subprocess_handler.Popen = popen
 
 
+def handles(pid, signum):
+    """Whether process `pid` has a handler of its own for `signum` (Linux: SigCgt in /proc/PID/status); False where
+    that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            caught = next(line for line in status if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(caught.split()[1], 16) >> (signum - 1) & 1)
+
+
 def pass_sigusr1_to_the_ranks():
     """SIGUSR1 to this process: to each running rank (os.kill, not its process group: its DataLoader workers are
-    left alone), once at once and then every second while one runs (a rank still starting ignores it)."""
-    asked = threading.Event()
+    left alone), at once and then every second, to each rank until it has its recipe's handler (one still starting
+    ignores it) and to any rank started later (a restart), for as long as this process lives."""
+    asked, reached = threading.Event(), set()
 
     def send():
         for proc in RANKS:
-            if proc.returncode is None:  # not yet reaped: its pid is still its own
+            if proc.returncode is None and proc.pid not in reached:  # not yet reaped: its pid is still its own
+                handled = handles(proc.pid, signal.SIGUSR1)  # before the kill: this one is then caught
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGUSR1)
+                    if handled:
+                        reached.add(proc.pid)
 
     def again():  # a thread: printing from the handler could land inside the main thread's own print
         print(f"launch.sh: SIGUSR1 received: passed on to the {sum(p.returncode is None for p in RANKS)} rank(s); "
               f"a recipe that saves on it saves and exits {EX_TEMPFAIL}", file=sys.stderr, flush=True)
-        while any(proc.returncode is None for proc in RANKS):
+        while True:  # a daemon thread: it ends with this process
             time.sleep(1.0)
             send()
 
@@ -109,6 +128,17 @@ def pass_sigusr1_to_the_ranks():
             threading.Thread(target=again, daemon=True).start()
 
     signal.signal(signal.SIGUSR1, handler)
+
+
+def without_sigusr1(args):
+    """torchrun's --signals-to-handle (PET_SIGNALS_TO_HANDLE) may name SIGUSR1, as its help suggests for SLURM: its
+    handler would stop every rank at once (exit 138), with no save. Taken out: SIGUSR1 is this launcher's own."""
+    names = [name.strip() for name in args.signals_to_handle.split(",")]
+    if "SIGUSR1" in names:
+        args.signals_to_handle = ",".join(name for name in names if name != "SIGUSR1")
+        print("launch.sh: SIGUSR1 left out of --signals-to-handle: it is passed on to the ranks for a save (their "
+              "recipe's), not a stop", file=sys.stderr, flush=True)
+    return args
 
 
 def saved_and_left(failures):
@@ -276,9 +306,9 @@ def run(legacy, argv):
     gc.freeze()
     try:
         if legacy:
-            legacy_launch.launch(legacy_launch.parse_args(argv))
+            legacy_launch.launch(without_sigusr1(legacy_launch.parse_args(argv)))
         else:
-            torch_run.run(torch_run.parse_args(argv))
+            torch_run.run(without_sigusr1(torch_run.parse_args(argv)))
     except ChildFailedError as exc:
         for failure in exc.failures.values():
             # torchrun stops the process groups of the ranks still running; a rank that died (SIGKILL, OOM) leaves
