@@ -31,8 +31,8 @@ What it shows (the rest is recipes/ddp_checkpoint.py):
   reshards); on the same number, bitwise the same weights as a run that never stopped (CPU).
 - --async-save: dcp.async_save copies the shards to CPU memory (training waits for that alone) and a thread writes
   them while the next epoch trains; its collectives go on a gloo group of their own (async_save needs a CPU backend;
-  sharing training's group would interleave two threads' collectives). One save in flight: the next save, and the
-  job's end, wait for it first, and only then does latest.pt name its folder. A crash while the thread writes
+  sharing training's group would interleave two threads' collectives). latest.pt names its folder at the first step
+  after the thread is done; one save in flight: the next save, and the job's end, wait for it. A crash while it writes
   leaves latest.pt naming the previous shards, whole (DCP writes .metadata last); the next save removes the half
   folder. docs/benchmarks.md: what training waits with each.
 - OUT_DIR/model.pt: the full state_dict, gathered to rank 0's CPU, loadable by a plain model without a process group.
@@ -176,14 +176,15 @@ def shard_failure(exc, folder, latest):  # New
 
 def finish_async_save(in_flight, checkpoints, latest):  # New
     """Every rank: wait for the save in flight to end (its thread's collectives: every rank's shards written); then
-    rank 0 names it in latest.pt."""
+    rank 0 names it in latest.pt. Called once it is done (a step sees it) or before the next save and at the end."""
     future, pointer, folder = in_flight
     try:
         future.result()
     except dcp.CheckpointException as exc:
         raise shard_failure(exc, folder, latest) from exc
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0:  # done on rank 0: every rank's shards and the metadata are written
         point_latest(pointer, checkpoints, latest)
+        print(f"saved: {folder} (written in the background)", flush=True)
 
 
 def load_shards(model, optimizer, path):
@@ -296,7 +297,7 @@ def main():
     run_tag = run_tag[0]
     # New: --async-save's writer thread makes collectives (the plan, the results) while training makes its own: on a
     # group of their own, so the two never interleave. A CPU backend: async_save refuses a group without one.
-    save_group, in_flight = (dist.new_group(backend="gloo") if args.async_save else None), None
+    save_group, in_flight = (dist.new_group(backend="gloo", timeout=timeout) if args.async_save else None), None
     start_epoch, step, best_acc1 = 0, 0, float("-inf")
     resume = find_resume(args.resume, latest)  # 'auto': latest.pt if there is one (what MAX_RESTARTS reruns)
     if resume:
@@ -362,6 +363,9 @@ def main():
                 diverged.all_reduce_and_check(epoch, step)  # a collective: one verdict everywhere
             speed.step(args.batch_size)
             prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
+            if in_flight is not None and in_flight[0].done():  # New: written: latest.pt names it now, not a save later
+                finish_async_save(in_flight, checkpoints, latest)  # no collective: each rank at its own step
+                in_flight, diverged.last_good = None, latest
             if step >= total_steps:
                 break
         epoch_time = speed.stop()  # waits for the device: the host clock runs ahead of queued GPU work
@@ -403,7 +407,9 @@ def main():
                 finish_async_save(in_flight, checkpoints, latest)
                 diverged.last_good = latest
             # Staged: copied to CPU memory now (training changes the weights next), then written by a thread.
-            in_flight = (dcp.async_save({"model": model_state, "optimizer": optim_state}, checkpoint_id=folder,
+            # per_thread_copy_ahead=0: all in CPU memory (else the thread would open a CUDA stream on GPU 0).
+            writer = dcp.FileSystemWriter(folder, per_thread_copy_ahead=0)
+            in_flight = (dcp.async_save({"model": model_state, "optimizer": optim_state}, storage_writer=writer,
                                         process_group=save_group), pointer, folder)
             print0(f"saving: {folder} in the background; training waited {time.perf_counter() - started:.3f} s")
         else:
@@ -419,7 +425,6 @@ def main():
             break
     if in_flight is not None:  # New: the last save in flight ends (and latest.pt names it) before the job does
         finish_async_save(in_flight, checkpoints, latest)
-        print0(f"saved: {in_flight[2]} (written in the background)")
     # ------------------------------------------------------------------------------------ save
     # The full weights, gathered shard by shard onto rank 0's CPU (a collective: every rank calls it; the others
     # get an empty dict). Plain tensors, no prefix: they load into build_model(arch, classes, image_size) anywhere.

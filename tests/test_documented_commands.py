@@ -98,9 +98,9 @@ NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsew
     "runs/apex_amp/checkpoint.pt": FP16,
     "MAX_RESTARTS=3 ./launch.sh recipes/apex_amp.py 0,1,3 --opt-level O2 --resume auto": FP16,
     "./launch.sh recipes/fsdp.py cpu:2 --arch resnet50 --epochs 3 --synthetic-train 256 --batch-size 32 --workers 1":
-        "docs/benchmarks.md's save stall: resnet50 for 24 steps, a minute; tests/test_preempt.py runs --async-save",
+        "docs/benchmarks.md's save stall: resnet50 for 24 steps, a minute; tests/test_fsdp.py runs --async-save",
     "./launch.sh recipes/fsdp.py cpu:2 --arch resnet50 --epochs 3 --synthetic-train 256 --batch-size 32 --workers 1 "
-    "--async-save": "docs/benchmarks.md's save stall: a minute; tests/test_preempt.py runs --async-save on tiny",
+    "--async-save": "docs/benchmarks.md's save stall: a minute; tests/test_fsdp.py runs --async-save on tiny",
     "python -m pytest": SUITE,
     "python -m pytest -n 2 --dist loadfile": SUITE,
     'python -m pytest -m "not slow"': SUITE,

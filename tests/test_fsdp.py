@@ -4,6 +4,7 @@ line, and each rank holds about half of what a DDP rank holds. Real gloo runs on
 
 import re
 import shutil
+import signal
 
 import pytest
 import torch
@@ -159,6 +160,29 @@ def test_a_disk_that_fills_while_the_shards_are_written_keeps_the_previous_ones(
         rf"there\): {re.escape(str(out / 'checkpoint/latest.pt'))}, if any, still points at the previous ones; free "
         r"some space, then --resume", line) for line in said), said
     assert latest["epoch"] == 1 and (out / "checkpoint" / latest["shards"] / "__0_0.distcp").is_file()  # epoch 1's
+
+
+def test_a_crash_while_an_async_save_writes_leaves_the_last_checkpoint_to_resume_from(runs, tmp_path):
+    # Issue 43, --async-save: epoch 2's shards are written by a thread while epoch 3 trains. Every process of the job
+    # is killed (SIGKILL, tests/faults' FAULT_KILL_ON_WRITE) as that thread opens rank 0's shard file: latest.pt still
+    # names epoch 1's shards, whole, and --resume auto goes on from them to the weights of the run never stopped
+    # (the `straight` run above: the thread changes nothing in the weights); the killed save's folder (no .metadata:
+    # DCP writes it last) is removed by the next save.
+    run = ["recipes/fsdp.py", "cpu:2", *ARGS, "--async-save", "--out-dir", tmp_path]
+    killed = launch(*run, env={"PYTHONPATH": str(REPO / "tests" / "faults"), "FAULT_KILL_ON_WRITE": "__0_0.distcp:2"})
+    assert killed.returncode == -signal.SIGKILL and "FAULT: killing the job as" in killed.stdout, killed.stderr
+    assert killed.stdout.count("in the background; training waited") == 2, killed.stdout  # epochs 1 and 2
+    checkpoints = tmp_path / "checkpoint"
+    pointer = torch.load(checkpoints / "latest.pt", weights_only=True)
+    assert pointer["epoch"] == 1 and (checkpoints / pointer["shards"] / ".metadata").exists()
+    (half,) = [d for d in checkpoints.glob("epoch_2-*")]
+    assert not (half / ".metadata").exists()  # the killed save: no metadata, never named by latest.pt
+    resumed = launch(*run, "--resume", "auto")
+    assert result_of(resumed)["steps"] == 3 * PER_EPOCH and f"at epoch 1 step {PER_EPOCH}" in resumed.stdout, (
+        resumed.stdout)
+    assert not half.exists() and [d.name for d in checkpoints.glob("epoch_*")] == [
+        torch.load(checkpoints / "latest.pt", weights_only=True)["shards"]]
+    assert max_diff(params(tmp_path / "model.pt"), params(runs["tmp"] / "straight" / "model.pt")) == 0
 
 
 def test_bf16_trains_with_batchnorm_and_keeps_fp32_weights(tmp_path):

@@ -580,7 +580,7 @@ def test_fsdp_async_save_on_gpu(tmp_path):
     # --async-save on one GPU under NCCL: async_save's own gloo group beside NCCL, the shards staged from the GPU to
     # CPU memory, written by a thread while the next epoch trains; the same weights as the synchronous save's run
     # (the save does not touch training), latest.pt naming the last epoch's whole shards. On the CPU:
-    # tests/test_preempt.py (a crash mid-write) and test_fsdp.py.
+    # tests/test_fsdp.py (a crash mid-write).
     args = ["recipes/fsdp.py", "0", *cpu_fsdp.ARGS]
     plain = launch(*args, "--out-dir", tmp_path / "plain", env=FP32)
     in_thread = launch(*args, "--async-save", "--out-dir", tmp_path / "async", env=FP32)

@@ -53,8 +53,9 @@ TINY = ["--arch", "tiny", "--workers", "0"]
 @pytest.mark.parametrize(("base", "recipe", "max_changed"), [
     ("ddp_torchrun", "dp", 138), ("ddp_torchrun", "ddp_launch", 39), ("ddp_torchrun", "ddp_spawn", 136),
     # ddp_checkpoint: 129, then 219 with the preemption save (issue 43: SIGUSR1's vote, --save-every, mid-epoch
-    # resume with each sample's seed, the bucket layout's backward on resume, and its docstring).
-    ("ddp_torchrun", "torch_amp", 176), ("ddp_torchrun", "ddp_checkpoint", 219), ("ddp_torchrun", "apex_ddp", 63),
+    # resume with each sample's seed, the bucket layout's backward on resume, and its docstring); 220 with the
+    # curves flushed before exit 75.
+    ("ddp_torchrun", "torch_amp", 176), ("ddp_torchrun", "ddp_checkpoint", 220), ("ddp_torchrun", "apex_ddp", 63),
     ("ddp_torchrun", "apex_amp", 259), ("ddp_torchrun", "mx_face_prefetch", 150),
     # ddp_compile: 78, then 81 with what --sync-bn costs it (issue 39) in its docstring and the breaks' reasons.
     ("ddp_torchrun", "ddp_compile", 84),
@@ -67,8 +68,10 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # PowerSGD's device sync on GPUs); fsdp 255 and ddp_comm_hooks 95 before the first GPU run (fsdp's G:N refusal,
     # PowerSGD's cuBLAS workspaces). Then fsdp 262, ddp_zero 57, ddp_comm_hooks 99 until ddp_checkpoint's preemption
     # save (issue 43), which these three do not have yet (they save at epochs' ends): its lines show as theirs; fsdp
-    # 410 with --async-save (issue 43: async_save's group, the save in flight, latest.pt named after it ends).
-    ("ddp_checkpoint", "fsdp", 410), ("ddp_checkpoint", "ddp_zero", 181), ("ddp_checkpoint", "ddp_comm_hooks", 221),
+    # 410 with --async-save (issue 43: async_save's group, the save in flight, latest.pt named after it ends); 418
+    # with latest.pt named at the first step after the write, and the writer's copy-ahead off; each +1 for
+    # ddp_checkpoint's curves flushed before exit 75.
+    ("ddp_checkpoint", "fsdp", 418), ("ddp_checkpoint", "ddp_zero", 182), ("ddp_checkpoint", "ddp_comm_hooks", 222),
     # lm_tp: the plan, sharded checkpoints (fsdp.py's), loss_parallel, the gradients' layouts, and its block picture.
     # 276 until the preemption save (issue 43): the same lines as lm_ddp's, but its import of common.checkpoint
     # then wraps onto 10 lines, and lm_ddp's backward before a resumed run (DDP's bucket layout) is not its.
