@@ -122,11 +122,11 @@ class SeededSamples(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index):
-        seed = (self.seed * 1_000_003 + self.epoch) * 10_000_019 + index
+        seed = ((self.seed * 1_000_003 + self.epoch) * 10_000_019 + index) % 2**64
         python_state, numpy_state = random.getstate(), np.random.get_state()
         try:
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
+                torch.default_generator.manual_seed(seed)  # the CPU's alone (torch.manual_seed seeds the GPUs' too)
                 random.seed(seed)
                 np.random.seed(seed % 2**32)
                 return self.dataset[index]

@@ -160,7 +160,7 @@ def main():
         dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    stop_group = dist.new_group(backend="gloo")  # New: the stop vote's own group, so it can run beside the step's
+    stop_group = dist.new_group(backend="gloo", timeout=timeout)  # New: the stop vote's, beside the step's
     batch_per_process = args.batch_size // world_size
     workers_per_process = harness.default_workers(args.workers, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     print0(f"setup: world_size={world_size} backend={backend} device={device.type} global_batch={args.batch_size} "
@@ -248,7 +248,7 @@ def main():
         # (eval mode: no statistics move; no step) gives the resumed run the layout the uninterrupted one trained
         # with, so its weights stay bitwise the same.
         model.eval()
-        model(torch.zeros(batch_per_process, 3, args.image_size, args.image_size, device=device)).sum().backward()
+        model(torch.zeros(1, 3, args.image_size, args.image_size, device=device)).sum().backward()  # the order alone
         optimizer.zero_grad(set_to_none=True)
 
     # Before the first step: an --out-dir that cannot hold the checkpoints, or that another node cannot see (every
@@ -369,6 +369,7 @@ def main():
     if stopped and step < total_steps:  # New: saved; the scheduler's requeue resumes it (--resume auto)
         print0(f"preempt: SIGUSR1: saved {latest} at step {step}; exit {EX_TEMPFAIL}: requeue the job with "
                "--resume auto to go on from there")
+        tb.close()  # the curves so far, flushed (a resumed run goes on from `step`)
         dist.destroy_process_group()
         sys.exit(EX_TEMPFAIL)
     # ------------------------------------------------------------------------------------ save

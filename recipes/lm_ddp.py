@@ -147,7 +147,7 @@ def main():
         dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    stop_group = dist.new_group(backend="gloo")  # the stop vote's own group: it runs beside the step's
+    stop_group = dist.new_group(backend="gloo", timeout=timeout)  # the stop vote's: it runs beside the step's
     batch_per_process = args.batch_size // world_size
     print0(f"setup: world_size={world_size} backend={backend} device={device.type} global_batch={args.batch_size} "
            f"({batch_per_process} per process x {world_size}) sequences of {args.seq_len} bytes")
@@ -191,7 +191,7 @@ def main():
         # DDP lays its gradient buckets out again after its first backward, in the order the gradients came, and on
         # 3+ ranks where an element sits in a bucket changes how the all-reduce rounds its sum. One backward now (no
         # step) gives the resumed run the layout the uninterrupted one trained with: its weights stay bitwise the same.
-        model(torch.zeros(batch_per_process, args.seq_len, dtype=torch.long, device=device)).sum().backward()
+        model(torch.zeros(1, args.seq_len, dtype=torch.long, device=device)).sum().backward()  # the order alone
         optimizer.zero_grad(set_to_none=True)
     # The rate per step: warm-up, then cosine over --steps; a resumed run takes up the schedule where it stopped.
     scheduler = warmup_cosine(optimizer, 1, args.steps, args.warmup_steps / args.steps, start_step=start_step)

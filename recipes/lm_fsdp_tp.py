@@ -297,7 +297,7 @@ def main():
         dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    stop_group = dist.new_group(backend="gloo")  # the stop vote's own group: it runs beside the step's
+    stop_group = dist.new_group(backend="gloo", timeout=timeout)  # the stop vote's: it runs beside the step's
     # New: rank r at (r // tp, r % tp): a row is a tp group (consecutive ranks), a column a dp group.
     mesh = init_device_mesh(device.type, (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh["dp"].get_local_rank()  # New: which share of the batch this rank's tp group takes

@@ -289,7 +289,7 @@ def main():
         dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    stop_group = dist.new_group(backend="gloo")  # the stop vote's own group: it runs beside the step's
+    stop_group = dist.new_group(backend="gloo", timeout=timeout)  # the stop vote's: it runs beside the step's
     print0(f"setup: world_size={world_size} backend={backend} device={device.type} global_batch={args.batch_size} "
            f"(all of it through every stage: pp={args.pp}, {args.microbatches} microbatches of "  # New
            f"{args.batch_size // args.microbatches}, schedule {args.schedule}) sequences of {args.seq_len} bytes")

@@ -261,7 +261,7 @@ def main():
         dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    stop_group = dist.new_group(backend="gloo")  # the stop vote's own group: it runs beside the step's
+    stop_group = dist.new_group(backend="gloo", timeout=timeout)  # the stop vote's: it runs beside the step's
     mesh = init_device_mesh(device.type, (args.tp,), mesh_dim_names=("tp",))  # New: the ranks that cut each layer
     print0(f"setup: world_size={world_size} backend={backend} device={device.type} global_batch={args.batch_size} "
            f"(all of it on every rank: tp={args.tp}, sequence_parallel={args.sequence_parallel}) sequences of "

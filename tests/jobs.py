@@ -13,20 +13,7 @@ import time
 import pytest
 from conftest import LAUNCH, REPO, launch_env
 
-
-def process_table():
-    """{pid: (ppid, start time)} of every process, from /proc: what `ps` shows."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:  # it exited while we looked
-                continue
-            if fields[0] != "Z":  # a zombie has exited; only its parent's wait() is missing
-                table[int(entry)] = (int(fields[1]), int(fields[19]))
-    return table
+from tools.procs import descendants, process_table
 
 
 def environ_of(pid):
@@ -93,12 +80,7 @@ class Job:
     def tree(self):
         """{pid: start time} of the launcher and all its descendants: ranks (in their own sessions under
         torchrun) and their DataLoader workers. The start time tells a reused pid from the same process."""
-        table, pids = process_table(), {self.proc.pid}
-        while True:
-            more = {pid for pid, (ppid, _) in table.items() if ppid in pids} - pids
-            if not more:
-                return {pid: table[pid][1] for pid in pids if pid in table}
-            pids |= more
+        return descendants(self.proc.pid)
 
     def rank_pid(self, rank):
         """The pid of the rank's own process (not of one of its DataLoader workers)."""

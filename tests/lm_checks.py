@@ -1,14 +1,17 @@
 """What tests/test_lm_tp.py, test_lm_pp.py and test_lm_fsdp_tp.py each read or check the same way: the printed
-evaluation lines, a model.pt scored in one process, and a recipe's flag check failing with one line."""
+evaluation lines, a model.pt scored in one process, a recipe's flag check failing with one line, and (test_lm.py too)
+the preemption drill."""
 
+import random
 import re
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import load_recipe, params
+from conftest import REPO, launch, load_recipe, max_diff, params, result_of
 from jobs import error_lines
 
+from common.checkpoint import EX_TEMPFAIL
 from common.lm import Transformer, read_text, split, val_windows
 
 
@@ -39,3 +42,22 @@ def check_args_refuses(name, argv, world, line, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.strip().splitlines() == error_lines(err), err
     assert len(error_lines(err)) == 1 and error_lines(err)[0].startswith(line), err
+
+
+def stops_and_resumes_bitwise(recipe, devices, args, out, straight_out, steps):
+    """The preemption drill (issue 43): SIGUSR1 to rank 0 alone (tests/faults' FAULT_SIGNAL, a test double of the
+    scheduler's warning) after a step drawn at random; the others learn of it from the stop vote. The batches follow
+    from (seed, step), so any step is a resume point: every rank saves there (lm_tp: the DCP shards, then latest.pt
+    naming them), between two evaluations, and exits 75. --resume auto then ends bitwise at `straight_out`'s weights
+    (the same command never stopped)."""
+    seed = random.randrange(10**6)
+    step = random.Random(seed).randint(1, steps // 2)
+    run = [f"recipes/{recipe}.py", devices, *args, "--out-dir", out]
+    first = launch(*run, env={"PYTHONPATH": str(REPO / "tests" / "faults"), "FAULT_SIGNAL": f"0:step={step}:self"})
+    said = f"seed {seed}, step {step}\nstdout:\n{first.stdout}\nstderr:\n{first.stderr[-3000:]}"
+    assert first.returncode == EX_TEMPFAIL and "RESULT" not in first.stdout, said
+    saved = re.search(r"^preempt: SIGUSR1: saved \S+ at step (\d+); exit 75", first.stdout, re.M)
+    assert saved and step < int(saved[1]) <= step + 3 < steps, said
+    resumed = result_of(launch(*run, "--resume", "auto"))
+    assert (resumed["start_step"], resumed["steps"]) == (int(saved[1]), steps), said
+    assert max_diff(params(out / "model.pt"), params(straight_out / "model.pt")) == 0, said

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from conftest import LM_RECIPES, launch, load_recipe, max_diff, params, result_of, run_direct
 from jobs import error_lines
+from lm_checks import stops_and_resumes_bitwise
 
 from common.lm import Transformer, read_text, split, train_batch, val_windows
 from common.schedule import warmup_cosine
@@ -56,16 +57,30 @@ def ref():
     return reference()
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """lm_ddp.py with FLAGS on `world` processes, once per world in this module: (the CompletedProcess, its
+    --out-dir)."""
+    done = {}
+
+    def run(world):
+        if world not in done:
+            out = tmp_path_factory.mktemp(f"straight{world}")
+            done[world] = (launch("recipes/lm_ddp.py", f"cpu:{world}", *FLAGS, "--out-dir", out), out)
+        return done[world]
+    return run
+
+
 @pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2,  # 2 in the quick tier: 12 s
                                    pytest.param(3, marks=pytest.mark.slow)])
-def test_lm_ddp_equals_the_single_process_reference(tmp_path, ref, world):
+def test_lm_ddp_equals_the_single_process_reference(straight, ref, world):
     weights, val_loss, _ = ref
-    proc = launch("recipes/lm_ddp.py", f"cpu:{world}", *FLAGS, "--out-dir", tmp_path)
+    proc, out = straight(world)
     result = result_of(proc)
     assert (result["world_size"], result["steps"], result["start_step"], result["val_windows"]) == (world, 8, 0, 12)
     assert result["val_loss"] == pytest.approx(val_loss, rel=1e-5)
     assert result["val_bpb"] == pytest.approx(val_loss / math.log(2), rel=1e-5)
-    saved = params(tmp_path / "model.pt")
+    saved = params(out / "model.pt")
     assert max_diff(saved, weights) < TOLERANCE
     # The control: the reference moved the weights well beyond the tolerance.
     torch.manual_seed(0)
@@ -77,11 +92,11 @@ def test_lm_ddp_equals_the_single_process_reference(tmp_path, ref, world):
 
 
 @pytest.mark.slow  # real multi-process launches: 10-60 s
-def test_lm_ddp_resumes_exactly_and_activation_checkpointing_changes_nothing(tmp_path):
+def test_lm_ddp_resumes_exactly_and_activation_checkpointing_changes_nothing(straight, tmp_path):
     # 2 processes: 4 steps, stop, --resume auto to 8, equal to the straight run bitwise (the data follow from the
     # step; AdamW's moments and the schedule are in latest.pt). Then the straight run again with every block
     # recomputed in backward: the same floating-point operations, so the same weights bitwise.
-    straight = launch("recipes/lm_ddp.py", "cpu:2", *FLAGS, "--out-dir", tmp_path / "straight")
+    unstopped, unstopped_out = straight(2)  # the quick tier's run above
     first = launch("recipes/lm_ddp.py", "cpu:2", *FLAGS, "--max-steps", "4", "--out-dir", tmp_path / "pieced")
     # --max-steps counts this run's steps: the same short command again goes on from 4 to 6, then to the end.
     middle = launch("recipes/lm_ddp.py", "cpu:2", *FLAGS, "--max-steps", "2", "--resume", "auto",
@@ -91,17 +106,25 @@ def test_lm_ddp_resumes_exactly_and_activation_checkpointing_changes_nothing(tmp
     ac = launch("recipes/lm_ddp.py", "cpu:2", *FLAGS, "--activation-checkpointing", "--out-dir", tmp_path / "ac")
     assert (result_of(first)["steps"], result_of(resumed)["start_step"], result_of(resumed)["steps"]) == (4, 6, 8)
     assert f"resume: {tmp_path / 'pieced/latest.pt'} at step 6" in resumed.stdout
-    want = params(tmp_path / "straight/model.pt")
+    want = params(unstopped_out / "model.pt")
     assert max_diff(params(tmp_path / "pieced/model.pt"), want) == 0
     assert max_diff(params(tmp_path / "ac/model.pt"), want) == 0
     assert "activation checkpointing: 2 of 2 blocks recompute their forward in backward" in ac.stdout
-    assert result_of(ac)["val_loss"] == result_of(straight)["val_loss"]
+    assert result_of(ac)["val_loss"] == result_of(unstopped)["val_loss"]
     # A resume with another schedule is refused: the steps it saved would mean another rate.
     other = launch("recipes/lm_ddp.py", "cpu:2", *FLAGS, "--steps", "9", "--resume", "auto",
                    "--out-dir", tmp_path / "pieced")
     assert other.returncode == 2
     assert error_lines(other.stderr) == [
         f"error: {tmp_path / 'pieced/latest.pt'} was written with --steps 8 (this run: 9); resume with the same flags"]
+
+
+@pytest.mark.slow
+def test_a_stop_on_sigusr1_resumes_bitwise(straight, tmp_path):
+    # Issue 43's drill (tests/lm_checks.py): rank 0 of 3 alone gets SIGUSR1, every rank saves at the agreed step and
+    # exits 75; resumed, the weights equal the straight run's above, bitwise. 3 ranks: DDP's bucket layout after its
+    # first backward (the recipe's warm-up backward before a resumed run) shows there (2 ranks: 5.9e-7 without it).
+    stops_and_resumes_bitwise("lm_ddp", "cpu:3", FLAGS, tmp_path, straight(3)[1], TINY["steps"])
 
 
 def test_activation_checkpointing_keeps_only_the_blocks_inputs():

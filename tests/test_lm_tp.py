@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from conftest import launch, load_recipe, max_diff, params, result_of, spawn_gloo
 from jobs import error_lines
-from lm_checks import check_args_refuses, one_process_val_loss, step_lines
+from lm_checks import check_args_refuses, one_process_val_loss, step_lines, stops_and_resumes_bitwise
 
 from common.lm import Transformer
 from tools.lm_bench import comm_table
@@ -106,6 +106,14 @@ def test_tensor_parallel_trains_the_one_process_model(runs, reference, devices, 
     assert max(result["state_bytes_per_rank"]) < ref["state_bytes_per_rank"][0]
     saved = sorted(p.name for p in (out / "checkpoint").iterdir())  # latest.pt and the last save's shards only
     assert len(saved) == 2 and saved[0] == "latest.pt" and saved[1].startswith("step_8-"), saved
+
+
+@SLOW
+def test_a_stop_on_sigusr1_resumes_bitwise(runs, tmp_path):
+    # Issue 43's drill (tests/lm_checks.py): rank 0 alone gets SIGUSR1; both ranks save their DCP shards at the agreed
+    # step, latest.pt names them, exit 75; resumed, the weights equal the straight run's above, bitwise.
+    _, out = runs("lm_tp", "cpu:2")
+    stops_and_resumes_bitwise("lm_tp", "cpu:2", ARGS, tmp_path, out, 8)
 
 
 @pytest.mark.slow

@@ -100,9 +100,11 @@ def test_profile_writes_a_trace_per_rank_and_a_table_that_adds_up(tmp_path):
         (own,) = OWN.findall(proc.stdout)  # the epoch line's spread over ranks: even ranks, no straggler
         assert 0 < float(own[0]) <= float(own[1]) and float(own[2]) < 2, proc.stdout
     print("2 ranks:", table(two.stdout), "\n1 rank:", table(one.stdout))
-    # DDP's gradient all-reduce: found with 2 ranks, absent with one (gloo's all-reduce over one rank returns at once)
-    assert all(row["communication"] + row["overlapped"] > 3 for row in table(two.stdout).values())
-    assert table(one.stdout)[0]["communication"] + table(one.stdout)[0]["overlapped"] < 2
+    # DDP's gradient all-reduce: found with 2 ranks, absent with one (gloo's all-reduce over one rank returns at once).
+    # Alone, 2 ranks show 7-10%; on a machine busy with other tests as little as 2-3% (the steps' compute grows more).
+    comm = {rank: row["communication"] + row["overlapped"] for rank, row in table(two.stdout).items()}
+    alone = table(one.stdout)[0]["communication"] + table(one.stdout)[0]["overlapped"]
+    assert alone < 1 and all(share > max(1, 2 * alone) for share in comm.values()), (comm, alone)
     # The picture of it (docs/slow.md's): a PNG with a row per rank.
     assert plot_profile([str(tmp_path / "two" / "profile"), "--out", str(tmp_path / "two.png"), "--steps", "2"]) == 0
     assert (tmp_path / "two.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,4 +1,6 @@
-"""Run a command in its own process group, so that a timeout can kill all of it (launcher, ranks, workers)."""
+"""Run a command in its own process group, so that a timeout can kill all of it (launcher, ranks, workers); read
+the process table (Linux's /proc) for a job's processes. Standard library only: tests/faults imports it into every
+process of a job."""
 
 import os
 import signal
@@ -17,3 +19,30 @@ def run_group(argv, env, cwd, timeout):
             proc.communicate()
             raise
     return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+
+def process_table():
+    """{pid: (ppid, start time)} of every process, from /proc: what `ps` shows. A zombie is left out: it has
+    exited, only its parent's wait() is missing."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:  # it exited while we looked
+                continue
+            if fields[0] != "Z":
+                table[int(entry)] = (int(fields[1]), int(fields[19]))
+    return table
+
+
+def descendants(root, table=None):
+    """{pid: start time} of `root` and every process under it: a job's launcher, its ranks (in sessions of their own
+    under torchrun) and their DataLoader workers. The start time tells a reused pid from the same process."""
+    table, pids = table or process_table(), {root}
+    while True:
+        more = {pid for pid, (ppid, _) in table.items() if ppid in pids} - pids
+        if not more:
+            return {pid: table[pid][1] for pid in pids if pid in table}
+        pids |= more

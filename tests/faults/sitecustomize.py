@@ -163,20 +163,15 @@ if os.environ.get("FAULT_SLOW") and os.environ.get("RANK", "0") == os.environ["F
 
 
 def _job_pids(root):
-    """root and every process under it (from /proc): a job's launcher, ranks and DataLoader workers."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    pids, grew = {root}, True
-    while grew:
-        more = {pid for pid, parent in parents.items() if parent in pids} - pids
-        pids, grew = pids | more, bool(more)
-    return pids
+    """root and every process under it: a job's launcher, ranks and DataLoader workers (tools/procs.py, loaded from
+    its file: the repository is not on this process's path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_fault_procs", os.path.join(os.path.dirname(__file__), "..", "..", "tools", "procs.py"))
+    procs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(procs)
+    return set(procs.descendants(root))
 
 
 # FAULT_SIGNAL="RANK:WHEN:TARGET[,...]": in the process whose RANK is RANK (none: rank 0), SIGUSR1 is sent to TARGET
