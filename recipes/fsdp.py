@@ -57,6 +57,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # New
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -184,7 +185,7 @@ def finish_async_save(in_flight, checkpoints, latest):  # New
         raise shard_failure(exc, folder, latest) from exc
     if dist.get_rank() == 0:  # done on rank 0: every rank's shards and the metadata are written
         point_latest(pointer, checkpoints, latest)
-        print(f"saved: {folder} (written in the background)", flush=True)
+        print0(f"saved: {folder} (written in the background)")
 
 
 def load_shards(model, optimizer, path):
@@ -406,11 +407,16 @@ def main():
             if in_flight is not None:
                 finish_async_save(in_flight, checkpoints, latest)
                 diverged.last_good = latest
-            # Staged: copied to CPU memory now (training changes the weights next), then written by a thread.
-            # per_thread_copy_ahead=0: all in CPU memory (else the thread would open a CUDA stream on GPU 0).
+            # Staged: copied to CPU memory now (training changes the weights next), then written by a thread. Its
+            # writer copies nothing ahead from a GPU (else that thread opens a CUDA stream on GPU 0, on every rank);
+            # the stager is async_save's default (the writer's own would copy each shard twice).
             writer = dcp.FileSystemWriter(folder, per_thread_copy_ahead=0)
-            in_flight = (dcp.async_save({"model": model_state, "optimizer": optim_state}, storage_writer=writer,
-                                        process_group=save_group), pointer, folder)
+            stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                  use_async_staging=False, use_non_blocking_copy=False))
+            future = dcp.async_save({"model": model_state, "optimizer": optim_state}, storage_writer=writer,
+                                    async_stager=stager, process_group=save_group)
+            future.add_done_callback(lambda _, stager=stager: stager.close())  # its CPU copies go once written
+            in_flight = (future, pointer, folder)
             print0(f"saving: {folder} in the background; training waited {time.perf_counter() - started:.3f} s")
         else:
             try:

@@ -172,6 +172,8 @@ def test_a_crash_while_an_async_save_writes_leaves_the_last_checkpoint_to_resume
     killed = launch(*run, env={"PYTHONPATH": str(REPO / "tests" / "faults"), "FAULT_KILL_ON_WRITE": "__0_0.distcp:2"})
     assert killed.returncode == -signal.SIGKILL and "FAULT: killing the job as" in killed.stdout, killed.stderr
     assert killed.stdout.count("in the background; training waited") == 2, killed.stdout  # epochs 1 and 2
+    # Epoch 1's save was named in latest.pt once written: during epoch 2, or before epoch 2's save at the latest.
+    assert re.search(r"^saved: \S+/epoch_1-\w+ \(written in the background\)$", killed.stdout, re.M), killed.stdout
     checkpoints = tmp_path / "checkpoint"
     pointer = torch.load(checkpoints / "latest.pt", weights_only=True)
     assert pointer["epoch"] == 1 and (checkpoints / pointer["shards"] / ".metadata").exists()

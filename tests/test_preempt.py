@@ -188,12 +188,15 @@ def test_signal_flag_counts_in_its_process_and_not_in_a_forked_child():
 
 def test_the_launcher_passes_sigusr1_on_and_keeps_it_from_torchruns_own_stop():
     # /proc/PID/status's SigCgt: once a rank has its recipe's handler, the launcher stops sending it again.
-    code = ("import os, signal, sys; sys.path.insert(0, sys.argv[1]); from tools.torchrun import handles\n"
-            "before = handles(os.getpid(), signal.SIGUSR1)\n"
+    # And one that comes while the launcher imports torch (launch.sh ignored it until then) is kept for later.
+    code = ("import os, signal, sys; sys.path.insert(0, sys.argv[1]); import tools.torchrun as t\n"
+            "os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "signal.signal(signal.SIGUSR1, signal.SIG_DFL); before = t.handles(os.getpid(), signal.SIGUSR1)\n"
             "signal.signal(signal.SIGUSR1, lambda *a: None)\n"
-            "print(before, handles(os.getpid(), signal.SIGUSR1), handles(os.getpid(), signal.SIGUSR2))\n")
+            "print(t.EARLY_SIGUSR1, before, t.handles(os.getpid(), signal.SIGUSR1), "
+            "t.handles(os.getpid(), signal.SIGUSR2))\n")
     proc = subprocess.run([sys.executable, "-c", code, str(REPO)], capture_output=True, text=True, timeout=60)
-    assert proc.stdout.split() == ["False", "True", "False"], proc.stderr
+    assert proc.stdout.split() == [f"[{int(signal.SIGUSR1)}]", "False", "True", "False"], proc.stderr
     # torchrun's help suggests --signals-to-handle SIGUSR1 for SLURM: that stops the ranks at once, with no save.
     args = torch_run.parse_args(["--signals-to-handle", "SIGTERM, SIGUSR1,SIGINT", "--nproc-per-node=2", "r.py"])
     assert without_sigusr1(args).signals_to_handle == "SIGTERM,SIGINT"

@@ -68,10 +68,10 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # PowerSGD's device sync on GPUs); fsdp 255 and ddp_comm_hooks 95 before the first GPU run (fsdp's G:N refusal,
     # PowerSGD's cuBLAS workspaces). Then fsdp 262, ddp_zero 57, ddp_comm_hooks 99 until ddp_checkpoint's preemption
     # save (issue 43), which these three do not have yet (they save at epochs' ends): its lines show as theirs; fsdp
-    # 410 with --async-save (issue 43: async_save's group, the save in flight, latest.pt named after it ends); 418
-    # with latest.pt named at the first step after the write, and the writer's copy-ahead off; each +1 for
-    # ddp_checkpoint's curves flushed before exit 75.
-    ("ddp_checkpoint", "fsdp", 418), ("ddp_checkpoint", "ddp_zero", 182), ("ddp_checkpoint", "ddp_comm_hooks", 222),
+    # 410 with --async-save (issue 43: async_save's group, the save in flight, latest.pt named after it ends); 424
+    # with latest.pt named at the first step after the write, the writer's copy-ahead off and the default stager
+    # named; each +1 for ddp_checkpoint's curves flushed before exit 75.
+    ("ddp_checkpoint", "fsdp", 424), ("ddp_checkpoint", "ddp_zero", 182), ("ddp_checkpoint", "ddp_comm_hooks", 222),
     # lm_tp: the plan, sharded checkpoints (fsdp.py's), loss_parallel, the gradients' layouts, and its block picture.
     # 276 until the preemption save (issue 43): the same lines as lm_ddp's, but its import of common.checkpoint
     # then wraps onto 10 lines, and lm_ddp's backward before a resumed run (DDP's bucket layout) is not its.

@@ -47,17 +47,22 @@ import threading
 import time
 from pathlib import Path
 
-from torch.distributed import launch as legacy_launch
-from torch.distributed import run as torch_run
-from torch.distributed.elastic.agent.server.api import WorkerState
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing.api import SignalException, SubprocessContext
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+# SIGUSR1 while torch imports (seconds; launch.sh ignored it until now): kept, and passed on once the handler below
+# is in place (pass_sigusr1_to_the_ranks).
+EARLY_SIGUSR1 = []
+signal.signal(signal.SIGUSR1, lambda signum, frame: EARLY_SIGUSR1.append(signum))
+
+from torch.distributed import launch as legacy_launch  # noqa: E402
+from torch.distributed import run as torch_run  # noqa: E402
+from torch.distributed.elastic.agent.server.api import WorkerState  # noqa: E402
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent  # noqa: E402
+from torch.distributed.elastic.multiprocessing.api import SignalException, SubprocessContext  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
+from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/, for a script run from anywhere
-from common.checkpoint import EX_TEMPFAIL
-from common.utils import STACK_SIGNAL, STACKS_ENV
+from common.checkpoint import EX_TEMPFAIL  # noqa: E402
+from common.utils import STACK_SIGNAL, STACKS_ENV  # noqa: E402
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 RANKS = []  # the Popen of every rank started, for SIGUSR1
@@ -103,16 +108,16 @@ def pass_sigusr1_to_the_ranks():
     """SIGUSR1 to this process: to each running rank (os.kill, not its process group: its DataLoader workers are
     left alone), at once and then every second, to each rank until it has its recipe's handler (one still starting
     ignores it) and to any rank started later (a restart), for as long as this process lives."""
-    asked, reached = threading.Event(), set()
+    asked, reached = threading.Event(), set()  # reached: the Popen of each rank that has it (a pid can come back)
 
     def send():
         for proc in RANKS:
-            if proc.returncode is None and proc.pid not in reached:  # not yet reaped: its pid is still its own
+            if proc.returncode is None and proc not in reached:  # not yet reaped: its pid is still its own
                 handled = handles(proc.pid, signal.SIGUSR1)  # before the kill: this one is then caught
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGUSR1)
                     if handled:
-                        reached.add(proc.pid)
+                        reached.add(proc)
 
     def again():  # a thread: printing from the handler could land inside the main thread's own print
         print(f"launch.sh: SIGUSR1 received: passed on to the {sum(p.returncode is None for p in RANKS)} rank(s); "
@@ -128,6 +133,8 @@ def pass_sigusr1_to_the_ranks():
             threading.Thread(target=again, daemon=True).start()
 
     signal.signal(signal.SIGUSR1, handler)
+    if EARLY_SIGUSR1:  # it came while torch was importing
+        handler(signal.SIGUSR1, None)
 
 
 def without_sigusr1(args):
@@ -135,7 +142,8 @@ def without_sigusr1(args):
     handler would stop every rank at once (exit 138), with no save. Taken out: SIGUSR1 is this launcher's own."""
     names = [name.strip() for name in args.signals_to_handle.split(",")]
     if "SIGUSR1" in names:
-        args.signals_to_handle = ",".join(name for name in names if name != "SIGUSR1")
+        kept = ",".join(name for name in names if name != "SIGUSR1")
+        args.signals_to_handle = kept or "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default: none left is a warning
         print("launch.sh: SIGUSR1 left out of --signals-to-handle: it is passed on to the ranks for a save (their "
               "recipe's), not a stop", file=sys.stderr, flush=True)
     return args
