@@ -123,7 +123,7 @@ def test_lm_ddp_resumes_exactly_and_activation_checkpointing_changes_nothing(str
 def test_a_stop_on_sigusr1_resumes_bitwise(straight, tmp_path):
     # Issue 43's drill (tests/lm_checks.py): rank 0 of 3 alone gets SIGUSR1, every rank saves at the agreed step and
     # exits 75; resumed, the weights equal the straight run's above, bitwise. 3 ranks: DDP's bucket layout after its
-    # first backward (the recipe's warm-up backward before a resumed run) shows there (2 ranks: 5.9e-7 without it).
+    # first backward shows there (without the recipe's backward before a resumed run: 5.9e-7 off).
     stops_and_resumes_bitwise("lm_ddp", "cpu:3", FLAGS, tmp_path, straight(3)[1], TINY["steps"])
 
 
