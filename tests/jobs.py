@@ -84,7 +84,8 @@ class Job:
 
     def rank_pid(self, rank):
         """The pid of the rank's own process (not of one of its DataLoader workers)."""
-        tree, table = self.tree(), process_table()
+        table = process_table()  # read once: the tree and the parents below from the same moment
+        tree = descendants(self.proc.pid, table)
         by_env = [pid for pid in tree if environ_of(pid).get(b"RANK") == str(rank).encode()]
         if by_env:  # torchrun puts RANK in each rank's environment; its DataLoader workers inherit it
             return next(pid for pid in by_env if table.get(pid, (None,))[0] not in by_env)

@@ -40,7 +40,7 @@ def process_table():
 def descendants(root, table=None):
     """{pid: start time} of `root` and every process under it: a job's launcher, its ranks (in sessions of their own
     under torchrun) and their DataLoader workers. The start time tells a reused pid from the same process."""
-    table, pids = table or process_table(), {root}
+    table, pids = process_table() if table is None else table, {root}
     while True:
         more = {pid for pid, (ppid, _) in table.items() if ppid in pids} - pids
         if not more:
