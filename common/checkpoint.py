@@ -74,6 +74,19 @@ def save_atomic(obj, path):
             os.remove(tmp)
 
 
+def cpu_copy(state):
+    """A copy of a state_dict (nested dicts and lists of tensors and numbers) in CPU memory, for a thread to write
+    while training changes the original in place (--async-save). From a GPU the copy waits for the device: what
+    training waits for, instead of the write."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {key: cpu_copy(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(cpu_copy(value) for value in state)
+    return state  # a number, a string, None: not changed in place
+
+
 EX_TEMPFAIL = 75  # sysexits.h: "try again later". A job that saved on a preemption signal exits with it: requeue me
 
 

@@ -15,6 +15,10 @@ What it shows, against ddp_torchrun.py (diff them: the lesson is what a transfor
 - AdamW with weight decay on the matrices only (not on biases, norms or embeddings), gradient clipping by the global
   norm (after DDP's all-reduce every rank clips the same gradient), --amp-dtype bf16 (autocast; no loss scaler).
 - Validation on fixed windows, each scored once across ranks: loss in nats per byte and bits per byte (val_bpb).
+- Checkpoints: rank 0 writes OUT_DIR/latest.pt (the weights, AdamW's moments, the step) atomically at each
+  evaluation, every --save-every N steps, and on SIGUSR1 (a scheduler's warning: then exit 75, requeue; docs/
+  clusters.md). --async-save: a copy in CPU memory (training waits for that alone), written by a thread while
+  training goes on; one save in flight; a crash while it writes leaves the previous latest.pt.
 - --activation-checkpointing: each block's activations are recomputed in backward instead of kept (the
   non-reentrant torch.utils.checkpoint: under DDP the reentrant one fails with "Expected to mark a variable ready
   only once" when a block is checkpointed twice or a parameter is unused; docs/lm.md).
@@ -23,10 +27,12 @@ What it shows, against ddp_torchrun.py (diff them: the lesson is what a transfor
 # launcher: torchrun
 
 import argparse
+import concurrent.futures
 import datetime
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -37,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common import harness  # plumbing, not the lesson: every line that uses it says so
-from common.checkpoint import EX_TEMPFAIL, SignalFlag, find_resume, load_same_flags, save_atomic
+from common.checkpoint import EX_TEMPFAIL, SignalFlag, cpu_copy, find_resume, load_same_flags, save_atomic
 from common.lm import (
     TextError,
     Transformer,
@@ -79,6 +85,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=250, help="validate (and save) every N steps, and at the end")
     p.add_argument("--save-every", type=int, help="also save every N steps between evaluations; "
                    "SIGUSR1 saves at the next step and exits 75")
+    p.add_argument("--async-save", action="store_true", help="write each checkpoint from a thread while training "
+                   "goes on (a copy in CPU memory first); one save in flight")
     p.add_argument("--val-windows", type=int, default=128, help="validation windows of --seq-len (fixed)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="runs/lm_ddp", help="model.pt and latest.pt (the resume point)")
@@ -102,6 +110,20 @@ def check_args(args, world_size):
         check_model_flags(args.n_layer, args.n_head, args.d_model, args.seq_len, args.block_size)
     except ValueError as exc:
         harness.die(str(exc))
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+def write_checkpoint(state, latest, out_dir):
+    """Rank 0: the resume point, atomically (a crash while writing leaves the previous one), then the weights alone."""
+    save_atomic(state, latest)
+    torch.save(state["model"], os.path.join(out_dir, "model.pt"))
+
+
+def finish_async_save(in_flight, latest):
+    """Rank 0: wait for the save in flight to be written (a failed write raises here), and say so."""
+    future, step = in_flight
+    future.result()
+    print0(f"saved: {latest} and model.pt at step {step} (written in the background)")
 
 
 # ------------------------------------------------------------------------------------------- eval
@@ -207,6 +229,8 @@ def main():
     loss_meter = AverageMeter()
     val_loss = None
     vote, ballot, stop = None, None, False  # the stop vote in flight, its tensor; True once SIGUSR1 is agreed
+    # --async-save: rank 0's writer thread, and the save it is writing (one at a time: the next waits for it).
+    saver, in_flight = concurrent.futures.ThreadPoolExecutor(max_workers=1) if args.async_save else None, None
     speed.start()
     while step < last:
         # The same (seed, step) on every rank: rank r takes the r-th slice of one global batch.
@@ -225,6 +249,9 @@ def main():
         diverged.update(step, loss)
         speed.step(args.batch_size * args.seq_len)  # tokens (bytes)
         prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
+        if in_flight is not None and in_flight[0].done():  # written: said (a failure raised) at the step that sees it
+            finish_async_save(in_flight, latest)
+            in_flight = None
         # SIGUSR1 reaches the ranks at different times; they must stop after the same step. Each step starts
         # an all-reduce (MAX) of its flag on the vote's own gloo group, and reads the last step's, which ran
         # under this step: no step waits for it, and every rank reads the same vote at the same step.
@@ -245,10 +272,21 @@ def main():
             # -------------------------------------------------------------------------------- save
             if is_main:  # the resume point: weights, AdamW's moments, the step (the data follows from it)
                 os.makedirs(args.out_dir, exist_ok=True)
-                save_atomic({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                             "epoch": 0, "flags": {k: getattr(args, k) for k in SAME_ON_RESUME}}, latest)
-                torch.save(model.module.state_dict(), os.path.join(args.out_dir, "model.pt"))
-                print0(f"saved: {latest} and model.pt at step {step}")
+                started = time.perf_counter()
+                state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                         "epoch": 0, "flags": {k: getattr(args, k) for k in SAME_ON_RESUME}}
+                if args.async_save:  # one save in flight: the last one is written before the next starts
+                    if in_flight is not None:
+                        finish_async_save(in_flight, latest)
+                    # Copied to CPU memory now (the next step changes the weights and moments in place), written
+                    # by the thread while training goes on.
+                    in_flight = (saver.submit(write_checkpoint, cpu_copy(state), latest, args.out_dir), step)
+                    print0(f"saving: {latest} and model.pt at step {step} in the background; training waited "
+                           f"{time.perf_counter() - started:.3f} s")
+                else:
+                    write_checkpoint(state, latest, args.out_dir)
+                    print0(f"saved: {latest} and model.pt at step {step}; training waited "
+                           f"{time.perf_counter() - started:.3f} s")
             if evaluating:
                 train_loss, loss_meter = loss_meter.avg, AverageMeter()
                 speed.start()
@@ -257,6 +295,8 @@ def main():
     speed.stop()
     if vote is not None:  # the last vote; every rank started as many
         vote.wait()
+    if in_flight is not None:  # the last save in flight is written before the job ends (or exits 75)
+        finish_async_save(in_flight, latest)
     if stop and step < last:  # saved; the scheduler's requeue resumes it (--resume auto)
         dist.barrier()  # rank 0's files are whole before any rank exits (torchrun stops the rest at the first)
         print0(f"preempt: SIGUSR1: saved {latest} at step {step}; exit {EX_TEMPFAIL}: requeue the job with "

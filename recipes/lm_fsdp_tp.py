@@ -33,9 +33,9 @@ What it shows, against lm_tp.py (diff them: the lesson is what a second, data-pa
   the cut layers on (dp, tp): DTensors on two meshes do not meet in one op, so clip_grad_norm_ (which stacks every
   gradient's norm) is done a mesh at a time. Torch warns once per rank where it redistributes over both dimensions
   in two collectives (the norm: one number a step; the weights gathered for model.pt): harmless at these sizes.
-- --sequence-parallel, loss_parallel(), the checkpoints: as lm_tp.py. The shards (DCP) resume on another mesh: --dp,
-  --tp, --sequence-parallel and --accum-steps may change (DCP reshards: 2 x 2 onto 1 x 2, 4 x 1, 2 x 1), the model's
-  shape may not. OUT_DIR/model.pt: full weights for common.lm.Transformer, one process.
+- --sequence-parallel, loss_parallel(), the checkpoints and --async-save: as lm_tp.py. The shards (DCP) resume on
+  another mesh: --dp, --tp, --sequence-parallel and --accum-steps may change (DCP reshards: 2 x 2 onto 1 x 2, 4 x 1,
+  2 x 1), the model's shape may not. OUT_DIR/model.pt: full weights for common.lm.Transformer, one process.
 - Not here: HSDP (FSDP2 within a node, replicated across nodes: fully_shard on a 2-D (replicate, shard) mesh).
 
 One weight on a 2 x 2 mesh: wq.weight (D, D), cut by rows: ColwiseParallel across tp, then FSDP2 across dp
@@ -59,6 +59,7 @@ import secrets
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -66,6 +67,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -146,6 +148,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=250, help="validate (and save) every N steps, and at the end")
     p.add_argument("--save-every", type=int, help="also save every N steps between evaluations; "
                    "SIGUSR1 saves at the next step and exits 75")
+    p.add_argument("--async-save", action="store_true", help="write each checkpoint's shards from a thread while "
+                   "training goes on (dcp.async_save); one save in flight; model.pt at the end alone")
     p.add_argument("--val-windows", type=int, default=128, help="validation windows of --seq-len (fixed)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="runs/lm_fsdp_tp", help="model.pt and checkpoint/ (sharded; latest.pt: the "
@@ -252,6 +256,33 @@ def load_shards(model, optimizer, path):
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
 
+def point_latest(pointer, checkpoints, latest):
+    """Rank 0, once every rank's shards are written: latest.pt (atomically) names them; older shard folders go."""
+    save_atomic(pointer, latest)
+    for old in os.listdir(checkpoints):  # older shards (a step before, an earlier run's, a killed save's): not named
+        if old.startswith("step_") and old != pointer["shards"]:
+            shutil.rmtree(os.path.join(checkpoints, old), ignore_errors=True)
+
+
+def shard_failure(exc, folder, latest):
+    return SaveError(f"cannot write the shards in {folder} ({dcp_failure(exc, os.path.dirname(folder))}): {latest}, "
+                     "if any, still points at the previous ones; free some space, then --resume")
+
+
+def finish_async_save(in_flight, checkpoints, latest):
+    """Every rank: wait for the save in flight to end (its thread's collectives: every rank's shards written, the
+    metadata last); then rank 0 names it in latest.pt. Called once a step sees it done, before the next save, and at
+    the end."""
+    future, pointer, folder = in_flight
+    try:
+        future.result()
+    except dcp.CheckpointException as exc:
+        raise shard_failure(exc, folder, latest) from exc
+    if dist.get_rank() == 0:  # done on rank 0: every rank's shards and the metadata are written
+        point_latest(pointer, checkpoints, latest)
+        print0(f"saved: {latest} at step {pointer['step']} (written in the background)")
+
+
 # ------------------------------------------------------------------------------------------- eval
 @torch.no_grad()
 def evaluate(model, inputs, targets, dp_rank, dp, dp_group, batch, device, amp):
@@ -354,6 +385,9 @@ def main():
     run_tag = [secrets.token_hex(3)]
     dist.broadcast_object_list(run_tag, src=0)  # every rank writes into the same folder
     run_tag = run_tag[0]
+    # --async-save's writer thread makes collectives (the plan, the results) while training makes its own: on a
+    # group of their own, so the two never interleave. A CPU backend: async_save refuses a group without one.
+    save_group, in_flight = (dist.new_group(backend="gloo", timeout=timeout) if args.async_save else None), None
     resume = find_resume(args.resume, latest) if args.resume else None
     if resume:  # every rank reads its own slices of the shards latest.pt names (any mesh wrote them)
         flags = {k: getattr(args, k) for k in SAME_ON_RESUME}
@@ -405,6 +439,9 @@ def main():
         diverged.update(step, loss)
         speed.step(args.batch_size * args.seq_len)  # tokens (bytes)
         prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
+        if in_flight is not None and in_flight[0].done():  # Written: latest.pt names it now, not a save later
+            finish_async_save(in_flight, checkpoints, latest)  # no collective: each rank at its own step
+            in_flight = None
         # SIGUSR1 reaches the ranks at different times; they must stop after the same step. Each step starts
         # an all-reduce (MAX) of its flag on the vote's own gloo group, and reads the last step's, which ran
         # under this step: no step waits for it, and every rank reads the same vote at the same step.
@@ -426,25 +463,36 @@ def main():
             # -------------------------------------------------------------------------------- save
             # Every rank writes its slices (torch.save on rank 0 would write rank 0's alone), then rank 0 points
             # latest.pt at them: weights, AdamW's moments, the step (the data follows from it).
-            shards = f"step_{step}-{run_tag}"
+            shards, started = f"step_{step}-{run_tag}", time.perf_counter()
+            folder = os.path.join(checkpoints, shards)
             model_state, optim_state = get_state_dict(model, optimizer)  # DTensors: each rank's own slices
-            try:
-                dcp.save({"model": model_state, "optimizer": optim_state},
-                         checkpoint_id=os.path.join(checkpoints, shards))
-            except dcp.CheckpointException as exc:  # a full disk, on any rank: every rank gets it
-                raise SaveError(f"cannot write the shards in {os.path.join(checkpoints, shards)} "
-                                f"({dcp_failure(exc, checkpoints)}): {latest}, if any, still points at the previous "
-                                "ones; free some space, then --resume") from exc
-            # The full weights, gathered slice by slice onto rank 0's CPU (a collective; the others get {}).
-            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            if is_main:  # dcp.save returned on every rank: all shards are written. Now point latest.pt at them.
-                save_atomic({"shards": shards, "step": step, "epoch": 0, "mesh": f"{args.dp} x {args.tp}",  # New
-                             "flags": {k: getattr(args, k) for k in SAME_ON_RESUME}}, latest)
-                for old in os.listdir(checkpoints):  # older shards (a step before, an earlier run's)
-                    if old.startswith("step_") and old != shards:
-                        shutil.rmtree(os.path.join(checkpoints, old), ignore_errors=True)
-                torch.save(full, os.path.join(args.out_dir, "model.pt"))  # loads into Transformer(...)
-                print0(f"saved: {latest} and model.pt at step {step}")
+            pointer = {"shards": shards, "step": step, "epoch": 0, "mesh": f"{args.dp} x {args.tp}",  # New
+                       "flags": {k: getattr(args, k) for k in SAME_ON_RESUME}}
+            if args.async_save:  # one save in flight: the last one ends, and latest.pt names it, before the next
+                if in_flight is not None:
+                    finish_async_save(in_flight, checkpoints, latest)
+                # Staged: copied to CPU memory now (the next step changes the weights), then written by a thread.
+                # As fsdp.py: no copy-ahead from a GPU in the writer, the stager async_save's default, closed after.
+                stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                      use_async_staging=False, use_non_blocking_copy=False))
+                future = dcp.async_save({"model": model_state, "optimizer": optim_state}, async_stager=stager,
+                                        storage_writer=dcp.FileSystemWriter(folder, per_thread_copy_ahead=0),
+                                        process_group=save_group)
+                future.add_done_callback(lambda _, stager=stager: stager.close())  # its CPU copies go once written
+                in_flight = (future, pointer, folder)
+                print0(f"saving: {folder} in the background; training waited {time.perf_counter() - started:.3f} s")
+            else:
+                try:
+                    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=folder)
+                except dcp.CheckpointException as exc:  # a full disk, on any rank: every rank gets it
+                    raise shard_failure(exc, folder, latest) from exc
+                # The full weights, gathered slice by slice onto rank 0's CPU (a collective; the others get {}).
+                full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+                if is_main:  # dcp.save returned on every rank: all shards are written. Now point latest.pt at them.
+                    point_latest(pointer, checkpoints, latest)
+                    torch.save(full, os.path.join(args.out_dir, "model.pt"))  # loads into Transformer(...)
+                    print0(f"saved: {latest} and model.pt at step {step}; training waited "
+                           f"{time.perf_counter() - started:.3f} s")
             if evaluating:
                 train_loss, loss_meter = loss_meter.avg, AverageMeter()
                 speed.start()
@@ -453,12 +501,19 @@ def main():
     speed.stop()
     if vote is not None:  # the last vote; every rank started as many
         vote.wait()
+    if in_flight is not None:  # The last save in flight ends (and latest.pt names it) before the job does
+        finish_async_save(in_flight, checkpoints, latest)
     if stop and step < last:  # saved; the scheduler's requeue resumes it (--resume auto)
         dist.barrier()  # rank 0's files are whole before any rank exits (torchrun stops the rest at the first)
         print0(f"preempt: SIGUSR1: saved {latest} at step {step}; exit {EX_TEMPFAIL}: requeue the job with "
                "--resume auto to go on from there")
         dist.destroy_process_group()
         sys.exit(EX_TEMPFAIL)
+    if args.async_save:  # the full weights once, at the end: gathering them (a collective) is a wait every save
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if is_main:
+            torch.save(full, os.path.join(args.out_dir, "model.pt"))  # loads into Transformer(...)
+            print0(f"saved: model.pt at step {step}")
     # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
     if val_loss is None:  # resumed at or past --max-steps / --steps: nothing left to train
         val_loss = evaluate(model, val_x, val_y, dp_rank, args.dp, mesh.get_group("dp"), per_dp, device, amp)  # New

@@ -1,9 +1,10 @@
 """What tests/test_lm_tp.py, test_lm_pp.py and test_lm_fsdp_tp.py each read or check the same way: the printed
 evaluation lines, a model.pt scored in one process, a recipe's flag check failing with one line, and (test_lm.py too)
-the preemption drill."""
+the preemption drill and the crash during an --async-save."""
 
 import random
 import re
+import signal
 
 import pytest
 import torch
@@ -60,4 +61,27 @@ def stops_and_resumes_bitwise(recipe, devices, args, out, straight_out, steps):
     assert saved and step < int(saved[1]) <= step + 3 < steps, said
     resumed = result_of(launch(*run, "--resume", "auto"))
     assert (resumed["start_step"], resumed["steps"]) == (int(saved[1]), steps), said
+    assert max_diff(params(out / "model.pt"), params(straight_out / "model.pt")) == 0, said
+
+
+def killed_while_saving_resumes_bitwise(recipe, devices, args, out, straight_out, written, latest):
+    """Issue 43's --async-save crash, on a run that saves at steps 4 and 8 (`args`). Rank 0's writer thread opens
+    `written` (the file it writes) slowly (tests/faults' FAULT_SLOW_WRITE, 1 s: a shared file system), so training
+    goes on while step 4's checkpoint is written; the whole job is SIGKILLed as the thread opens step 8's
+    (FAULT_KILL_ON_WRITE: a node lost mid-write). `latest` (under `out`) still names step 4's checkpoint, and
+    --resume auto goes on from it to `straight_out`'s weights (the same command, saving synchronously), bitwise."""
+    run = [f"recipes/{recipe}.py", devices, *args, "--async-save", "--out-dir", out]
+    killed = launch(*run, env={"PYTHONPATH": str(REPO / "tests" / "faults"), "FAULT_SLOW_WRITE": f"{written}:1",
+                               "FAULT_KILL_ON_WRITE": f"{written}:2"})
+    said = f"stdout:\n{killed.stdout}\nstderr:\n{killed.stderr[-3000:]}"
+    assert killed.returncode == -signal.SIGKILL and "FAULT: killing the job as" in killed.stdout, said
+    assert killed.stdout.count(" in the background; training waited ") == 2, said  # steps 4 and 8
+    lines = killed.stdout.splitlines()
+    written_at = [i for i, line in enumerate(lines) if re.fullmatch(r"saved: .+ at step 4 \(written in the "
+                                                                     r"background\)", line)]
+    trained_at = [i for i, line in enumerate(lines) if line.startswith("step=8/")]
+    assert written_at and trained_at and trained_at[0] < written_at[0], said  # steps 5-8 trained during the write
+    assert torch.load(out / latest, weights_only=True)["step"] == 4, said
+    resumed = result_of(launch(*run, "--resume", "auto"))
+    assert (resumed["start_step"], resumed["steps"]) == (4, 8), said
     assert max_diff(params(out / "model.pt"), params(straight_out / "model.pt")) == 0, said

@@ -21,7 +21,7 @@ from conftest import REPO, spawn_gloo
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from common import checkpoint
-from common.checkpoint import SaveError, save_atomic
+from common.checkpoint import SaveError, cpu_copy, save_atomic
 from common.data import (
     DataError,
     SyntheticImages,
@@ -508,6 +508,24 @@ def test_dataloaderx_break_stops_the_thread_and_workers(workers):
 
 
 # --------------------------------------------------------------------------------- checkpoints
+
+
+def test_cpu_copy_is_a_copy_that_later_steps_do_not_change():
+    # --async-save in lm_ddp.py: the thread writes this copy while the next steps change the weights and AdamW's
+    # moments in place (the state_dicts hold the live tensors). The structure and the numbers come through as they are.
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 7, "flags": {"lr": 0.1}}
+    copy = cpu_copy(state)
+    before = {k: v.clone() for k, v in state["model"].items()}
+    optimizer.step()  # in place: state["model"]'s tensors change, the copy's do not
+    assert not torch.equal(state["model"]["weight"], before["weight"])
+    assert all(torch.equal(copy["model"][k], before[k]) for k in before)
+    assert copy["optimizer"]["param_groups"] == state["optimizer"]["param_groups"] and copy["step"] == 7
+    assert copy["optimizer"]["state"][0]["exp_avg"].data_ptr() != state["optimizer"]["state"][0]["exp_avg"].data_ptr()
+    assert copy["flags"] == {"lr": 0.1}
 
 
 def test_save_atomic_keeps_the_previous_file_when_the_disk_fills(tmp_path, monkeypatch):

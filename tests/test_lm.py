@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from conftest import LM_RECIPES, launch, load_recipe, max_diff, params, result_of, run_direct
 from jobs import error_lines
-from lm_checks import stops_and_resumes_bitwise
+from lm_checks import killed_while_saving_resumes_bitwise, stops_and_resumes_bitwise
 
 from common.lm import Transformer, read_text, split, train_batch, val_windows
 from common.schedule import warmup_cosine
@@ -125,6 +125,15 @@ def test_a_stop_on_sigusr1_resumes_bitwise(straight, tmp_path):
     # exits 75; resumed, the weights equal the straight run's above, bitwise. 3 ranks: DDP's bucket layout after its
     # first backward shows there (without the recipe's backward before a resumed run: 5.9e-7 off).
     stops_and_resumes_bitwise("lm_ddp", "cpu:3", FLAGS, tmp_path, straight(3)[1], TINY["steps"])
+
+
+@pytest.mark.slow
+def test_a_crash_while_an_async_save_writes_leaves_the_last_checkpoint_to_resume_from(straight, tmp_path):
+    # Issue 43, --async-save (tests/lm_checks.py): rank 0's thread writes latest.pt from a copy in CPU memory while
+    # training goes on (without the copy it would write weights that later steps changed in place); killed while it
+    # writes step 8's, latest.pt is step 4's, whole (written to latest.pt.tmp, then renamed), and the run goes on.
+    killed_while_saving_resumes_bitwise("lm_ddp", "cpu:2", FLAGS, tmp_path, straight(2)[1], "latest.pt.tmp",
+                                        "latest.pt")
 
 
 def test_activation_checkpointing_keeps_only_the_blocks_inputs():

@@ -27,7 +27,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from conftest import launch, load_recipe, max_diff, params, result_of, spawn_gloo
 from jobs import error_lines
-from lm_checks import check_args_refuses, one_process_val_loss, step_lines, stops_and_resumes_bitwise
+from lm_checks import (
+    check_args_refuses,
+    killed_while_saving_resumes_bitwise,
+    one_process_val_loss,
+    step_lines,
+    stops_and_resumes_bitwise,
+)
 
 from common.lm import Transformer
 from tools.lm_bench import comm_table
@@ -114,6 +120,18 @@ def test_a_stop_on_sigusr1_resumes_bitwise(runs, tmp_path):
     # step, latest.pt names them, exit 75; resumed, the weights equal the straight run's above, bitwise.
     _, out = runs("lm_tp", "cpu:2")
     stops_and_resumes_bitwise("lm_tp", "cpu:2", ARGS, tmp_path, out, 8)
+
+
+@SLOW
+def test_a_crash_while_an_async_save_writes_leaves_the_last_checkpoint_to_resume_from(runs, tmp_path):
+    # Issue 43, --async-save (tests/lm_checks.py): dcp.async_save's thread writes step 4's shards while steps 5-8
+    # train; the job is killed as it opens rank 0's shard of step 8: latest.pt names step 4's shards, whole, and the
+    # half folder (no .metadata: DCP writes it last) is removed by the resumed run's next save.
+    _, out = runs("lm_tp", "cpu:2")
+    killed_while_saving_resumes_bitwise("lm_tp", "cpu:2", ARGS, tmp_path, out, "__0_0.distcp", "checkpoint/latest.pt")
+    pointer = torch.load(tmp_path / "checkpoint/latest.pt", weights_only=True)
+    assert pointer["step"] == 8 and (tmp_path / "checkpoint" / pointer["shards"] / ".metadata").exists()
+    assert [d.name for d in (tmp_path / "checkpoint").glob("step_*")] == [pointer["shards"]]
 
 
 @pytest.mark.slow

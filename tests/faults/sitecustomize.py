@@ -247,3 +247,20 @@ if os.environ.get("FAULT_KILL_ON_WRITE") and os.environ.get("RANK", "0") == "0":
         return _open_unkilled(file, mode, *args, **kwargs)
 
     builtins.open = io.open = _open_or_kill
+
+# FAULT_SLOW_WRITE="NAME:SECONDS": in rank 0 (or a process without RANK), each time a file named NAME is opened for
+# writing, the open first sleeps SECONDS: a slow disk (a shared file system), so that an --async-save writer thread is
+# still writing while training goes on. Set with FAULT_KILL_ON_WRITE, the sleep comes before the kill's count.
+if os.environ.get("FAULT_SLOW_WRITE") and os.environ.get("RANK", "0") == "0":
+    import builtins
+    import io
+
+    _slow_name, _slow_seconds = os.environ["FAULT_SLOW_WRITE"].split(":")
+    _open_fast = builtins.open
+
+    def _open_slowly(file, mode="r", *args, **kwargs):
+        if "w" in mode and os.path.basename(str(file)) == _slow_name:
+            time.sleep(float(_slow_seconds))
+        return _open_fast(file, mode, *args, **kwargs)
+
+    builtins.open = io.open = _open_slowly
