@@ -44,6 +44,8 @@ ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=\S*$")
 TEMPLATES = {"./launch.sh [--dry-run] RECIPE [DEVICES] [recipe args...]", "python recipes/R.py",
              "python -m torch.distributed.launch"}
 SUITE = "the test suite itself (.ci/run runs it)"
+LM_SAVE_STALL = ("docs/benchmarks.md's save stall for the language models: 60 steps of the default model, 30-60 s; "
+                 "tests/test_lm.py and test_lm_tp.py run --async-save (a crash mid-write)")
 FP16 = "fp16 (apex_amp O2 is fp16 weights) on the CPU: minutes for a step of resnet18; its flags run small elsewhere"
 MUTANTS = "a mutant per edit, each running the recipe's tests: run by hand for the counts docs/testing.md gives"
 SLURM = "SLURM is not installed; tests/test_cluster.py runs the script's node part with SLURM's variables"
@@ -80,6 +82,7 @@ NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsew
     "python tools/mutation_check.py --edits hang_stacks,debug_level,ddp_checked_group": MUTANTS,
     "python tools/mutation_check.py --edits preempt_vote,lm_preempt_vote,resume_bucket_layout,lm_resume_bucket_layout,"
     "seeded_samples,skip_first,restart_after_save": MUTANTS,
+    "python tools/mutation_check.py --edits async_named_early,lm_async_named_early,lm_async_cpu_copy": MUTANTS,
     "python tools/lm_bench.py --rounds 2": "every language-model entry on cpu:1 and cpu:2, twice, and the bare loop: "
                                           "about 5 minutes; docs/benchmarks.md gives its table",
     "python tools/lm_bench.py --activations": "the default model on 2 processes (50 s); tests/test_lm_tp.py runs the "
@@ -101,6 +104,14 @@ NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsew
         "docs/benchmarks.md's save stall: resnet50 for 24 steps, a minute; tests/test_fsdp.py runs --async-save",
     "./launch.sh recipes/fsdp.py cpu:2 --arch resnet50 --epochs 3 --synthetic-train 256 --batch-size 32 --workers 1 "
     "--async-save": "docs/benchmarks.md's save stall: a minute; tests/test_fsdp.py runs --async-save on tiny",
+    "./launch.sh recipes/lm_ddp.py cpu:2 --steps 60 --save-every 10 --eval-every 30 --val-windows 16":
+        LM_SAVE_STALL,
+    "./launch.sh recipes/lm_ddp.py cpu:2 --steps 60 --save-every 10 --eval-every 30 --val-windows 16 --async-save":
+        LM_SAVE_STALL,
+    "./launch.sh recipes/lm_tp.py cpu:2 --steps 60 --save-every 10 --eval-every 30 --val-windows 16":
+        LM_SAVE_STALL,
+    "./launch.sh recipes/lm_tp.py cpu:2 --steps 60 --save-every 10 --eval-every 30 --val-windows 16 --async-save":
+        LM_SAVE_STALL,
     "python -m pytest": SUITE,
     "python -m pytest -n 2 --dist loadfile": SUITE,
     'python -m pytest -m "not slow"': SUITE,

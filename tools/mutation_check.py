@@ -167,6 +167,17 @@ EDITS = [
          file="common/data.py"),
     Edit("restart_after_save", "MAX_RESTARTS restarts ranks that saved and exited 75 for a requeue",
          "self._remaining_restarts = 0  # as torch does", "pass  # as torch does", file="tools/torchrun.py"),
+    # Issue 43: --async-save (the crash while the thread writes: tests/test_fsdp.py, test_lm.py, test_lm_tp.py).
+    Edit("async_named_early", "--async-save naming the shards in latest.pt as their write starts, not once written",
+         "            in_flight = (future, pointer, folder)\n",
+         "            in_flight = (future, pointer, folder)\n            if is_main:\n"
+         "                point_latest(pointer, checkpoints, latest)\n"),
+    Edit("lm_async_named_early", "--async-save naming the shards in latest.pt as their write starts, not once written",
+         "                in_flight = (future, pointer, folder)\n",
+         "                in_flight = (future, pointer, folder)\n                if is_main:\n"
+         "                    point_latest(pointer, checkpoints, latest)\n"),
+    Edit("lm_async_cpu_copy", "--async-save without the copy in CPU memory: the thread writes what later steps changed",
+         "saver.submit(write_checkpoint, cpu_copy(state),", "saver.submit(write_checkpoint, state,"),
 ]
 # Edits that mean something in the language models too; the others are the image recipes' lessons.
 LM_TOO = {"divergence_check"}
@@ -179,7 +190,11 @@ CONFORMANCE = "tests/test_conformance.py"
 PREEMPT = "tests/test_preempt.py"
 # Edits that one recipe's test guards for all (the drills run ddp_torchrun; the conformance case with
 # --debug-collectives is ddp_launch's on 3 processes), and that test.
-ONE_RECIPE = {"hang_stacks": ("ddp_torchrun", ["tests/test_failures.py", "-k", "diverging_ranks"]),
+ASYNC_CRASH = ["-k", "crash_while_an_async_save"]
+ONE_RECIPE = {"async_named_early": ("fsdp", ["tests/test_fsdp.py", *ASYNC_CRASH]),
+              "lm_async_named_early": ("lm_tp", ["tests/test_lm_tp.py", *ASYNC_CRASH]),
+              "lm_async_cpu_copy": ("lm_ddp", ["tests/test_lm.py", *ASYNC_CRASH]),
+              "hang_stacks": ("ddp_torchrun", ["tests/test_failures.py", "-k", "diverging_ranks"]),
               "debug_level": ("ddp_torchrun", ["tests/test_failures.py", "-k", "debug_collectives"]),
               "ddp_checked_group": ("ddp_launch", [CONFORMANCE, "-k", "[ddp_launch:3]"]),
               "profile_gloo_comm": ("ddp_torchrun", ["tests/test_profile.py", "-k", "cpu_step"]),
