@@ -409,7 +409,7 @@ def main():
                 diverged.last_good = latest
             # Staged: copied to CPU memory now (training changes the weights next), then written by a thread. Its
             # writer copies nothing ahead from a GPU (else that thread opens a CUDA stream on GPU 0, on every rank);
-            # the stager is async_save's default (the writer's own would copy each shard twice).
+            # a DefaultStager named (the writer is a stager itself, whose staging copies each shard twice).
             writer = dcp.FileSystemWriter(folder, per_thread_copy_ahead=0)
             stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
                                                   use_async_staging=False, use_non_blocking_copy=False))

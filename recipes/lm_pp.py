@@ -129,7 +129,7 @@ def parse_args(argv=None):
     p.add_argument("--save-every", type=int, help="also save every N steps between evaluations; "
                    "SIGUSR1 saves at the next step and exits 75")
     p.add_argument("--async-save", action="store_true", help="write each checkpoint's shards from a thread while "
-                   "training goes on (dcp.async_save); one save in flight; model.pt at the end alone")  # New
+                   "training goes on (dcp.async_save); one save in flight; model.pt at the end (or a stop)")  # New
     p.add_argument("--val-windows", type=int, default=128, help="validation windows of --seq-len (fixed)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="runs/lm_pp", help="model.pt and checkpoint/ (a shard per stage; latest.pt: "
@@ -449,7 +449,8 @@ def main():
                 if in_flight is not None:
                     finish_async_save(in_flight, checkpoints, latest)
                 # Staged: copied to CPU memory now (the next step changes the weights), then written by a thread.
-                # As fsdp.py: no copy-ahead from a GPU in the writer, the stager async_save's default, closed after.
+                # As fsdp.py: no copy-ahead from a GPU in the writer; a DefaultStager named (the writer is a stager
+                # itself, whose staging copies each shard twice), closed once written.
                 stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
                                                       use_async_staging=False, use_non_blocking_copy=False))
                 future = dcp.async_save({"model": model_state, "optimizer": optim_state}, async_stager=stager,
@@ -479,17 +480,18 @@ def main():
         vote.wait()
     if in_flight is not None:  # New: the last save in flight ends (and latest.pt names it) before the job does
         finish_async_save(in_flight, checkpoints, latest)
+    if args.async_save:  # New: the full weights once, at the end or the stop: gathering them (a collective) every
+        # save would be a wait for every rank
+        full = gather_full_weights(model, is_main, world_size)
+        if is_main:
+            torch.save(full, os.path.join(args.out_dir, "model.pt"))  # loads into Transformer(...)
+            print0(f"saved: model.pt at step {step}")
     if stop and step < last:  # saved; the scheduler's requeue resumes it (--resume auto)
         dist.barrier()  # rank 0's files are whole before any rank exits (torchrun stops the rest at the first)
         print0(f"preempt: SIGUSR1: saved {latest} at step {step}; exit {EX_TEMPFAIL}: requeue the job with "
                "--resume auto to go on from there")
         dist.destroy_process_group()
         sys.exit(EX_TEMPFAIL)
-    if args.async_save:  # New: the full weights once, at the end: gathering them (a collective) is a wait every save
-        full = gather_full_weights(model, is_main, world_size)
-        if is_main:
-            torch.save(full, os.path.join(args.out_dir, "model.pt"))  # loads into Transformer(...)
-            print0(f"saved: model.pt at step {step}")
     # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
     if val_loss is None:  # resumed at or past --max-steps / --steps: nothing left to train
         val_loss = evaluate(schedule, stage, val_x, val_y, args.batch_size, device)  # New

@@ -59,6 +59,7 @@ def stops_and_resumes_bitwise(recipe, devices, args, out, straight_out, steps):
     assert first.returncode == EX_TEMPFAIL and "RESULT" not in first.stdout, said
     saved = re.search(r"^preempt: SIGUSR1: saved \S+ at step (\d+); exit 75", first.stdout, re.M)
     assert saved and step < int(saved[1]) <= step + 3 < steps, said
+    assert (out / "model.pt").exists(), said  # the stop's weights too (--async-save: gathered at the stop)
     resumed = result_of(launch(*run, "--resume", "auto"))
     assert (resumed["start_step"], resumed["steps"]) == (int(saved[1]), steps), said
     assert max_diff(params(out / "model.pt"), params(straight_out / "model.pt")) == 0, said

@@ -117,9 +117,10 @@ def test_tensor_parallel_trains_the_one_process_model(runs, reference, devices, 
 @SLOW
 def test_a_stop_on_sigusr1_resumes_bitwise(runs, tmp_path):
     # Issue 43's drill (tests/lm_checks.py): rank 0 alone gets SIGUSR1; both ranks save their DCP shards at the agreed
-    # step, latest.pt names them, exit 75; resumed, the weights equal the straight run's above, bitwise.
+    # step, latest.pt names them, exit 75; resumed, the weights equal the straight run's above, bitwise. With
+    # --async-save: the stop's save (and step 4's, if still in flight) is written before exit 75, and model.pt too.
     _, out = runs("lm_tp", "cpu:2")
-    stops_and_resumes_bitwise("lm_tp", "cpu:2", ARGS, tmp_path, out, 8)
+    stops_and_resumes_bitwise("lm_tp", "cpu:2", [*ARGS, "--async-save"], tmp_path, out, 8)
 
 
 @SLOW

@@ -78,9 +78,9 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # lm_tp 290 and lm_pp 337 until --async-save (issue 43): lm_ddp's is a thread writing torch.save's file from a
     # CPU copy, theirs dcp.async_save's (its group, the stager, latest.pt named once written, model.pt at the end):
     # both sides of the save block show, and the docstrings' lines.
-    ("lm_ddp", "lm_tp", 377),
+    ("lm_ddp", "lm_tp", 379),
     # lm_pp: the stages, the schedule, the loss on the last stage, the clip across stages, DCP checkpoints (lm_tp's).
-    ("lm_ddp", "lm_pp", 425),  # 323 until the preemption save: the wrapped import and the backward, as lm_tp
+    ("lm_ddp", "lm_pp", 427),  # 323 until the preemption save: the wrapped import and the backward, as lm_tp
     # lm_fsdp_tp: lm_tp's with a dp dimension: the mesh, meta init, FSDP2, accumulation, the clip across meshes.
     # 302 until --async-save: lm_tp's lines for it, without their `# New` tags (here they are lm_tp's).
     ("lm_tp", "lm_fsdp_tp", 324)])
