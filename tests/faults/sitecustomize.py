@@ -14,9 +14,28 @@ per rank; the launcher process has none) replaces torch.distributed.OP so that i
 Every other process, and every other call, runs the real collective.
 """
 
+import builtins
+import io
 import os
 import sys
 import time
+
+
+def _on_write_open(name, act):
+    """open(), and io.open() as pathlib and torch.distributed.checkpoint's writer use it, call act(file, n) as a file
+    named `name` is opened for writing the n-th time, before it opens; act may return a function that wraps the
+    opened file. Each fault below that watches a file is one of these; set together, they chain."""
+    real, seen = builtins.open, [0]
+
+    def watching(file, mode="r", *args, **kwargs):
+        wrap = None
+        if "w" in mode and os.path.basename(str(file)) == name:
+            seen[0] += 1
+            wrap = act(file, seen[0])
+        f = real(file, mode, *args, **kwargs)
+        return wrap(f) if wrap else f
+
+    builtins.open = io.open = watching
 
 _spec = os.environ.get("FAULT_COLLECTIVE", "")
 _second_group = []
@@ -75,12 +94,9 @@ if os.environ.get("FAULT_DISK_FREE"):
 # opened for writing (by open(), or io.open() as pathlib and torch.distributed.checkpoint's writer do), it takes
 # BYTES and then every write fails with ENOSPC, as on a disk that filled up.
 if os.environ.get("FAULT_DISK_FULL") and os.environ.get("RANK", "0") == "0":
-    import builtins
     import errno
-    import io
 
     _name, _nth, _room = os.environ["FAULT_DISK_FULL"].split(":")
-    _opened, _open = [0], builtins.open
 
     class _FillingFile:
         def __init__(self, f, room):
@@ -103,17 +119,13 @@ if os.environ.get("FAULT_DISK_FULL") and os.environ.get("RANK", "0") == "0":
         def __exit__(self, *exc):
             self._f.close()
 
-    def _open_filling(file, mode="r", *args, **kwargs):
-        f = _open(file, mode, *args, **kwargs)
-        if "w" in mode and os.path.basename(str(file)) == _name:
-            _opened[0] += 1
-            if _opened[0] == int(_nth):
-                sys.stdout.write(f"FAULT: {file} fills the disk after {_room} bytes\n")
-                sys.stdout.flush()
-                return _FillingFile(f, int(_room))
-        return f
+    def _fill(file, n):
+        if n == int(_nth):
+            sys.stdout.write(f"FAULT: {file} fills the disk after {_room} bytes\n")
+            sys.stdout.flush()
+            return lambda f: _FillingFile(f, int(_room))
 
-    builtins.open = io.open = _open_filling
+    _on_write_open(_name, _fill)
 
 # FAULT_NAN_BATCH="RANK:N": in the process whose RANK is RANK (a process without RANK counts as rank 0), the N-th
 # training batch (from a loader whose sampler has an epoch: DistributedSampler) has NaN images, as a corrupt
@@ -208,59 +220,33 @@ if os.environ.get("FAULT_SIGNAL"):
 
         register_optimizer_step_post_hook(lambda *args: _tick("step"))
     if any(when.startswith("save=") for when, _ in _signals):
-        import builtins
-        import io
-
-        _open_before = builtins.open
-
-        def _open_watching(file, mode="r", *args, **kwargs):
-            if "w" in mode and os.path.basename(str(file)) == "latest.pt.tmp":
-                _tick("save")
-            return _open_before(file, mode, *args, **kwargs)
-
-        builtins.open = io.open = _open_watching
+        _on_write_open("latest.pt.tmp", lambda file, n: _tick("save"))
 
 # FAULT_KILL_ON_WRITE="NAME:N": in rank 0 (or a process without RANK), when a file named NAME is opened for writing
 # for the N-th time (torch.distributed.checkpoint's shard files: __0_0.distcp; from --async-save's writer thread too),
 # every process of the job (the launcher and all under it) is killed with SIGKILL: a node lost mid-write. A test double
 # of a CRASH.
 if os.environ.get("FAULT_KILL_ON_WRITE") and os.environ.get("RANK", "0") == "0":
-    import builtins
-    import io
     import signal
 
     _kill_name, _kill_nth = os.environ["FAULT_KILL_ON_WRITE"].split(":")
-    _kill_seen, _open_unkilled = [0], builtins.open
 
-    def _open_or_kill(file, mode="r", *args, **kwargs):
-        if "w" in mode and os.path.basename(str(file)) == _kill_name:
-            _kill_seen[0] += 1
-            if _kill_seen[0] == int(_kill_nth):
-                sys.stdout.write(f"FAULT: killing the job as {file} opens\n")
-                sys.stdout.flush()
-                launcher = os.getppid()
-                for pid in sorted(_job_pids(launcher) - {os.getpid()}) + [os.getpid()]:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-        return _open_unkilled(file, mode, *args, **kwargs)
+    def _kill_the_job(file, n):
+        if n == int(_kill_nth):
+            sys.stdout.write(f"FAULT: killing the job as {file} opens\n")
+            sys.stdout.flush()
+            launcher = os.getppid()
+            for pid in sorted(_job_pids(launcher) - {os.getpid()}) + [os.getpid()]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
-    builtins.open = io.open = _open_or_kill
+    _on_write_open(_kill_name, _kill_the_job)
 
 # FAULT_SLOW_WRITE="NAME:SECONDS": in rank 0 (or a process without RANK), each time a file named NAME is opened for
 # writing, the open first sleeps SECONDS: a slow disk (a shared file system), so that an --async-save writer thread is
 # still writing while training goes on. Set with FAULT_KILL_ON_WRITE, the sleep comes before the kill's count.
 if os.environ.get("FAULT_SLOW_WRITE") and os.environ.get("RANK", "0") == "0":
-    import builtins
-    import io
-
     _slow_name, _slow_seconds = os.environ["FAULT_SLOW_WRITE"].split(":")
-    _open_fast = builtins.open
-
-    def _open_slowly(file, mode="r", *args, **kwargs):
-        if "w" in mode and os.path.basename(str(file)) == _slow_name:
-            time.sleep(float(_slow_seconds))
-        return _open_fast(file, mode, *args, **kwargs)
-
-    builtins.open = io.open = _open_slowly
+    _on_write_open(_slow_name, lambda file, n: time.sleep(float(_slow_seconds)))
