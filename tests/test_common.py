@@ -160,14 +160,14 @@ def test_a_pin_memory_thread_whose_worker_is_gone_dies_quietly_under_one_line_er
 
 
 CTRL_C_RACE_SCRIPT = """
-import signal, sys
+import os, signal, sys
 import torch.distributed as dist
 from common.utils import one_line_errors
 
 def sigint_in_contextlib_exit(frame, event, arg):  # the signal lands as contextlib's __exit__ starts
     if event == "call" and frame.f_code.co_name == "__exit__" and frame.f_code.co_filename.endswith("contextlib.py"):
         sys.setprofile(None)
-        signal.raise_signal(signal.SIGINT)  # to this thread: os.kill may hand it to a gloo thread, late under load
+        os.kill(os.getpid(), signal.SIGINT)
 
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 with one_line_errors():
