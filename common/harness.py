@@ -9,6 +9,7 @@ as one name, so every such line reads `harness.NAME(...)` and shows itself for w
     harness.check_gpu(device, backend)    the rank's GPU is visible; launch.sh G:N (N ranks share GPU G): gloo
     harness.check_compiler(device)        torch.compile can build kernels here: a C++ compiler (CPU), a C compiler
                                           and Python's headers (GPU, for Triton)
+    harness.cpu_amp_default()             torch_amp.py's default on a CPU: bf16 where it is native, else fp32
     harness.ddp_process_group(timeout)    DDP's group: None, or under --debug-collectives on gloo a plain one (a
                                           COLLECTIVE then): torch's DDP crashes on gloo's checked group
     harness.die(message)                  one line on stderr, exit 2 (said once per node)
@@ -161,6 +162,21 @@ def check_compiler(device):
     missing = missing_compiler(device)
     if missing:
         die(missing)
+
+
+def cpu_amp_default(why=False):
+    """torch_amp.py's --amp-dtype on a CPU when none is given: "bf16" where oneDNN runs bf16 natively (AVX-512 or
+    AVX2-VNNI-2 on x86, Arm with bf16: the check torch.compile's inductor makes too), else "fp32". Without it a bf16
+    convolution takes aten's slow reference kernel: resnet18's backward at 8 px, a micro-batch of 32, took 8-12 s
+    against 0.24 s in fp32 on an AVX2 EPYC (docs/testing.md). why=True: the sentence the recipe's amp: line shows.
+    Local."""
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if not why:
+        return "bf16" if native else "fp32"
+    if native:
+        return "the CPU default where the CPU has native bf16: fp16 is 10-50x slower on CPU"
+    return ("the CPU default here: this CPU has no native bf16, so bf16 convolutions would take a slow kernel, "
+            "5-50x slower than fp32; --amp-dtype bf16 runs it anyway")
 
 
 def gather_result_line(device, speed, model, optimizer, peaks=None, rate_key="images_per_sec", **fields):

@@ -2,13 +2,13 @@
 
     ./launch.sh recipes/torch_amp.py 0,1,3 --dataset cifar100 --amp-dtype fp16 --channels-last
     ./launch.sh recipes/torch_amp.py 0 --amp-dtype bf16 --accum-steps 4 --clip-grad 1.0
-    ./launch.sh recipes/torch_amp.py cpu:2 --arch tiny --epochs 3     # bf16 on CPU (the CPU default)
+    ./launch.sh recipes/torch_amp.py cpu:2 --arch tiny --epochs 3     # CPU: bf16 if it has native bf16, else fp32
     ./launch.sh recipes/torch_amp.py cpu:2 --arch tiny --epochs 3 --resume runs/torch_amp/checkpoint.pt  # interrupted
     MAX_RESTARTS=3 ./launch.sh recipes/torch_amp.py 0,1,3 --epochs 30 --resume auto  # a dead rank: all restart
 
 What it shows (the rest is recipes/ddp_torchrun.py): torch.amp.autocast(device_type, dtype) around forward and loss
 only, and torch.amp.GradScaler(device_type) for fp16, not the deprecated torch.cuda.amp names (small gradients
-underflow to zero; bf16 has fp32's range and needs no scaler; default fp16 on GPU, bf16 on CPU); clipping after
+underflow to zero; bf16 has fp32's range, needs no scaler; default fp16 on GPU, on CPU bf16 if native); clipping after
 scaler.unscale_; --accum-steps K with model.no_sync() on the first K-1 micro-batches (--batch-size stays the GLOBAL
 batch per optimizer step); --channels-last (NHWC, which tensor cores prefer); and the scaler's state in checkpoint.pt,
 which --resume restores (with the same --amp-dtype and --epochs only).
@@ -60,8 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--sync-bn", action="store_true", help="BatchNorm over the global batch (GPUs only)")
     # New
     p.add_argument("--amp-dtype", choices=["fp16", "bf16", "tf32", "fp32"],
-                   help="default: fp16 on GPU, bf16 on CPU. tf32: no autocast, TF32 matmuls and convolutions on GPUs "
-                        "(the other recipes' setting); fp32: no autocast and no TF32")
+                   help="default: fp16 on GPU; on CPU bf16 if it has native bf16, else fp32. tf32: no autocast, "
+                        "TF32 matmuls and convolutions on GPUs (as the other recipes); fp32: no autocast, no TF32")
     p.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--clip-grad", type=float, help="clip the gradient norm to this (after unscaling)")
     p.add_argument("--channels-last", action="store_true", help="NHWC layout for model and inputs")
@@ -131,7 +131,8 @@ def main():
     print0(f"setup: world_size={world_size} backend={backend} device={device.type} global_batch={args.batch_size} "
            f"({batch_per_process} per process x {world_size}, micro_batch={micro_batch} x {args.accum_steps} "
            f"accum_steps), workers={workers_per_process} per process")
-    amp_name = args.amp_dtype or ("fp16" if device.type == "cuda" else "bf16")  # New
+    # New: the default: fp16 on a GPU; on a CPU bf16 where oneDNN runs it natively (AVX-512, AMX, Arm), else fp32
+    amp_name = args.amp_dtype or ("fp16" if device.type == "cuda" else harness.cpu_amp_default())
     amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "tf32": torch.float32, "fp32": torch.float32}[amp_name]
     if amp_name == "fp32":  # strict fp32: TF32 off too (set on above); a no-op on the CPU, which has no TF32
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -194,8 +195,7 @@ def main():
         torch.manual_seed(args.seed + rank + 10_000 * start_epoch)  # no RNG state saved: not epoch 0's draws again
         print0(f"resumed: {resume} epoch={start_epoch} step={step} scaler={scaler.state_dict()}")
     print0(f"amp: {amp_name} autocast={amp_dtype != torch.float32} grad_scaler={scaler.is_enabled()}"
-           + (" (bf16 is the CPU default: fp16 is 10-50x slower on CPU)" if args.amp_dtype is None
-              and device.type == "cpu" else ""))
+           + (f" ({harness.cpu_amp_default(why=True)})" if args.amp_dtype is None and device.type == "cpu" else ""))
     harness.broadcast_out_dir_check(args.out_dir, is_main, {
         "checkpoint.pt": harness.state_bytes(model.module, optimizer), "model.pt": harness.state_bytes(model.module)},
         tb_dir=args.tb_dir)

@@ -217,6 +217,22 @@ def test_check_gpu_keeps_the_rank_s_gpu_shares_one_under_launch_sh_g_n_and_refus
                                        "one process per listed GPU (./launch.sh RECIPE 0,1 does)\n")
 
 
+def test_torch_amp_s_cpu_default_is_bf16_only_where_the_cpu_runs_it_natively(monkeypatch):
+    # This box's CPU has no native bf16 (AVX2): fp32, saying why. The other answer is the op stood in for (a CPU with
+    # AVX-512 or AMX, which no machine of ours has); the op is the one torch.compile's inductor asks the same question.
+    from common import harness
+
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert harness.cpu_amp_default() == ("bf16" if native else "fp32")
+    for has, dtype, says in [(False, "fp32", "this CPU has no native bf16, so bf16 convolutions would take a slow "
+                                             "kernel, 5-50x slower than fp32; --amp-dtype bf16 runs it anyway"),
+                             (True, "bf16", "where the CPU has native bf16: fp16 is 10-50x slower on CPU")]:
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda has=has: has)
+        assert harness.cpu_amp_default() == dtype
+        assert harness.cpu_amp_default(why=True).startswith("the CPU default") and says in harness.cpu_amp_default(
+            why=True)
+
+
 def test_check_gpu_refuses_ranks_sharing_a_gpu_for_a_dtensor_recipe(monkeypatch, capsys):
     # fsdp.py on launch.sh 0:2 trained, then died with SIGSEGV gathering model.pt (gloo over CUDA, H200, torch 2.11).
     from common import harness
