@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torchvision
 from conftest import REPO, spawn_gloo
+from jobs import started_with
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from common import checkpoint
@@ -179,11 +180,13 @@ with one_line_errors():
 def test_ctrl_c_that_lands_while_a_rank_unwinds_from_a_lost_peer_still_exits_130_quietly(tmp_path):
     # Drill 7 on a GPU (tests/test_gpu.py): the rank that took Ctrl-C first left, its peer's collective failed
     # ("Connection reset by peer"), and its own SIGINT landed inside contextlib's __exit__, before one_line_errors'
-    # except clauses: KeyboardInterrupt with a traceback. Here the signal is sent at exactly that point.
+    # except clauses: KeyboardInterrupt with a traceback. Here the signal is sent at exactly that point. The script
+    # starts with SIGINT at its default, as in a terminal (tests/jobs.py): a suite started as `cmd &` by a script
+    # ignores SIGINT, and so does every process it starts; the script then exited 1 with the lost peer's line.
     script = tmp_path / "race.py"
     script.write_text(CTRL_C_RACE_SCRIPT)
     proc = subprocess.run([sys.executable, script], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, preexec_fn=started_with())
     assert (proc.returncode, proc.stdout, proc.stderr) == (130, "", "")
 
 
