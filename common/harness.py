@@ -170,7 +170,10 @@ def cpu_amp_default(why=False):
     convolution takes aten's slow reference kernel: resnet18's backward at 8 px, a micro-batch of 32, took 8-12 s
     against 0.24 s in fp32 on an AVX2 EPYC (docs/testing.md). why=True: the sentence the recipe's amp: line shows.
     Local."""
-    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    try:
+        native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):  # a torch built without oneDNN: no fast bf16 convolution either
+        native = False
     if not why:
         return "bf16" if native else "fp32"
     if native:

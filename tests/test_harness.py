@@ -231,6 +231,8 @@ def test_torch_amp_s_cpu_default_is_bf16_only_where_the_cpu_runs_it_natively(mon
         assert harness.cpu_amp_default() == dtype
         assert harness.cpu_amp_default(why=True).startswith("the CPU default") and says in harness.cpu_amp_default(
             why=True)
+    monkeypatch.setattr(torch.ops, "mkldnn", object())  # a torch built without oneDNN has no such op: fp32
+    assert harness.cpu_amp_default() == "fp32"
 
 
 def test_check_gpu_refuses_ranks_sharing_a_gpu_for_a_dtensor_recipe(monkeypatch, capsys):

@@ -106,8 +106,8 @@ def table(rows, args):
              f"`cpu:2`, global batch {args.batch_size}, {args.epochs} epochs, `--no-flip`, every other flag at the "
              "recipe's default (resnet18, lr 0.1 x batch / 128 = "
              f"{0.1 * args.batch_size / 128:g}, one epoch of warm-up, cosine; "
-             "apex_amp at O0: its default O1 is fp16, 10-50x slower on a CPU; torch_amp at its CPU default, fp32 on a "
-             "CPU without native bf16). Written by `python tools/real_data.py`.",
+             "apex_amp at O0: its default O1 is fp16, 10-50x slower on a CPU; torch_amp at its CPU default: bf16 on a "
+             "CPU with native bf16, else fp32). Written by `python tools/real_data.py`.",
              "", "| recipe | val top-1 by epoch | best | epoch-1 val_loss | target (>= 98.5%) | minutes |",
              "|---|---|---|---|---|---|"]
     for row in rows:
