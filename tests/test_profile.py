@@ -109,7 +109,7 @@ def test_profile_writes_a_trace_per_rank_and_a_table_that_adds_up(tmp_path):
             assert all(any(a <= ts < b for ts in reduces) for a, b in steps), (out, rank, steps, reduces)
     # In the table it is communication with 2 ranks (the rank that reaches it first waits for the other) and next to
     # nothing with one (gloo's all-reduce over one rank returns at once). Only the ranks' sum is steady: the rank that
-    # arrives last waits little (0.5% in one loaded CI run, the other rank 7.2%). Alone, 2 ranks sum to 10-14%; with
+    # arrives last waits little (0.5% in one loaded CI run, the other rank 7.2%). Alone, 2 ranks summed 13.6%; with
     # a second copy of this test running, 4.5-35% in 6 runs. One rank's share is 0.0%, once 0.7% (a 2.4 ms all-reduce:
     # descheduled). The floor is the all-reduce itself, 0.5-2 ms on each rank, in steps of 50-110 ms.
     comm = sum(row["communication"] + row["overlapped"] for row in table(two.stdout).values())
