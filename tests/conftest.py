@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import warm
 from tools.procs import run_group
 from tools.recipes import load_recipe  # noqa: F401 (the tests import it from here)
 
@@ -89,15 +91,36 @@ def launch_env(env=None):
 
 
 def launch(*args, env=None, cwd=REPO, timeout=300):
-    """Run ./launch.sh with this interpreter as PYTHON. Returns the CompletedProcess."""
-    return run_group([str(LAUNCH), *map(str, args)], env=launch_env(env), cwd=cwd, timeout=timeout)
+    """Run ./launch.sh with this interpreter as PYTHON. Returns the CompletedProcess. The job's ranks are forked from
+    this test process's warm server where they can be (tests/warm.py: launch.sh still parses the arguments); a test
+    marked real_path, and the jobs warm.py names, go through launch.sh, torchrun and new interpreters."""
+    job = warm.launch_job(args, launch_env(env), cwd)
+    if job is None:
+        return run_group([str(LAUNCH), *map(str, args)], env=launch_env(env), cwd=cwd, timeout=timeout)
+    return job if isinstance(job, subprocess.CompletedProcess) else job.wait(timeout)
 
 
 def run_direct(recipe, *args, env=None, timeout=300):
-    """`python recipes/RECIPE.py ...` without a launcher (a world of one process), on the CPU, plus `env`."""
+    """`python recipes/RECIPE.py ...` without a launcher (a world of one process), on the CPU, plus `env`: forked
+    from the warm server where it can be (tests/warm.py), else a new interpreter."""
     env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")},
            "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **(env or {})}
-    return run_group([sys.executable, f"recipes/{recipe}.py", *map(str, args)], env=env, cwd=REPO, timeout=timeout)
+    argv = [f"recipes/{recipe}.py", *map(str, args)]
+    job = warm.direct_job(argv, env, REPO)
+    if job is None:
+        return run_group([sys.executable, *argv], env=env, cwd=REPO, timeout=timeout)
+    return job.wait(timeout)
+
+
+@pytest.fixture(autouse=True)
+def _real_path_when_marked(request):
+    """A test marked real_path runs every job of its own through launch.sh, torchrun and new interpreters: its
+    subject is the launcher or the processes (docs/testing.md lists them). Module fixtures run their jobs warm."""
+    marker = request.node.get_closest_marker("real_path")
+    warm.forbidden.why = f"marked real_path: {marker.args[0] if marker.args else 'the launcher is its subject'}" \
+        if marker else None
+    yield
+    warm.forbidden.why = None
 
 
 def result_of(proc):

@@ -76,5 +76,9 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-if os.environ.get("FAKE_CIFAR_DOWNLOADS"):
+if os.environ.get("FAKE_CIFAR_DOWNLOADS") and "torchvision.datasets.cifar" in sys.modules:  # a rank forked from
+    # tests/warm_server.py, which imported torchvision before this ran
+    install(sys.modules["torchvision.datasets.cifar"], os.environ["FAKE_CIFAR_DOWNLOADS"],
+            float(os.environ.get("FAKE_CIFAR_SECONDS", "2")))
+elif os.environ.get("FAKE_CIFAR_DOWNLOADS"):
     sys.meta_path.insert(0, _PatchOnImport())

@@ -212,5 +212,7 @@ _PATCHES = {**({"torch.nn.parallel.distributed": _patch,
                 "torch.distributed.optim.zero_redundancy_optimizer": _patch_zero} if _DIR else {}),
             **({"torch.utils.data.dataloader": _patch_loader} if _RNG_DIR else {}),
             **({"torch": _patch_load} if _LOADS_DIR else {})}
+for _name in [name for name in _PATCHES if name in sys.modules]:  # imported already: a rank forked from
+    _PATCHES.pop(_name)(sys.modules[_name])  # tests/warm_server.py, which imported torch before this ran
 if _PATCHES:
     sys.meta_path.insert(0, _PatchOnImport(_PATCHES))

@@ -1,0 +1,291 @@
+"""The warm path: a test's job runs its ranks as processes forked from a server that has already imported torch
+(tests/warm_server.py, one per test process), instead of each rank importing torch, torchvision and torch._dynamo
+anew (3 to 4.5 s of CPU a rank, 3.5 s more for torchrun's agent). docs/testing.md says why and what it costs.
+
+launch() and run_direct() in tests/conftest.py take it for every job it can run as the real path would:
+- launch.sh itself still parses every job: `./launch.sh --dry-run ARGS` gives the environment and the command, and
+  its errors (a bad DEVICES, a bad MASTER_PORT) are the job's result, as they would be;
+- each rank gets what torchrun gives it: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_*,
+  MASTER_ADDR and MASTER_PORT (rank 0 hosts the store, as under torchrun without its agent's), launch.sh's variables,
+  `--local-rank=N` for the legacy launcher, its thread count (torch.set_num_threads, from OMP_NUM_THREADS), SIGINT at
+  Python's default, SIGUSR1 ignored until the recipe's handler, a session of its own, death with its parent;
+- a rank that fails stops the others as torchrun does (SIGTERM to each rank's group, SIGKILL 30 s later), and the
+  job's exit code and last line are tools/torchrun.py's (the failed rank's code; "launch.sh: job failed: ...");
+- the output is each rank's own, in rank order (stdout: rank 0's, then rank 1's...), after launch.sh's line.
+
+The real path (launch.sh -> tools/torchrun.py -> torchrun -> new interpreters) is taken instead, with the reason in
+`last_real_path_reason`, where the warm one could differ: a test marked `real_path` (its subject is the launcher or
+the processes), MAX_RESTARTS (torchrun restarts ranks), GPUs (CUDA cannot start in a forked child of a process that
+used it), a variable Python or torch reads once at start-up set differently from the server's (READ_AT_START), or
+COOKBOOK_WARM=0 in the suite's environment (every job then takes the real path: the suite as it was).
+"""
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SERVER = Path(__file__).resolve().parent / "warm_server.py"
+# Variables Python or torch read once, at interpreter start or at `import torch`: a rank forked from the server would
+# keep the server's. A job that sets one differently takes the real path. Those read later (torch.distributed's
+# and the elastic agent's, the recipes' own, the tests' fault switches) are passed as they are.
+READ_AT_START = re.compile(r"^(PYTHON(?!$|PATH$|UNBUFFERED$).*|TORCH(?!ELASTIC_|_NCCL_|_DISABLE_SHARE_RDZV).*|"
+                           r"OMP_(?!NUM_THREADS$).*|MKL_.*|KMP_.*|GOMP_.*|LD_PRELOAD|LD_LIBRARY_PATH|MALLOC_.*|"
+                           r"CUDA_(?!VISIBLE_DEVICES$|DEVICE_ORDER$).*|NVIDIA_TF32_OVERRIDE|TRITON_.*)$")
+ENABLED = os.environ.get("COOKBOOK_WARM", "1") != "0"
+TERM_GRACE = 30.0  # torchrun's: SIGKILL this long after SIGTERM
+forbidden = threading.local()  # .why: set by tests/conftest.py around a test marked real_path
+last_real_path_reason = None
+_server = None
+_server_lock = threading.Lock()
+
+
+class Server:
+    """tests/warm_server.py, started once in this process (the first warm job waits for its imports)."""
+
+    def __init__(self):
+        self.env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        self.proc = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=self.env, cwd=REPO)
+        self.changed = threading.Condition()
+        self.pids, self.ended, self.next_id = {}, {}, 0
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            message = json.loads(line)
+            with self.changed:
+                if "id" in message:
+                    self.pids[message["id"]] = message["pid"]
+                else:
+                    self.ended[message["pid"]] = message["status"]
+                self.changed.notify_all()
+        with self.changed:
+            self.pids[None] = None  # it ended
+            self.changed.notify_all()
+
+    def fork(self, argv, env, cwd, stdout, stderr, threads):
+        with self.changed:
+            ident, self.next_id = self.next_id, self.next_id + 1
+        request = {"id": ident, "argv": list(map(str, argv)), "env": env, "cwd": str(cwd), "stdout": str(stdout),
+                   "stderr": str(stderr), "threads": threads}
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        self.proc.stdin.flush()
+        with self.changed:
+            self.changed.wait_for(lambda: ident in self.pids or None in self.pids, timeout=120)
+            if ident not in self.pids:
+                raise RuntimeError(f"the warm server did not fork (exit {self.proc.poll()}); its stderr is above")
+            return self.pids.pop(ident)
+
+    def poll(self, pid):
+        with self.changed:
+            return self.ended.get(pid)
+
+    def wait_any(self, pids, timeout):
+        """Block until one of `pids` has ended or `timeout` seconds pass."""
+        with self.changed:
+            self.changed.wait_for(lambda: any(p in self.ended for p in pids), timeout=timeout)
+
+    def forget(self, pid):
+        with self.changed:
+            self.ended.pop(pid, None)
+
+
+def server():
+    global _server
+    with _server_lock:
+        if _server is None or _server.proc.poll() is not None:
+            _server = Server()
+        return _server
+
+
+def reason_for_real_path(env):
+    """Why a job in environment `env` must take the real path, or None."""
+    if not ENABLED:
+        return "COOKBOOK_WARM=0"
+    if getattr(forbidden, "why", None):
+        return forbidden.why
+    if env.get("CUDA_VISIBLE_DEVICES"):
+        return "GPUs: CUDA does not start in a process forked from one that imported it"
+    base = server_env()
+    differ = sorted(k for k in {*env, *base} if READ_AT_START.match(k) and env.get(k) != base.get(k))
+    if differ:
+        return f"{', '.join(differ)}: read once when Python or torch starts"
+    return None
+
+
+def server_env():
+    return _server.env if _server is not None else {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+class Job:
+    """The ranks of one job, forked from the server; wait() gives what subprocess.run would have."""
+
+    def __init__(self, argv, ranks, cwd, head="", torchrun=True):
+        """ranks: one environment per rank, in rank order; argv: the script and its arguments (the legacy launcher's
+        --local-rank=N is added per rank: torchrun=="legacy"); head: what stderr starts with (launch.sh's line)."""
+        self.argv, self.cwd, self.head, self.torchrun = argv, cwd, head, torchrun
+        self.folder = Path(tempfile.mkdtemp(prefix="warm_job_"))
+        self.server = server()
+        self.pids, self.started = [], time.monotonic()
+        for rank, env in enumerate(ranks):
+            args = [*argv, f"--local-rank={env['LOCAL_RANK']}"] if torchrun == "legacy" else argv
+            threads = int(env.get("OMP_NUM_THREADS") or 1)
+            self.pids.append(self.server.fork(args, env, cwd, self.folder / f"{rank}.out", self.folder / f"{rank}.err",
+                                              threads))
+
+    def wait(self, timeout):
+        deadline, failures, stopping = time.monotonic() + timeout, [], None
+        while True:
+            codes = [self.server.poll(pid) for pid in self.pids]
+            for rank, code in enumerate(codes):
+                if code not in (None, 0) and rank not in (r for r, _, _ in failures):
+                    failures.append((rank, code, time.monotonic()))
+            if all(code is not None for code in codes):
+                break
+            now = time.monotonic()
+            if now > deadline:
+                self.kill()
+                raise subprocess.TimeoutExpired(self.argv, timeout, self._read("out"), self._read("err"))
+            if failures and self.torchrun and stopping is None:  # torchrun stops the others
+                stopping = now
+                self._signal(signal.SIGTERM, only_running=True)
+            if stopping is not None and now - stopping > TERM_GRACE:
+                self._signal(signal.SIGKILL, only_running=True)
+            self.server.wait_any([p for p, c in zip(self.pids, codes) if c is None], timeout=0.5)
+        self._signal(signal.SIGKILL)  # DataLoader workers a rank left behind (they hold no pipe here, but CPU)
+        for pid in self.pids:
+            self.server.forget(pid)
+        stdout, stderr = self._read("out"), self.head + self._read("err")
+        code = codes[0]
+        if self.torchrun:
+            code = 0
+            if failures:
+                stderr += self._report(failures)
+                rank, first, _ = failures[0]
+                code = 75 if self._saved_and_left(failures) else 128 - first if first < 0 else first
+        with contextlib.suppress(OSError):
+            for path in self.folder.iterdir():
+                path.unlink()
+            self.folder.rmdir()
+        return subprocess.CompletedProcess(self.argv, code, stdout, stderr)
+
+    def kill(self):
+        self._signal(signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while any(self.server.poll(pid) is None for pid in self.pids) and time.monotonic() < deadline:
+            self.server.wait_any(self.pids, timeout=0.5)
+
+    def _signal(self, sig, only_running=False):
+        for pid in self.pids:
+            if only_running and self.server.poll(pid) is not None:
+                continue
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, sig)
+
+    def _read(self, kind):
+        return "".join(p.read_text(errors="replace") for p in sorted(self.folder.glob(f"*.{kind}"),
+                                                                     key=lambda p: int(p.stem)))
+
+    @staticmethod
+    def _saved_and_left(failures):
+        codes = {code for _, code, _ in failures}
+        return 75 in codes and codes <= {75, -signal.SIGTERM}
+
+    def _report(self, failures):
+        """tools/torchrun.py's last line for a failed job (its describe() and root_cause(), by exit time)."""
+        if self._saved_and_left(failures):
+            return ("launch.sh: the ranks saved and exited 75 (SIGUSR1): requeue the job; with --resume auto it goes "
+                    "on from the save\n")
+
+        def describe(rank, code):
+            if code == -signal.SIGTERM:
+                how = "was stopped (SIGTERM)"
+            elif code < 0:
+                how = f"was killed by {signal.Signals(-code).name}"
+            else:
+                how = f"exited with code {code}"
+            return f"rank {rank} (pid {self.pids[rank]}) {how}"
+
+        def order(failure):
+            rank, code, when = failure
+            kind = 0 if code == -signal.SIGKILL else 1 if code < 0 and code != -signal.SIGTERM else 2 if code > 0 else 3
+            return int(when - self.started), kind, rank
+
+        failures.sort(key=order)
+        return (f"launch.sh: job failed: {'; '.join(describe(rank, code) for rank, code, _ in failures)} "
+                "(each rank's own output is above)\n")
+
+
+def dry_run(args, env, cwd):
+    """`./launch.sh --dry-run ARGS`: (the CompletedProcess, its stderr line, the environment, the command)."""
+    from tools.procs import run_group
+
+    proc = run_group([str(REPO / "launch.sh"), "--dry-run", *map(str, args)], env=env, cwd=cwd, timeout=60)
+    if proc.returncode != 0:
+        return proc, None, None, None
+    words = shlex.split(proc.stdout.strip().splitlines()[-1])
+    assigned = {}
+    while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):
+        key, value = words.pop(0).split("=", 1)
+        assigned[key] = value
+    return proc, proc.stderr, assigned, words
+
+
+def launch_job(args, env, cwd):
+    """launch.sh ARGS as a warm job: a Job, or the dry run's CompletedProcess where launch.sh refused the arguments,
+    or None where the job must take the real path (the reason in last_real_path_reason)."""
+    global last_real_path_reason
+    last_real_path_reason = reason_for_real_path(env)
+    if last_real_path_reason:
+        return None
+    proc, head, assigned, command = dry_run(args, env, cwd)
+    if assigned is None:
+        return proc
+    full = {**env, **assigned}
+    last_real_path_reason = reason_for_real_path(full)
+    if last_real_path_reason:
+        return None
+    if command[1].endswith("tools/torchrun.py"):
+        legacy = "--legacy-launch" in command
+        flags = dict(re.match(r"^--([a-z-]+)=(.*)$", w).groups() for w in command[2:] if w.startswith("--")
+                     and "=" in w)
+        if int(flags.get("max-restarts", 0)) > 0:
+            last_real_path_reason = "MAX_RESTARTS: torchrun restarts the ranks"
+            return None
+        script_at = next(i for i, w in enumerate(command) if w.endswith(".py") and i > 1)
+        nprocs, nnodes, node = int(flags["nproc-per-node"]), int(flags["nnodes"]), int(flags["node-rank"])
+        ranks = [{**full, **torchrun_env(node * nprocs + local, local, nprocs, nnodes, node, full)}
+                 for local in range(nprocs)]
+        return Job(command[script_at:], ranks, cwd, head, torchrun="legacy" if legacy else True)
+    return Job(command[1:], [full], cwd, head, torchrun=False)  # '# launcher: python': the recipe starts its own
+
+
+def torchrun_env(rank, local_rank, nprocs, nnodes, node, env):
+    """What torchrun's agent adds to a rank's environment (LocalElasticAgent._start_workers), for a store that rank
+    0 hosts on MASTER_PORT (the agent's own store is the real path's)."""
+    world = str(nprocs * nnodes)
+    return {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": str(node), "ROLE_RANK": str(rank),
+            "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(nprocs), "WORLD_SIZE": world,
+            "GROUP_WORLD_SIZE": str(nnodes), "ROLE_WORLD_SIZE": world, "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none",
+            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")}
+
+
+def direct_job(argv, env, cwd):
+    """`python SCRIPT ARGS` as one warm process: a Job, or None (the reason in last_real_path_reason)."""
+    global last_real_path_reason
+    last_real_path_reason = reason_for_real_path(env)
+    if last_real_path_reason:
+        return None
+    return Job(argv, [env], cwd, torchrun=False)

@@ -1,0 +1,178 @@
+"""The warm path's fork server (tests/warm.py starts one per test process): it imports once what every rank of a
+recipe imports, then forks a fresh process for each rank a test asks for and runs the recipe in it as `python
+RECIPE ARGS` would, in the rank's own environment, working folder and output files.
+
+Protocol, one JSON object a line. In (stdin): {"id", "argv", "env", "cwd", "stdout", "stderr", "threads"}. Out
+(stdout): {"id", "pid"} once the rank is forked, {"pid", "status"} when it has ended (status: its exit code, or minus
+the signal that killed it, as Popen.returncode). The server ends when its stdin closes; every rank it forked gets
+SIGKILL from the kernel when it dies (Linux's parent-death signal), as tools/torchrun.py's ranks do.
+
+What a forked rank does not share with an earlier one: it is forked from this server, which never trains, seeds,
+starts a process group, compiles, or starts a thread (checked before each fork), so each rank starts as a new
+interpreter would, but for the modules already imported. What it must set itself, because torch reads it once at
+import: the thread count (torch.set_num_threads from OMP_NUM_THREADS, as a new interpreter's import would); the
+variables torch or Python read only at start-up are refused by tests/warm.py (READ_AT_START).
+"""
+
+import ctypes
+import json
+import os
+import select
+import signal
+import sys
+import threading
+
+BASE_PATH = sys.path[1:]  # sys.path less this script's folder: a rank's script folder and PYTHONPATH go in front
+
+# What every rank imports before its first step (3 to 4.5 s of CPU a rank): torch, torchvision (its ops import
+# torch._dynamo), the distributed packages the recipes use, and the third-party modules common/ imports.
+import numpy  # noqa: E402, F401
+import torch  # noqa: E402
+import torch._dynamo  # noqa: E402, F401
+import torch.distributed  # noqa: E402, F401
+import torch.distributed.checkpoint  # noqa: E402, F401
+import torch.distributed.fsdp  # noqa: E402, F401
+import torch.distributed.pipelining  # noqa: E402, F401
+import torch.distributed.tensor.parallel  # noqa: E402, F401
+import torch.multiprocessing  # noqa: E402, F401
+import torch.utils.tensorboard  # noqa: E402, F401
+import torchvision  # noqa: E402, F401
+import torchvision.datasets  # noqa: E402, F401
+import torchvision.models  # noqa: E402, F401
+import torchvision.transforms  # noqa: E402, F401
+
+PR_SET_PDEATHSIG = 1
+LIBC = ctypes.CDLL(None, use_errno=True)
+# The signals this server changed or a rank must start with as a rank of tools/torchrun.py does.
+RANK_SIGNALS = {signal.SIGCHLD: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler,
+                signal.SIGTERM: signal.SIG_DFL, signal.SIGUSR1: signal.SIG_IGN, signal.SIGPIPE: signal.SIG_IGN}
+
+
+def run_rank(request, server_fds):
+    """In the forked child: become the rank, run the recipe, exit as the interpreter would. Never returns."""
+    code = 1
+    try:
+        os.setsid()  # a process group of its own, as torchrun's ranks: a timeout kills it and its DataLoader workers
+        LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        signal.set_wakeup_fd(-1)
+        for sig, action in RANK_SIGNALS.items():
+            signal.signal(sig, action)
+        for fd in server_fds:  # its pipes to the client (0 and 1) are replaced below
+            os.close(fd)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(out, fd)
+            os.close(out)
+        env = request["env"]
+        os.environ.clear()
+        os.environ.update(env)
+        unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115 (the process's own, as Python opens it)
+        sys.stdout = open(1, "w", buffering=1 if unbuffered else -1, closefd=False)  # noqa: SIM115
+        if unbuffered:
+            sys.stdout.reconfigure(write_through=True)
+        sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
+        sys.__stdout__, sys.__stderr__, sys.__stdin__ = sys.stdout, sys.stderr, sys.stdin
+        torch.set_num_threads(request["threads"])
+        os.chdir(request["cwd"])
+        script = os.path.abspath(request["argv"][0])
+        extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[:] = [os.path.dirname(script), *extra, *BASE_PATH]
+        sys.argv = [script, *request["argv"][1:]]
+        code = run_as_main(script, extra)
+    except BaseException:  # noqa: BLE001 (the server's own part failed: say so in the rank's stderr)
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def run_as_main(script, extra):
+    """sitecustomize (the first on PYTHONPATH, as Python imports it at start-up), the script as __main__, then what
+    the interpreter's exit does: wait for the non-daemon threads, run the atexit functions, flush. The exit code."""
+    import atexit
+    import runpy
+
+    try:
+        if any(os.path.exists(os.path.join(p, "sitecustomize.py")) for p in extra):
+            sys.modules.pop("sitecustomize", None)
+            __import__("sitecustomize")
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = exit_code(exc.code)
+    except BaseException:  # noqa: BLE001 (Python prints it and exits 1)
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    return code
+
+
+def exit_code(value):
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value & 0xFF
+    print(value, file=sys.stderr)
+    return 1
+
+
+def serve():
+    sys.stdout.flush()
+    torch.set_num_threads(1)  # the server computes nothing; each rank sets its own
+    import gc
+
+    gc.freeze()  # what the imports made is shared with every rank, copied only where a rank writes to it
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C of the suite: its ranks get it from the terminal
+    stdin, pending = sys.stdin.buffer.raw, b""
+
+    def say(message):
+        os.write(1, (json.dumps(message) + "\n").encode())
+
+    while True:
+        try:
+            ready, _, _ = select.select([stdin, wake_r], [], [])
+        except InterruptedError:
+            continue
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+            while True:
+                try:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    break
+                say({"pid": pid, "status": os.waitstatus_to_exitcode(status)})
+        if stdin in ready:
+            data = os.read(stdin.fileno(), 65536)
+            if not data:
+                return
+            pending += data
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                request = json.loads(line)
+                if threading.active_count() != 1 or torch.distributed.is_initialized():
+                    raise RuntimeError("the warm server has a thread or a process group: it cannot fork clean ranks")
+                pid = os.fork()
+                if pid == 0:
+                    run_rank(request, (wake_r, wake_w))
+                say({"id": request["id"], "pid": pid})
+
+
+if __name__ == "__main__":
+    serve()
