@@ -30,6 +30,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+import warm
 from conftest import REPO, launch_env
 from test_defaults import THREE_HERE
 from test_profile import table as profile_table
@@ -328,7 +329,19 @@ def folders(tmp_path_factory):
 
 
 def _run(argv, env, cwd, nodes):
+    """The command's result per node. ./launch.sh and `python recipes/...` run on the warm path (tests/warm.py):
+    launch.sh --dry-run parses the command, the ranks are forked from the warm server with what torchrun gives them.
+    torchrun, `python -m torch.distributed.launch` and the tools start new interpreters, as typed."""
     full = launch_env({**env, "PYTHONUNBUFFERED": "1"})
+    if argv[0] == str(REPO / "launch.sh"):
+        jobs = [warm.launch_job(argv[1:], {**full, "NODE_RANK": str(node)} if nodes > 1 else full, cwd)
+                for node in range(nodes)]
+    elif argv[0] == sys.executable and argv[1].startswith(str(REPO / "recipes")):
+        jobs = [warm.direct_job(argv[1:], full, cwd)]
+    else:
+        jobs = [None]
+    if all(job is not None for job in jobs):
+        return [job if isinstance(job, subprocess.CompletedProcess) else job.wait(600) for job in jobs]
     if nodes == 1:
         return [run_group(argv, env=full, cwd=cwd, timeout=600)]
     procs = [subprocess.Popen(argv, env={**full, "NODE_RANK": str(node)}, cwd=cwd, text=True,

@@ -114,6 +114,9 @@ def reason_for_real_path(env):
         return "COOKBOOK_WARM=0"
     if getattr(forbidden, "why", None):
         return forbidden.why
+    if env.get("FAULT_KILL_ON_WRITE") or env.get("FAULT_COLLECTIVE") or re.search(
+            r":(launcher|job)(,|$)", env.get("FAULT_SIGNAL", "")):
+        return "tests/faults acts on the launcher (a kill, a signal passed on, the stacks it shows after a hang)"
     if env.get("CUDA_VISIBLE_DEVICES"):
         return "GPUs: CUDA does not start in a process forked from one that imported it"
     base = server_env()
@@ -246,6 +249,8 @@ def launch_job(args, env, cwd):
     or None where the job must take the real path (the reason in last_real_path_reason)."""
     global last_real_path_reason
     last_real_path_reason = reason_for_real_path(env)
+    if str(args[0]).startswith("-") or env.get("LAUNCH_DRY_RUN") == "1":
+        last_real_path_reason = "launch.sh's own options (--dry-run, --help): its output is the result"
     if last_real_path_reason:
         return None
     proc, head, assigned, command = dry_run(args, env, cwd)

@@ -138,6 +138,7 @@ def serve():
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C of the suite: its ranks get it from the terminal
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a rank's signal to its parent is the launcher's, not this
     stdin, pending = sys.stdin.buffer.raw, b""
 
     def say(message):

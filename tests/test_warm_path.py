@@ -1,0 +1,185 @@
+"""The warm path (tests/warm.py) against the real one: every recipe run both ways with the same flags computes the
+same (its RESULT numbers, its epoch lines, its model.pt byte for byte), and a warm job behaves as launch.sh's does
+where the tests look: fresh state in each rank, torchrun's environment and exit codes, its stop of the other ranks
+when one fails, the real path wherever the warm one could differ."""
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import warm
+from conftest import LAUNCH, RECIPES, REPO, epoch_lines, launch, launch_env, result_of, run_direct
+
+from tools.procs import run_group
+
+IMAGE = ["--arch", "tiny_bn", "--workers", "0", "--batch-size", "32", "--epochs", "1", "--lr", "0.1", "--image-size",
+         "16", "--synthetic-train", "128", "--synthetic-val", "37"]
+LM = ["--n-layer", "2", "--n-head", "4", "--d-model", "32", "--block-size", "32", "--seq-len", "16", "--batch-size",
+      "8", "--steps", "4", "--eval-every", "2", "--val-windows", "8"]
+FLAGS = {  # recipe: (devices, flags): small, and each recipe's own launcher
+    **{r: ("cpu:2", ["--dataset", "synthetic", *IMAGE]) for r in RECIPES if not r.startswith("lm_")},
+    "dp": ("cpu:1", ["--dataset", "synthetic", *IMAGE]),
+    "mx_face_prefetch": ("cpu:2", ["--rec", "synthetic", *IMAGE]),
+    "lm_ddp": ("cpu:2", LM),
+    "lm_tp": ("cpu:2", LM),
+    "lm_pp": ("cpu:2", [*LM[:1], "4", *LM[2:]]),  # a stage of 2 blocks on each of 2 ranks
+    "lm_fsdp_tp": ("cpu:4", LM),
+}
+TIMING = re.compile(r"per_sec|mem|unix|_ms$|seconds|time")  # RESULT fields that differ between any two runs
+
+
+def test_every_recipe_has_flags_here():
+    assert set(FLAGS) == set(RECIPES)
+
+
+def numbers(proc):
+    return {k: v for k, v in result_of(proc).items() if not TIMING.search(k)}
+
+
+@pytest.mark.slow
+@pytest.mark.real_path("it runs each recipe both ways")
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_two_paths_compute_the_same(recipe, tmp_path):
+    devices, flags = FLAGS[recipe]
+    args = [f"recipes/{recipe}.py", devices, *flags]
+    real = run_group([str(LAUNCH), *args, "--out-dir", tmp_path / "real"], env=launch_env(), cwd=REPO, timeout=600)
+    warm.forbidden.why = None
+    job = warm.launch_job([*args, "--out-dir", tmp_path / "warm"], launch_env(), REPO)
+    assert isinstance(job, warm.Job), warm.last_real_path_reason
+    hot = job.wait(600)
+    assert numbers(hot) == numbers(real)
+    assert epoch_lines(hot.stdout) == epoch_lines(real.stdout)
+    assert (tmp_path / "real" / "model.pt").read_bytes() == (tmp_path / "warm" / "model.pt").read_bytes()
+    # launch.sh's line heads both: the same job as it parsed it (the port aside)
+    strip = re.compile(r"master \S+")
+    assert strip.sub("", hot.stderr.splitlines()[0]) == strip.sub("", real.stderr.splitlines()[0])
+
+
+PROBE = textwrap.dedent("""\
+    # launcher: torchrun
+    import json, os, signal, sys
+    import torch
+    import torch.distributed as dist
+    fresh = {"initialized": dist.is_initialized(), "seed_draw": torch.rand(1).item() if "--draw" in sys.argv else None,
+             "threads": torch.get_num_threads(), "sigint_default": signal.getsignal(signal.SIGINT) is
+             signal.default_int_handler, "sigusr1_ignored": signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN,
+             "argv": sys.argv[1:], "cwd": os.getcwd(), "pgid_is_pid": os.getpgid(0) == os.getpid(),
+             "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                                     "MASTER_ADDR", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")}}
+    torch.manual_seed(int(os.environ.get("RANK", 0)))  # a seed set here must not reach the next job
+    dist.init_process_group("gloo")
+    dist.barrier()
+    print("PROBE " + json.dumps(fresh), flush=True)
+    code = int(os.environ.get("PROBE_EXIT_RANK1", "0")) if os.environ.get("RANK") == "1" else 0
+    if code:
+        sys.exit(code)
+    if os.environ.get("PROBE_EXIT_RANK1"):
+        import time
+        time.sleep(60)  # the others wait: the launcher must stop them
+    dist.destroy_process_group()
+    """)
+
+
+@pytest.fixture
+def probe(tmp_path):
+    path = tmp_path / "probe.py"
+    path.write_text(PROBE)
+    return path
+
+
+def probes(proc):
+    return [json.loads(line[6:]) for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
+
+
+def test_each_rank_starts_fresh_with_what_torchrun_gives_it(probe, tmp_path):
+    first = launch(probe, "cpu:2", "--draw", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert warm.last_real_path_reason is None  # it did run warm
+    second = launch(probe, "cpu:2", "--draw", cwd=tmp_path)
+    a, b = probes(first), probes(second)
+    assert [p["env"]["RANK"] for p in a] == ["0", "1"]  # rank 0's output first
+    for p in a + b:
+        assert not p["initialized"] and p["threads"] == 1 and p["sigint_default"] and p["sigusr1_ignored"]
+        assert p["pgid_is_pid"] and p["argv"] == ["--draw"] and p["cwd"] == str(tmp_path)
+        assert p["env"]["WORLD_SIZE"] == "2" and p["env"]["LOCAL_WORLD_SIZE"] == "2"
+        assert p["env"]["OMP_NUM_THREADS"] == "1" and p["env"]["CUDA_VISIBLE_DEVICES"] == ""
+    # torch's default generator as a new interpreter has it, in every rank of both jobs: not the seed the first
+    # job's ranks set after their draw
+    fresh = subprocess.run([sys.executable, "-c", "import torch; print(torch.rand(1).item())"], capture_output=True,
+                           text=True, check=True).stdout
+    assert [p["seed_draw"] for p in a + b] == [float(fresh)] * 4
+    assert first.stderr.startswith("launch.sh: 2 process(es) per node on cpu, 1 node(s), torchrun")
+
+
+def test_one_process_gets_the_threads_launch_sh_gives_it(probe, tmp_path):
+    proc = launch(probe, "cpu:1", cwd=tmp_path)
+    [p] = probes(proc)
+    assert p["threads"] == 2 and p["env"]["OMP_NUM_THREADS"] == "2"  # 2 cores / 1 process
+
+
+def test_the_legacy_launcher_passes_local_rank_as_a_flag(probe, tmp_path):
+    probe.write_text(PROBE.replace("# launcher: torchrun", "# launcher: torch.distributed.launch"))
+    proc = launch(probe, "cpu:2", cwd=tmp_path)
+    assert [p["argv"] for p in probes(proc)] == [["--local-rank=0"], ["--local-rank=1"]]
+
+
+def test_a_failed_rank_stops_the_others_and_the_job_exits_with_its_code(probe, tmp_path):
+    proc = launch(probe, "cpu:2", env={"PROBE_EXIT_RANK1": "3"}, cwd=tmp_path, timeout=50)
+    assert proc.returncode == 3
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"launch\.sh: job failed: rank 1 \(pid \d+\) exited with code 3; rank 0 \(pid \d+\) was "
+                        r"stopped \(SIGTERM\) \(each rank's own output is above\)", last), last
+    # the real path says the same
+    real = run_group([str(LAUNCH), probe, "cpu:2"], env=launch_env({"PROBE_EXIT_RANK1": "3"}), cwd=tmp_path,
+                     timeout=50)
+    assert real.returncode == 3
+    assert re.sub(r"pid \d+", "", real.stderr.strip().splitlines()[-1]) == re.sub(r"pid \d+", "", last)
+
+
+def test_launch_sh_still_parses_every_warm_job(tmp_path):
+    proc = launch("recipes/ddp_torchrun.py", "cpu:0")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "launch.sh: error: bad DEVICES 'cpu:0': cpu:N needs a whole number N >= 1, e.g. cpu:2"
+
+
+@pytest.mark.parametrize(("env", "why"), [
+    ({"TORCH_LOGS": "+dynamo"}, "TORCH_LOGS: read once when Python or torch starts"),
+    ({"PYTHONHASHSEED": "7"}, "PYTHONHASHSEED: read once"),
+    ({"MAX_RESTARTS": "1"}, "MAX_RESTARTS: torchrun restarts the ranks"),
+    ({"FAULT_KILL_ON_WRITE": "latest.pt:1"}, "tests/faults acts on the launcher"),
+])
+def test_what_the_warm_path_cannot_do_takes_the_real_path(env, why, probe, tmp_path):
+    job = warm.launch_job([probe, "cpu:2"], launch_env(env), tmp_path)
+    assert job is None and warm.last_real_path_reason.startswith(why), warm.last_real_path_reason
+
+
+@pytest.mark.real_path("checks the marker itself")
+def test_a_test_marked_real_path_gets_the_real_path(probe, tmp_path):
+    proc = launch(probe, "cpu:2", cwd=tmp_path)
+    assert proc.returncode == 0
+    assert warm.last_real_path_reason.startswith("marked real_path: checks the marker itself")
+
+
+def test_run_direct_is_one_warm_process_and_a_timeout_kills_it(tmp_path):
+    result = result_of(run_direct("ddp_torchrun", "--dataset", "synthetic", *IMAGE, "--out-dir", tmp_path))
+    assert warm.last_real_path_reason is None and result["world_size"] == 1
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+    job = warm.direct_job([script], launch_env(), tmp_path)
+    with pytest.raises(subprocess.TimeoutExpired):
+        job.wait(3)
+    assert all(job.server.poll(pid) is not None for pid in job.pids)  # killed, not left running
+
+
+def test_an_uncaught_exception_prints_its_traceback_and_exits_1(tmp_path):
+    script = tmp_path / "raises.py"
+    script.write_text("import atexit\natexit.register(print, 'atexit ran')\nraise ValueError('boom')\n")
+    proc = warm.direct_job([script], launch_env(), tmp_path).wait(30)
+    assert proc.returncode == 1
+    assert "Traceback (most recent call last):" in proc.stderr and proc.stderr.rstrip().endswith("ValueError: boom")
+    assert proc.stdout == "atexit ran\n"  # the interpreter's exit: atexit functions run
+    same = subprocess.run([sys.executable, script], capture_output=True, text=True)
+    assert (same.returncode, same.stdout) == (1, proc.stdout)
