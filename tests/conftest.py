@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import warm
 from PIL import Image
 
-import warm
 from tools.procs import run_group
 from tools.recipes import load_recipe  # noqa: F401 (the tests import it from here)
 
@@ -59,9 +59,29 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if not item.get_closest_marker("gpu")]
 
 
-def spawn_gloo(worker, nprocs=2, results=None):
-    """Run worker(rank, port, results) in `nprocs` spawned processes that meet on a free local port; each puts what
-    it saw in results[rank] (results: a Manager dict, a new one if None). Returns that dict."""
+# What multiprocessing's fork server imports once, before it forks each process of warm_spawn.
+FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torchvision", "numpy"]
+
+
+def warm_spawn(fn, args=(), nprocs=2):
+    """torch.multiprocessing.spawn(fn, args, nprocs) whose processes are forked from multiprocessing's fork server,
+    which imported torch once for this test process (FORKSERVER_PRELOAD), instead of each importing it anew: the
+    same fn(rank, *args) in a process of its own, its exceptions raised here as spawn's. Not for a test whose
+    processes need a sitecustomize (a new interpreter imports it; a forked one does not)."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(FORKSERVER_PRELOAD)  # read when the fork server starts: the first call
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+
+
+def spawn_gloo(worker, nprocs=2, results=None, inherit_output=False):
+    """Run worker(rank, port, results) in `nprocs` processes (warm_spawn) that meet on a free local port; each puts
+    what it saw in results[rank] (results: a Manager dict, a new one if None). Returns that dict. inherit_output:
+    new interpreters (mp.spawn), whose stdout and stderr are this process's now (capfd reads them); the fork
+    server's processes have the fork server's."""
     import socket
 
     import torch.multiprocessing as mp
@@ -70,7 +90,10 @@ def spawn_gloo(worker, nprocs=2, results=None):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     results = mp.Manager().dict() if results is None else results
-    mp.spawn(worker, args=(port, results), nprocs=nprocs)
+    if inherit_output:
+        mp.spawn(worker, args=(port, results), nprocs=nprocs)
+    else:
+        warm_spawn(worker, args=(port, results), nprocs=nprocs)
     return results
 
 

@@ -193,7 +193,7 @@ def _die_worker(rank, port, results):
 
 def test_die_says_a_shared_error_once_and_the_other_ranks_wait_quietly(capfd):
     with pytest.raises(mp.ProcessExitedException) as ended:
-        spawn_gloo(_die_worker)
+        spawn_gloo(_die_worker, inherit_output=True)  # capfd reads what the ranks print
     assert ended.value.exit_code == 2 and ended.value.error_index == 0  # rank 0 left first; rank 1 was still waiting
     err = capfd.readouterr().err
     assert err.count("error: the same verdict on every rank\n") == 1 and "[rank" not in err, err

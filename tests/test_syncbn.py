@@ -15,8 +15,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import launch
+from conftest import launch, warm_spawn
 from jobs import error_lines
 
 from common.models import build_model, recomputed_batchnorm
@@ -81,7 +80,7 @@ def _rank(rank, world, init_file, results, sync):
 
 
 def _ranks(tmp_path, world, sync):
-    mp.spawn(_rank, args=(world, str(tmp_path / f"init{world}{sync}"), str(tmp_path), sync), nprocs=world)
+    warm_spawn(_rank, args=(world, str(tmp_path / f"init{world}{sync}"), str(tmp_path), sync), nprocs=world)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
 
 

@@ -164,7 +164,7 @@ class Job:
                 self._signal(signal.SIGTERM, only_running=True)
             if stopping is not None and now - stopping > TERM_GRACE:
                 self._signal(signal.SIGKILL, only_running=True)
-            self.server.wait_any([p for p, c in zip(self.pids, codes) if c is None], timeout=0.5)
+            self.server.wait_any([p for p, c in zip(self.pids, codes, strict=True) if c is None], timeout=0.5)
         self._signal(signal.SIGKILL)  # DataLoader workers a rank left behind (they hold no pipe here, but CPU)
         for pid in self.pids:
             self.server.forget(pid)

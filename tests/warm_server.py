@@ -26,19 +26,19 @@ BASE_PATH = sys.path[1:]  # sys.path less this script's folder: a rank's script 
 
 # What every rank imports before its first step (3 to 4.5 s of CPU a rank): torch, torchvision (its ops import
 # torch._dynamo), the distributed packages the recipes use, and the third-party modules common/ imports.
-import numpy  # noqa: E402, F401
+import numpy  # noqa: E402
 import torch  # noqa: E402
-import torch._dynamo  # noqa: E402, F401
-import torch.distributed  # noqa: E402, F401
-import torch.distributed.checkpoint  # noqa: E402, F401
-import torch.distributed.fsdp  # noqa: E402, F401
-import torch.distributed.pipelining  # noqa: E402, F401
-import torch.distributed.tensor.parallel  # noqa: E402, F401
-import torch.multiprocessing  # noqa: E402, F401
-import torch.utils.tensorboard  # noqa: E402, F401
-import torchvision  # noqa: E402, F401
-import torchvision.datasets  # noqa: E402, F401
-import torchvision.models  # noqa: E402, F401
+import torch._dynamo  # noqa: E402
+import torch.distributed  # noqa: E402
+import torch.distributed.checkpoint  # noqa: E402
+import torch.distributed.fsdp  # noqa: E402
+import torch.distributed.pipelining  # noqa: E402
+import torch.distributed.tensor.parallel  # noqa: E402
+import torch.multiprocessing  # noqa: E402
+import torch.utils.tensorboard  # noqa: E402
+import torchvision  # noqa: E402
+import torchvision.datasets  # noqa: E402
+import torchvision.models  # noqa: E402
 import torchvision.transforms  # noqa: E402, F401
 
 PR_SET_PDEATHSIG = 1
@@ -70,20 +70,22 @@ def run_rank(request, server_fds):
         os.environ.clear()
         os.environ.update(env)
         unbuffered = bool(env.get("PYTHONUNBUFFERED"))
-        sys.stdin = open(0, closefd=False)  # noqa: SIM115 (the process's own, as Python opens it)
-        sys.stdout = open(1, "w", buffering=1 if unbuffered else -1, closefd=False)  # noqa: SIM115
+        sys.stdin = open(0, closefd=False)
+        sys.stdout = open(1, "w", buffering=1 if unbuffered else -1, closefd=False)
         if unbuffered:
             sys.stdout.reconfigure(write_through=True)
-        sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
         sys.__stdout__, sys.__stderr__, sys.__stdin__ = sys.stdout, sys.stderr, sys.stdin
         torch.set_num_threads(request["threads"])
+        torch.seed()  # the default generators from the OS's entropy, as a new interpreter seeds them (torch's CPU one,
+        numpy.random.seed()  # numpy's global one); Python's random reseeds itself in a forked child
         os.chdir(request["cwd"])
         script = os.path.abspath(request["argv"][0])
         extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[:] = [os.path.dirname(script), *extra, *BASE_PATH]
         sys.argv = [script, *request["argv"][1:]]
         code = run_as_main(script, extra)
-    except BaseException:  # noqa: BLE001 (the server's own part failed: say so in the rank's stderr)
+    except BaseException:
         import traceback
 
         traceback.print_exc()
@@ -105,7 +107,7 @@ def run_as_main(script, extra):
         code = 0
     except SystemExit as exc:
         code = exit_code(exc.code)
-    except BaseException:  # noqa: BLE001 (Python prints it and exits 1)
+    except BaseException:
         sys.excepthook(*sys.exc_info())
         code = 1
     threading._shutdown()
