@@ -73,7 +73,10 @@ COUNTER = textwrap.dedent('''
             spec.loader.exec_module = lambda module: (run(module), _count(module))
             return spec
 
-    if os.environ.get("COUNT_RS_DIR"):
+    _NAME = "torch.distributed.fsdp._fully_shard._fsdp_collectives"
+    if os.environ.get("COUNT_RS_DIR") and _NAME in sys.modules:  # a rank forked from tests/warm_server.py
+        _count(sys.modules[_NAME])
+    elif os.environ.get("COUNT_RS_DIR"):
         sys.meta_path.insert(0, _Finder())
 ''')
 

@@ -40,7 +40,7 @@ SERVER = Path(__file__).resolve().parent / "warm_server.py"
 # and the elastic agent's, the recipes' own, the tests' fault switches) are passed as they are.
 READ_AT_START = re.compile(r"^(PYTHON(?!$|PATH$|UNBUFFERED$).*|TORCH(?!ELASTIC_|_NCCL_|_DISABLE_SHARE_RDZV).*|"
                            r"OMP_(?!NUM_THREADS$).*|MKL_.*|KMP_.*|GOMP_.*|LD_PRELOAD|LD_LIBRARY_PATH|MALLOC_.*|"
-                           r"CUDA_(?!VISIBLE_DEVICES$|DEVICE_ORDER$).*|NVIDIA_TF32_OVERRIDE|TRITON_.*)$")
+                           r"CUDA_(?!VISIBLE_DEVICES$|DEVICE_ORDER$).*|NVIDIA_TF32_OVERRIDE|TRITON_.*|CXX|CC|INDUCTOR_.*)$")
 ENABLED = os.environ.get("COOKBOOK_WARM", "1") != "0"
 TERM_GRACE = 30.0  # torchrun's: SIGKILL this long after SIGTERM
 forbidden = threading.local()  # .why: set by tests/conftest.py around a test marked real_path
