@@ -185,6 +185,7 @@ def test_ddp_launch_accepts_all_three_local_rank_spellings(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.real_path("the real legacy launcher, torch.distributed.launch, is its subject")
 def test_ddp_launch_trains_under_torch_distributed_launch(tmp_path):
     proc = launch("recipes/ddp_launch.py", "cpu:2", *TINY, "--max-steps", "4", "--out-dir", tmp_path)
     result = result_of(proc)
