@@ -31,6 +31,12 @@ FLAGS = {  # recipe: (devices, flags): small, and each recipe's own launcher
 TIMING = re.compile(r"per_sec|mem|unix|_ms$|seconds|time")  # RESULT fields that differ between any two runs
 
 
+@pytest.fixture(autouse=True)
+def _warm_on(monkeypatch):
+    """The warm path is this file's subject: on here also where COOKBOOK_WARM=0 turns it off for the suite."""
+    monkeypatch.setattr(warm, "ENABLED", True)
+
+
 def test_every_recipe_has_flags_here():
     assert set(FLAGS) == set(RECIPES)
 
