@@ -261,13 +261,12 @@ def launch_job(args, env, cwd):
     if last_real_path_reason:
         return None
     if command[1].endswith("tools/torchrun.py"):
-        legacy = "--legacy-launch" in command
-        flags = dict(re.match(r"^--([a-z-]+)=(.*)$", w).groups() for w in command[2:] if w.startswith("--")
-                     and "=" in w)
+        script_at = next(i for i, w in enumerate(command) if w.endswith(".py") and i > 1)  # the recipe
+        legacy = "--legacy-launch" in command[:script_at]
+        flags = dict(w[2:].split("=", 1) for w in command[2:script_at] if w.startswith("--") and "=" in w)
         if int(flags.get("max-restarts", 0)) > 0:
             last_real_path_reason = "MAX_RESTARTS: torchrun restarts the ranks"
             return None
-        script_at = next(i for i, w in enumerate(command) if w.endswith(".py") and i > 1)
         nprocs, nnodes, node = int(flags["nproc-per-node"]), int(flags["nnodes"]), int(flags["node-rank"])
         ranks = [{**full, **torchrun_env(node * nprocs + local, local, nprocs, nnodes, node, full)}
                  for local in range(nprocs)]
