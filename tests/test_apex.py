@@ -11,6 +11,7 @@ from collections import defaultdict
 
 import pytest
 import torch
+import warm
 from conftest import REPO, as_if_saved_on_gpu, epoch_lines, launch, load_recipe, result_of, run_direct
 
 from common import apex_compat
@@ -153,10 +154,14 @@ def test_impl_apex_says_why_apex_is_unusable(tmp_path, recipe, situation, messag
 
 
 def probe(env, *args):
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "apex_probe.py"), *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=300,
-                          env={**{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FAKE_APEX_ON_CPU")},
-                               **env})
+    """tests/apex_probe.py's report in a process of its own, forked from the warm server where it can be (apex is
+    not among what the server imports: each probe imports the real one or the double anew); its --ddp ranks are
+    spawned, new interpreters."""
+    argv = [str(REPO / "tests" / "apex_probe.py"), *args]
+    env = {**{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FAKE_APEX_ON_CPU")}, **env}
+    job = warm.direct_job(argv, env, REPO)
+    proc = job.wait(300) if job is not None else subprocess.run([sys.executable, *argv], cwd=REPO,
+                                                                 capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 

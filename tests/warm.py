@@ -15,9 +15,10 @@ launch() and run_direct() in tests/conftest.py take it for every job it can run 
 
 The real path (launch.sh -> tools/torchrun.py -> torchrun -> new interpreters) is taken instead, with the reason in
 `last_real_path_reason`, where the warm one could differ: a test marked `real_path` (its subject is the launcher or
-the processes), MAX_RESTARTS (torchrun restarts ranks), GPUs (CUDA cannot start in a forked child of a process that
-used it), a variable Python or torch reads once at start-up set differently from the server's (READ_AT_START), or
-COOKBOOK_WARM=0 in the suite's environment (every job then takes the real path: the suite as it was).
+the processes), MAX_RESTARTS (torchrun restarts ranks), GPUs (the GPU tier runs as a user's job runs, NCCL and all;
+the server never starts CUDA, so a fork could), a variable Python or torch reads once at start-up set differently
+from the server's (READ_AT_START), or COOKBOOK_WARM=0 in the suite's environment (every job then takes the real
+path: the suite as it was).
 """
 
 import contextlib
@@ -118,7 +119,7 @@ def reason_for_real_path(env):
             r":(launcher|job)(,|$)", env.get("FAULT_SIGNAL", "")):
         return "tests/faults acts on the launcher (a kill, a signal passed on, the stacks it shows after a hang)"
     if env.get("CUDA_VISIBLE_DEVICES"):
-        return "GPUs: CUDA does not start in a process forked from one that imported it"
+        return "GPUs: the GPU tier runs its jobs as a user's run (the server never starts CUDA; a fork could)"
     base = server_env()
     differ = sorted(k for k in {*env, *base} if READ_AT_START.match(k) and env.get(k) != base.get(k))
     if differ:
