@@ -190,3 +190,12 @@ def test_an_uncaught_exception_prints_its_traceback_and_exits_1(tmp_path):
     assert proc.stdout == "atexit ran\n"  # the interpreter's exit: atexit functions run
     same = subprocess.run([sys.executable, script], capture_output=True, text=True)
     assert (same.returncode, same.stdout) == (1, proc.stdout)
+
+
+def test_an_uncaught_ctrl_c_ends_by_sigint_as_python_does(tmp_path):
+    script = tmp_path / "interrupted.py"
+    script.write_text("raise KeyboardInterrupt\n")
+    proc = warm.direct_job([script], launch_env(), tmp_path).wait(30)
+    same = subprocess.run([sys.executable, script], capture_output=True, text=True)
+    assert proc.returncode == same.returncode == -2
+    assert proc.stderr.rstrip().endswith("KeyboardInterrupt") and same.stderr.rstrip().endswith("KeyboardInterrupt")

@@ -107,9 +107,9 @@ def run_as_main(script, extra):
         code = 0
     except SystemExit as exc:
         code = exit_code(exc.code)
-    except BaseException:
+    except BaseException as exc:
         sys.excepthook(*sys.exc_info())
-        code = 1
+        code = -signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
     threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
@@ -117,6 +117,9 @@ def run_as_main(script, extra):
             stream.flush()
         except (OSError, ValueError):
             pass
+    if code == -signal.SIGINT:  # Python ends on an uncaught KeyboardInterrupt by SIGINT, as the shell expects
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     return code
 
 
