@@ -78,6 +78,7 @@ NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsew
     # Each mutant reruns the recipe's tests: minutes per recipe (5 and 4 here, half the rest of this test).
     "python tools/mutation_check.py --recipes ddp_compile,ddp_zero,ddp_uneven": MUTANTS,
     "python tools/mutation_check.py --recipes ddp_comm_hooks": MUTANTS,
+    "python tools/mutation_check.py --recipes ddp_torchrun,lm_ddp,lm_tp,lm_pp,lm_fsdp_tp,fsdp": MUTANTS,
     "python tools/mutation_check.py --recipes ddp_uneven,ddp_zero --edits join_buffer_sync,zero_bucket_view": MUTANTS,
     "python tools/mutation_check.py --recipes lm_ddp,lm_tp": MUTANTS,
     "python tools/mutation_check.py --edits hang_stacks,debug_level,ddp_checked_group": MUTANTS,
