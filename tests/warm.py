@@ -38,9 +38,13 @@ REPO = Path(__file__).resolve().parents[1]
 SERVER = Path(__file__).resolve().parent / "warm_server.py"
 # Variables Python or torch read once, at interpreter start or at `import torch`: a rank forked from the server would
 # keep the server's. A job that sets one differently takes the real path. Those read later (torch.distributed's
-# and the elastic agent's, the recipes' own, the tests' fault switches) are passed as they are.
-READ_AT_START = re.compile(r"^(PYTHON(?!$|PATH$|UNBUFFERED$).*|TORCH(?!ELASTIC_|_NCCL_|_DISABLE_SHARE_RDZV).*|"
-                           r"OMP_(?!NUM_THREADS$).*|MKL_.*|KMP_.*|GOMP_.*|LD_PRELOAD|LD_LIBRARY_PATH|MALLOC_.*|"
+# and the elastic agent's, the recipes' own, the tests' fault switches) are passed as they are. Not Intel OpenMP's
+# KMP_* (torch's OpenMP is GNU's, libgomp): scikit-learn sets two of them in the suite's process when imported.
+# Nor TORCHINDUCTOR_CACHE_DIR: inductor reads it at each look-up and sets it to its default in any process that
+# compiled (the suite's own, after a test compiled in it).
+READ_AT_START = re.compile(r"^(PYTHON(?!$|PATH$|UNBUFFERED$).*|"
+                           r"TORCH(?!ELASTIC_|_NCCL_|_DISABLE_SHARE_RDZV|INDUCTOR_CACHE_DIR$).*|"
+                           r"OMP_(?!NUM_THREADS$).*|MKL_.*|GOMP_.*|LD_PRELOAD|LD_LIBRARY_PATH|MALLOC_.*|"
                            r"CUDA_(?!VISIBLE_DEVICES$|DEVICE_ORDER$).*|NVIDIA_TF32_OVERRIDE|TRITON_.*|CXX|CC|INDUCTOR_.*)$")
 ENABLED = os.environ.get("COOKBOOK_WARM", "1") != "0"
 TERM_GRACE = 30.0  # torchrun's: SIGKILL this long after SIGTERM
