@@ -116,7 +116,7 @@ def check_args(args, world_size):
 def write_checkpoint(state, latest, out_dir):
     """Rank 0: the resume point, atomically (a crash while writing leaves the previous one), then the weights alone."""
     save_atomic(state, latest)
-    torch.save(state["model"], os.path.join(out_dir, "model.pt"))
+    save_atomic(state["model"], os.path.join(out_dir, "model.pt"))  # the weights alone, atomically too
 
 
 def finish_async_save(in_flight, latest):

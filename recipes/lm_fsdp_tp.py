@@ -12,7 +12,9 @@
 What it shows, against lm_tp.py (diff them: the lesson is what a second, data-parallel dimension changes):
 - init_device_mesh(device, (dp, tp), ("dp", "tp")): tp is the inner dimension, so a tp group is consecutive ranks,
   one node's (torchrun numbers a node's ranks together). TP's collectives (activations, several per block) stay
-  inside a node; FSDP2's (a block's weights: one all-gather, one reduce-scatter) cross nodes. lm_tp.py's plan cuts
+  inside a node; FSDP2's cross nodes: a block's weights all-gathered twice a step (before its forward, and again
+  before its backward: freed after the forward, fully_shard's default) and its gradients reduce-scattered once; the
+  root (embeddings, ln_f, the head) once each (kept for backward). lm_tp.py's plan cuts
   each layer within a tp group, then fully_shard(mesh=mesh["dp"]) on each block, then the root, cuts the slices
   again across dp. In that order: FSDP2 shards what TP left each rank.
 - The data: --batch-size is the GLOBAL batch, split across the dp ranks (common.lm.train_batch with the dp rank);
@@ -27,7 +29,8 @@ What it shows, against lm_tp.py (diff them: the lesson is what a second, data-pa
   its shard from its own generator, and with one seed the shards come out as copies of each other.
 - --accum-steps K: K micro-batches a step, model.set_requires_gradient_sync(False) on all but the last: one
   reduce-scatter a step, not K. The cost: between micro-steps each rank keeps its gradients UNSHARDED across dp (its
-  tp slice of every layer: dp times the shard it steps), and each micro-step all-gathers the weights again.
+  tp slice of every layer: dp times the shard it steps), and each micro-step all-gathers the weights again (a block:
+  2K all-gathers and one reduce-scatter a step).
 - Gradients: FSDP2 lays each out as its parameter before reduce-scattering it (lm_tp.py's grads_as_params is its
   job here). Without --sequence-parallel the norms, plain tensors until fully_shard, end up on the dp mesh alone,
   the cut layers on (dp, tp): DTensors on two meshes do not meet in one op, so clip_grad_norm_ (which stacks every
@@ -365,7 +368,7 @@ def main():
             model.blocks[name] = checkpoint_wrapper(block)  # state_dict keys stay as without it
         wrapped = sum(isinstance(b, CheckpointWrapper) for b in model.blocks.values())
         print0(f"activation checkpointing: {wrapped} of {len(model.blocks)} blocks recompute their forward in backward")
-    # New: FSDP2 across dp, on each block, then the root (the embeddings, ln_f, the head): one all-gather per block.
+    # New: FSDP2 across dp, on each block (two all-gathers and one reduce-scatter a step), then the root.
     for block in model.blocks.values():
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
@@ -491,7 +494,7 @@ def main():
                 full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
                 if is_main:  # dcp.save returned on every rank: all shards are written. Now point latest.pt at them.
                     point_latest(pointer, checkpoints, latest)
-                    torch.save(full, os.path.join(args.out_dir, "model.pt"))  # loads into Transformer(...)
+                    save_atomic(full, os.path.join(args.out_dir, "model.pt"))  # loads into Transformer(...)
                     print0(f"saved: {latest} and model.pt at step {step}; training waited "
                            f"{time.perf_counter() - started:.3f} s")
             if evaluating:
@@ -508,7 +511,7 @@ def main():
         # save would be a wait for every rank
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if is_main:
-            torch.save(full, os.path.join(args.out_dir, "model.pt"))  # loads into Transformer(...)
+            save_atomic(full, os.path.join(args.out_dir, "model.pt"))  # loads into Transformer(...)
             print0(f"saved: model.pt at step {step}")
     if stop and step < last:  # saved; the scheduler's requeue resumes it (--resume auto)
         dist.barrier()  # rank 0's files are whole before any rank exits (torchrun stops the rest at the first)

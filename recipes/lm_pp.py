@@ -19,7 +19,8 @@ What it shows, against lm_ddp.py (diff them: the lesson is what cutting the mode
   export cannot trace, and leaves stages of generated code. --pp is the number of processes: no data parallelism,
   every stage takes the whole --batch-size; at most one stage per block.
 - --schedule: the order each stage runs its microbatches' forwards (F) and backwards (B) in. gpipe: every F, then
-  every B; 1f1b: after p - s forwards (stage s of p), one F, one B, ... Both idle a share (p - 1) / (m + p - 1) of
+  every B; 1f1b: p - s forwards first (stage s of p), then one B and one F in turn (the oldest microbatch's backward
+  first, freeing its activations), then the last Bs. Both idle a share (p - 1) / (m + p - 1) of
   the step (the bubble; m = --microbatches); 1F1B holds the activations of p - s microbatches at most, GPipe of all m
   (tools/pp_schedule.py measures both from torch's own schedules; docs/pp_timeline.png draws them). Interleaved
   schedules (several stages a rank, a smaller bubble) are not here. 1F1B on 2 stages x 4 microbatches (a forward
@@ -467,7 +468,7 @@ def main():
                 full = gather_full_weights(model, is_main, world_size)  # New: a collective
                 if is_main:  # dcp.save returned on every rank: all shards are written. Now point latest.pt at them.
                     point_latest(pointer, checkpoints, latest)
-                    torch.save(full, os.path.join(args.out_dir, "model.pt"))  # New: loads into Transformer(...)
+                    save_atomic(full, os.path.join(args.out_dir, "model.pt"))  # New: loads into Transformer(...)
                     print0(f"saved: {latest} and model.pt at step {step}; training waited "
                            f"{time.perf_counter() - started:.3f} s")
             if evaluating:
@@ -484,7 +485,7 @@ def main():
         # save would be a wait for every rank
         full = gather_full_weights(model, is_main, world_size)
         if is_main:
-            torch.save(full, os.path.join(args.out_dir, "model.pt"))  # loads into Transformer(...)
+            save_atomic(full, os.path.join(args.out_dir, "model.pt"))  # loads into Transformer(...)
             print0(f"saved: model.pt at step {step}")
     if stop and step < last:  # saved; the scheduler's requeue resumes it (--resume auto)
         dist.barrier()  # rank 0's files are whole before any rank exits (torchrun stops the rest at the first)

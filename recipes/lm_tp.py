@@ -435,7 +435,7 @@ def main():
                 full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
                 if is_main:  # dcp.save returned on every rank: all shards are written. Now point latest.pt at them.
                     point_latest(pointer, checkpoints, latest)
-                    torch.save(full, os.path.join(args.out_dir, "model.pt"))  # New: loads into Transformer(...)
+                    save_atomic(full, os.path.join(args.out_dir, "model.pt"))  # New: loads into Transformer(...)
                     print0(f"saved: {latest} and model.pt at step {step}; training waited "
                            f"{time.perf_counter() - started:.3f} s")
             if evaluating:
@@ -452,7 +452,7 @@ def main():
         # save would be a wait for every rank
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if is_main:
-            torch.save(full, os.path.join(args.out_dir, "model.pt"))  # loads into Transformer(...)
+            save_atomic(full, os.path.join(args.out_dir, "model.pt"))  # loads into Transformer(...)
             print0(f"saved: model.pt at step {step}")
     if stop and step < last:  # saved; the scheduler's requeue resumes it (--resume auto)
         dist.barrier()  # rank 0's files are whole before any rank exits (torchrun stops the rest at the first)
