@@ -1,0 +1,776 @@
+"""The recipes' speed on one GPU against published references: throughput, the recipe's cost over a bare loop,
+torch.compile's gain, the language model's MFU at GPT-2 small's shape, and AMP's gain (issue 59).
+
+    python tools/gpu_bench.py --out bench/gpu.json --md bench/gpu_table.md   # one H100 or H200: about 5 minutes
+
+One process, world size 1, synthetic data made on the device (no download, no dataset). Every figure is the median
+of --steps timed steps after --warmup untimed ones, each step timed on the device (CUDA events recorded between
+steps, read after one synchronize at the end: no sync inside the timed steps; on the CPU the host clock, where
+synchronize is a no-op). DDP at world size 1 needs a process group: one process on a free local port (nccl on a
+GPU, gloo on the CPU), destroyed at the end. Sections (--only picks some; they run in the order 1, 5, 2, 4, 3 so
+that the long compile comes last):
+
+ 1 throughput  torch_amp.py's model and step: resnet50, bf16 autocast, channels-last, batch 256 at 224 px, the batch
+               already on the GPU, DDP at world 1, fused SGD, GradScaler (off for bf16), its meters and harness
+               calls. images/s against NVIDIA DeepLearningExamples' ResNet-50 v1.5 for PyTorch, mixed precision on
+               one A100 80GB: 2,470 images/s (pytorch-21.03 container, DALI loader); goal: 1.5x that.
+ 2 overhead    ddp_torchrun.py's step (fp32 with TF32 as that recipe runs, DDP at world 1, DistributedSampler and a
+               DataLoader over images already on the GPU, its meters, Throughput, DivergenceCheck, TensorBoard and
+               Profiler calls) against a bare loop of the same model, batch and SGD in this process (bare_loop_step
+               below), their timed steps interleaved in rounds. Goal: the recipe's median step at most 1.05x the
+               bare loop's.
+ 3 compile     ddp_compile.py's step (model.compile(dynamic=False) before the DDP wrap) against the same step eager,
+               resnet50 with bf16 autocast and channels-last on both sides. Goal: 1.2x the eager images/s. The first
+               step (trace and compile) is timed apart, with the graphs and graph breaks dynamo counted.
+ 4 lm_ddp,     lm_ddp.py's model and step at GPT-2 small's shape (12 layers, 12 heads, d_model 768, 1024 bytes a
+   lm_tp       sequence, its global batch of 32, bf16 autocast, AdamW, clipping, the stop vote), then lm_tp.py's
+               (parallelize_module with its plan on a mesh of 1: --tp 1, DTensor's dispatch cost). tokens/s and MFU:
+               model FLOPs per token 6N + 12 L d T (nanoGPT's estimate_mfu, PaLM's appendix B; N: the parameters
+               that multiply, every one but the two embedding tables) against the GPU's dense bf16 peak from its
+               datasheet (PEAKS; --peak-tflops for another GPU). Beside them what nanoGPT and llm.c publish.
+ 5 amp         the step of 1 in fp32 with TF32 on (torch_amp.py --amp-dtype tf32) against bf16: DLE's A100 80GB
+               table has 938 images/s TF32 against 2,470 mixed precision, 2.63x.
+
+Writes --out (JSON: the environment, the settings, every timed step of every measurement, the summaries) and
+prints a Markdown table (also --md FILE) with the reference or goal beside each figure and met / missed. A section
+that fails is reported in the table and the JSON, the others still run, and the exit code is 1. On the CPU
+(--device cpu) every size defaults to a tiny one (tests/test_gpu_bench.py): a check that the script runs, not a
+measurement. The GPU machine's torch is 2.11: nothing here needs a newer one.
+"""
+
+import argparse
+import collections
+import contextlib
+import datetime
+import itertools
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # common/ and tools/ when run as a script
+from common import harness  # noqa: E402
+from common.compiler import missing_compiler  # noqa: E402
+from common.lm import Transformer, check_model_flags, train_batch  # noqa: E402
+from common.models import build_model, check_arch, check_image_size  # noqa: E402
+from common.schedule import default_lr, warmup_cosine  # noqa: E402
+from common.utils import AverageMeter, accuracy  # noqa: E402
+from tools.free_port import free_port  # noqa: E402
+from tools.recipes import load_recipe  # noqa: E402
+
+SECTIONS = ("throughput", "overhead", "compile", "lm", "amp")  # the issue's order: the table's
+RUN_ORDER = ("throughput", "amp", "overhead", "lm", "compile")  # the long compile last
+ROWS = ("throughput", "overhead", "compile", "lm_ddp", "lm_tp", "amp")  # the table's rows, lm as two
+
+# NVIDIA DeepLearningExamples, PyTorch/Classification/ConvNets/resnet50v1.5/README.md, "Training performance: NVIDIA
+# DGX A100 (8x A100 80GB)", 1 GPU, batch 256, pytorch-21.03 NGC container, DALI loader.
+DLE = {"source": "NVIDIA DeepLearningExamples ResNet-50 v1.5 for PyTorch, README 'Training performance: NVIDIA DGX "
+                 "A100 (8x A100 80GB)', 1 GPU, batch 256, pytorch-21.03 container, DALI",
+       "tf32_images_per_sec": 938, "mixed_images_per_sec": 2470, "speedup": 2.63}
+GOALS = {"throughput": 1.5, "overhead": 1.05, "compile": 1.2, "amp": DLE["speedup"]}
+# Dense (no 2:4 sparsity) bf16 tensor-core peaks, matched in order against torch.cuda.get_device_name(). An NVL part
+# (a lower clock) matches none: its MFU is left out unless --peak-tflops gives its peak.
+PEAKS = [
+    ("H100 PCIe", 756.0, "H100 PCIe: 756 TFLOPS dense bf16 (the datasheet's 1,513 is with sparsity; llm.c's "
+                         "llmc/mfu.h has the same)"),
+    ("H100", 989.0, "H100 SXM: 989 TFLOPS dense bf16 (the datasheet's 1,979 is with sparsity)"),
+    ("H200", 989.0, "H200 SXM: 989 TFLOPS dense bf16, the H100 SXM's (the datasheet's 1,979 is with sparsity)"),
+    ("A100", 312.0, "A100: 312 TFLOPS dense bf16 (the datasheet's 624 is with sparsity)"),
+]
+# What nanoGPT and llm.c publish for GPT-2 small (124M); only what was found in their own text.
+LM_REFERENCES = [
+    {"name": "llm.c", "mfu": "up to ~60%", "hardware": "8X A100 80GB SXM",
+     "source": "karpathy/llm.c discussion #481 ('Reproducing GPT-2 (124M) in llm.c in 90 minutes for $20'): "
+               "'quite efficient at up to ~60% model flops utilization'; its MFU counts 6N + 6 L d T against "
+               "A100's 312 TFLOPS (train_gpt2.cu gpt2_estimate_mfu, llmc/mfu.h)"},
+    {"name": "nanoGPT", "mfu": "not verified", "hardware": "-",
+     "source": "its README publishes no MFU for GPT-2 (124M) (only '4 days on 8XA100 40GB'); train.py prints one "
+               "from 6N + 12 L H Q T against A100's 312 TFLOPS (model.py estimate_mfu)"},
+]
+GPU_DEFAULTS = dict(arch="resnet50", image_size=224, batch_size=256, num_classes=1000, steps=30, warmup=10,
+                    lm_layers=12, lm_heads=12, lm_d_model=768, lm_seq_len=1024, lm_batch_size=32)
+CPU_DEFAULTS = dict(arch="tiny_bn", image_size=16, batch_size=8, num_classes=10, steps=3, warmup=1,
+                    lm_layers=2, lm_heads=2, lm_d_model=32, lm_seq_len=32, lm_batch_size=4)
+
+
+# ------------------------------------------------------------------------------------------- args
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage block
+        print(f"gpu_bench: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_args(argv=None):
+    p = OneLineParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cuda (default): GPU 0 at the sizes above; cpu: tiny sizes, a check that it runs")
+    p.add_argument("--only", help=f"comma-separated sections, of {','.join(SECTIONS)} (default: all)")
+    p.add_argument("--arch", help="image model (default: resnet50; cpu: tiny_bn)")
+    p.add_argument("--image-size", type=int, help="synthetic images are SIZE x SIZE (default 224; cpu: 16)")
+    p.add_argument("--batch-size", type=int, help="images a step (default 256; cpu: 8)")
+    p.add_argument("--num-classes", type=int, help="classes (default 1000, ImageNet's; cpu: 10)")
+    p.add_argument("--steps", type=int, help="timed steps per measurement (default 30; cpu: 3)")
+    p.add_argument("--warmup", type=int, help="untimed steps before them (default 10; cpu: 1)")
+    p.add_argument("--lm-layers", type=int, help="the language model's layers (default 12; cpu: 2)")
+    p.add_argument("--lm-heads", type=int, help="its heads (default 12; cpu: 2)")
+    p.add_argument("--lm-d-model", type=int, help="its width (default 768; cpu: 32)")
+    p.add_argument("--lm-seq-len", type=int, help="bytes a sequence, also its positions (default 1024; cpu: 32)")
+    p.add_argument("--lm-batch-size", type=int, help="sequences a step (default 32, lm_ddp.py's; cpu: 4)")
+    p.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak for MFU (default: PEAKS by its name)")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "gpu.json", help="the JSON (default bench/gpu.json)")
+    p.add_argument("--md", type=Path, help="also write the table here")
+    args = p.parse_args(argv)
+    for key, value in (CPU_DEFAULTS if args.device == "cpu" else GPU_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    for flag in ("image_size", "batch_size", "num_classes", "steps", "lm_batch_size"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
+    if args.warmup < 0:
+        p.error(f"--warmup {args.warmup} must be >= 0")
+    if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
+        p.error(f"--peak-tflops {args.peak_tflops} must be a finite number > 0")
+    args.sections = SECTIONS if args.only is None else tuple(s.strip() for s in args.only.split(",") if s.strip())
+    unknown = [s for s in args.sections if s not in SECTIONS]
+    if unknown or not args.sections:
+        p.error(f"--only {args.only!r}: expected some of {','.join(SECTIONS)}")
+    try:
+        check_arch(args.arch)
+        check_image_size(args.arch, args.image_size)
+        check_model_flags(args.lm_layers, args.lm_heads, args.lm_d_model, args.lm_seq_len, args.lm_seq_len)
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA GPU here; --device cpu runs the tiny check (tests/test_gpu_bench.py)")
+    return args
+
+
+# ------------------------------------------------------------------------------------------ timing
+def timed(step, warmup, steps, device):
+    """Milliseconds of each of `steps` calls of step(), after `warmup` untimed calls and a synchronize. On a GPU one
+    CUDA event is recorded between consecutive steps and all are read after one synchronize at the end: each
+    interval is the device's time from one step boundary to the next, host-bound gaps included, with no sync
+    inside the timed steps. On the CPU: the host clock (the work is done when the call returns)."""
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        marks[0].record()
+        for mark in marks[1:]:
+            step()
+            mark.record()
+        torch.cuda.synchronize(device)
+        return [a.elapsed_time(b) for a, b in itertools.pairwise(marks)]
+    times, last = [], time.perf_counter()
+    for _ in range(steps):
+        step()
+        now = time.perf_counter()
+        times.append(1000 * (now - last))
+        last = now
+    return times
+
+
+def summary(times, warmup, per_step=None, unit=None):
+    """The median of the timed steps (and their range, every step's ms); per_step items (images, tokens): a rate."""
+    median = statistics.median(times)
+    out = {"median_ms": median, "min_ms": min(times), "max_ms": max(times), "timed_steps": len(times),
+           "warmup_steps": warmup, "steps_ms": times}
+    if per_step is not None:
+        out[f"{unit}_per_sec"] = per_step * 1000 / median
+    return out
+
+
+def interleaved(steps_by_name, warmup, steps, device, rounds=3):
+    """{name: per-step ms}: each step() warmed up, then the timed steps taken in `rounds` rounds, every name once a
+    round (A B A B A B): a drift in the machine's pace reaches both alike. The rounds' sizes add up to `steps`."""
+    for step in steps_by_name.values():
+        timed(step, warmup, 0, device)
+    rounds = max(1, min(rounds, steps))
+    sizes = [steps // rounds + (i < steps % rounds) for i in range(rounds)]
+    times = {name: [] for name in steps_by_name}
+    for size in sizes:
+        for name, step in steps_by_name.items():
+            times[name] += timed(step, 0, size, device)
+    return times
+
+
+# -------------------------------------------------------------------------------------------- data
+def image_batch(args, device, memory_format=torch.contiguous_format):
+    """A fixed synthetic batch already on the device: (images, labels)."""
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g)
+    labels = torch.randint(0, args.num_classes, (args.batch_size,), generator=g)
+    return images.to(device, memory_format=memory_format), labels.to(device)
+
+
+class DeviceImages(Dataset):
+    """`length` items cycling over a pool of images already on the device, with int labels as the recipes'
+    datasets give them: the sampler, the DataLoader's per-item indexing and collation and the recipe's .to(device)
+    run as in ddp_torchrun.py; decoding and the host-to-device copy of the images do not."""
+
+    def __init__(self, images, labels, length):
+        self.images, self.labels, self.length = images, labels.tolist(), length
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        j = i % len(self.labels)
+        return self.images[j], self.labels[j]
+
+
+# --------------------------------------------------------------------------------------- the steps
+class Harness:
+    """The harness calls each recipe's loop makes (common/harness.py): Throughput watching the model, the divergence
+    check, TensorBoard and Profiler (both off, as in a run without --tb-dir and --profile), the meters."""
+
+    def __init__(self, device, model, forward=None):
+        self.speed = harness.Throughput(device)
+        self.speed.watch(model, forward=forward)
+        self.diverged = harness.DivergenceCheck(device)
+        self.tb = harness.TensorBoard(None, 20, True, {})
+        self.prof = harness.Profiler(False, "runs/gpu_bench", 0, device)
+        self.loss_meter, self.acc_meter = AverageMeter(), AverageMeter()
+        self.recent = collections.deque(maxlen=4)
+        self.step = 0
+        self.speed.start()
+
+
+def ddp(model, device, **kwargs):
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **kwargs)
+
+
+def torch_amp_step(args, device, amp_name):
+    """recipes/torch_amp.py's model and training step at --accum-steps 1, no --clip-grad, --channels-last: its
+    DDP wrap, fused SGD with zeroed momentum, GradScaler (enabled for fp16 only), schedule and the loop body from
+    `images = images.to(...)` to `prof.step()`, the batch already on the device (its .to() a no-op then)."""
+    amp_dtype = {"bf16": torch.bfloat16, "tf32": torch.float32}[amp_name]
+    memory_format = torch.channels_last
+    torch.manual_seed(0)
+    model = build_model(args.arch, args.num_classes, args.image_size).to(device, memory_format=memory_format)
+    model = ddp(model, device)
+    criterion = torch.nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=default_lr(args.batch_size), momentum=0.9, weight_decay=5e-4,
+                                fused=True)
+    for p in model.parameters():
+        optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    scheduler = warmup_cosine(optimizer, 1, 10_000, 0.1)  # long: the rate stays in range for any --steps
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+    h = Harness(device, model, forward=model.module)
+    x, y = image_batch(args, device, memory_format)
+
+    def step():
+        images = x.to(device, non_blocking=True, memory_format=memory_format)
+        targets = y.to(device, non_blocking=True)
+        h.recent.append(images)
+        with contextlib.nullcontext():  # the boundary micro-batch: no no_sync() at --accum-steps 1
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
+                output = model(images)
+                loss = criterion(output, targets)
+            scaler.scale(loss / 1).backward()
+        h.loss_meter.update(loss, images.size(0))
+        h.acc_meter.update(accuracy(output, targets)[0], images.size(0))
+        if not scaler.is_enabled():
+            h.diverged.update(h.step + 1, loss)
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        h.step += 1
+        h.tb.step(h.step, h.loss_meter, h.acc_meter, lr=optimizer.param_groups[0]["lr"])
+        h.speed.step(args.batch_size)
+        h.prof.step()
+
+    return step
+
+
+def ddp_torchrun_step(args, device, total_steps):
+    """recipes/ddp_torchrun.py's model and training step at world size 1: build_model(...).to(device) (fp32, TF32 on
+    a GPU as the recipe sets it), its DDP wrap, SGD, schedule, DistributedSampler and DataLoader (0 workers: the
+    images are on the device already) iterated through tqdm, and the loop body from `images, targets = ...to()` to
+    `prof.step()`."""
+    torch.manual_seed(0)
+    model = ddp(build_model(args.arch, args.num_classes, args.image_size).to(device), device)
+    criterion = torch.nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=default_lr(args.batch_size), momentum=0.9, weight_decay=5e-4)
+    images, labels = image_batch(args, device)
+    train_set = DeviceImages(images, labels, args.batch_size * total_steps)
+    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=0)
+    loader = DataLoader(train_set, sampler=sampler, drop_last=True, batch_size=args.batch_size, num_workers=0,
+                        pin_memory=False)
+    scheduler = warmup_cosine(optimizer, 1, len(loader), 0.1)
+    h = Harness(device, model, forward=model.module)
+    sampler.set_epoch(0)
+    model.train()
+    batches = iter(tqdm(loader, desc="epoch 1", leave=False, disable=True))
+
+    def step():
+        images, targets = next(batches)
+        images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        h.recent.append(images)
+        output = model(images)
+        loss = criterion(output, targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        h.loss_meter.update(loss, images.size(0))
+        h.acc_meter.update(accuracy(output, targets)[0], images.size(0))
+        h.step += 1
+        h.diverged.update(h.step, loss)
+        h.tb.step(h.step, h.loss_meter, h.acc_meter, lr=optimizer.param_groups[0]["lr"])
+        h.speed.step(args.batch_size)
+        h.prof.step()
+
+    return step
+
+
+def bare_loop_step(args, device):
+    """The bare loop: the same model, batch and SGD as ddp_torchrun_step, nothing else."""
+    torch.manual_seed(0)
+    model = build_model(args.arch, args.num_classes, args.image_size).to(device)
+    criterion = torch.nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=default_lr(args.batch_size), momentum=0.9, weight_decay=5e-4)
+    x, y = image_batch(args, device)
+
+    def step():
+        loss = criterion(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def ddp_compile_step(args, device, compiled):
+    """recipes/ddp_compile.py's model and training step (model.compile(dynamic=False) in place before the DDP wrap
+    with bucket_cap_mb=25, plain SGD, the loop body of ddp_torchrun.py), with bf16 autocast around forward and loss
+    and channels-last (issue 59: resnet50 bf16; the recipe itself runs fp32), on a batch already on the device.
+    compiled=False: the same without model.compile()."""
+    memory_format = torch.channels_last
+    torch.manual_seed(0)
+    model = build_model(args.arch, args.num_classes, args.image_size).to(device, memory_format=memory_format)
+    if compiled:
+        model.compile(dynamic=False)
+    model = ddp(model, device, bucket_cap_mb=25)
+    criterion = torch.nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=default_lr(args.batch_size), momentum=0.9, weight_decay=5e-4)
+    scheduler = warmup_cosine(optimizer, 1, 10_000, 0.1)
+    h = Harness(device, model)  # as ddp_compile.py: its forward is compiled, the data wait alone is watched
+    x, y = image_batch(args, device, memory_format)
+
+    def step():
+        images, targets = x, y
+        h.recent.append(images)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            output = model(images)
+            loss = criterion(output, targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        h.loss_meter.update(loss, images.size(0))
+        h.acc_meter.update(accuracy(output, targets)[0], images.size(0))
+        h.step += 1
+        h.diverged.update(h.step, loss)
+        h.speed.step(args.batch_size)
+        h.prof.step()
+
+    return step
+
+
+def matmul_params(model):
+    """N of the FLOPs count: the parameters that multiply, every one but the two embedding tables (a lookup is no
+    product; the untied head is one)."""
+    return sum(p.numel() for name, p in model.named_parameters() if not name.startswith(("tok_emb", "pos_emb")))
+
+
+def lm_model(args, device):
+    torch.manual_seed(0)
+    return Transformer(args.lm_layers, args.lm_heads, args.lm_d_model, args.lm_seq_len).to(device)
+
+
+def lm_step(args, device, tp, stop_group):
+    """recipes/lm_ddp.py's training step (tp=False: DDP at world 1) or recipes/lm_tp.py's (tp=True:
+    parallelize_module with its tp_plan on a mesh of 1, loss_parallel, grads_as_params, clipping under
+    implicit_replication), bf16 autocast: from `x, y = ...train_batch(...)` to the stop vote, on random bytes in
+    place of the corpus. Returns (step, the model's multiplying parameters N)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import implicit_replication
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+    model = lm_model(args, device)
+    n_matmul = matmul_params(model)
+    if tp:
+        lm_tp = load_recipe("lm_tp")
+        mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("tp",))
+        model = parallelize_module(model, mesh, lm_tp.tp_plan(False), src_data_rank=0)
+    else:
+        model = ddp(model, device)
+    matrices = [p for n, p in model.named_parameters() if p.dim() >= 2 and "emb" not in n]
+    others = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "emb" not in n)]
+    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1}, {"params": others, "weight_decay": 0.0}],
+                                  lr=3e-3, betas=(0.9, 0.95))
+    scheduler = warmup_cosine(optimizer, 1, 10_000, 0.05)
+    h = Harness(device, model, forward=None if tp else model.module)
+    g = torch.Generator().manual_seed(0)
+    train_text = torch.randint(0, 256, (max(1 << 20, 8 * args.lm_seq_len),), generator=g, dtype=torch.uint8)
+    vote = {"work": None, "ballot": None}
+
+    def step():
+        x, y = (t.to(device, non_blocking=True)
+                for t in train_batch(train_text, h.step, 0, args.lm_batch_size, args.lm_seq_len, 0, 1))
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logits = model(x)
+        if tp:
+            with loss_parallel():
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+            loss = loss.to_local()
+            lm_tp.grads_as_params(model)
+            with implicit_replication():
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+        else:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+        scheduler.step()
+        h.loss_meter.update(loss, 1)
+        h.step += 1
+        h.diverged.update(h.step, loss)
+        h.speed.step(args.lm_batch_size * args.lm_seq_len)
+        h.prof.step()
+        # The recipes' SIGUSR1 vote: read the last step's all-reduce, start this step's (gloo, beside the step).
+        if vote["work"] is not None:
+            vote["work"].wait()
+            vote["ballot"].item()
+        vote["ballot"] = torch.tensor([0.0])
+        vote["work"] = dist.all_reduce(vote["ballot"], dist.ReduceOp.MAX, group=stop_group, async_op=True)
+
+    return step, n_matmul
+
+
+# ----------------------------------------------------------------------------------------- sections
+def free(device):
+    """Between sections: the last one's tensors gone, its peak forgotten."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_mb(device):
+    return round(harness.peak_memory_mb(device), 1)
+
+
+def run_throughput(args, device, cache):
+    step = torch_amp_step(args, device, "bf16")
+    times = timed(step, args.warmup, args.steps, device)
+    cache["bf16"] = out = {"config": f"{args.arch}, bf16 autocast, channels-last, batch {args.batch_size}, "
+                                     f"{args.image_size} px, DDP world 1, data on the device",
+                           **summary(times, args.warmup, args.batch_size, "images"), "peak_mem_mb": peak_mb(device)}
+    out["anchor_images_per_sec"] = DLE["mixed_images_per_sec"]
+    out["ratio_to_anchor"] = out["images_per_sec"] / DLE["mixed_images_per_sec"]
+    return out
+
+
+def run_amp(args, device, cache):
+    bf16 = cache.get("bf16") or run_throughput(args, device, cache)
+    free(device)
+    step = torch_amp_step(args, device, "tf32")
+    tf32 = {**summary(timed(step, args.warmup, args.steps, device), args.warmup, args.batch_size, "images"),
+            "peak_mem_mb": peak_mb(device)}
+    return {"config": f"torch_amp.py's step: fp32 with TF32 on (--amp-dtype tf32) against bf16, {args.arch}, "
+                      f"channels-last, batch {args.batch_size}", "tf32": tf32,
+            "bf16": {k: v for k, v in bf16.items() if k not in ("anchor_images_per_sec", "ratio_to_anchor")},
+            "speedup": bf16["images_per_sec"] / tf32["images_per_sec"], "anchor": DLE}
+
+
+def run_overhead(args, device, cache):
+    total = args.warmup * 2 + args.steps + 2  # the loader's epoch covers every step taken
+    steps = {"recipe": ddp_torchrun_step(args, device, total), "bare": bare_loop_step(args, device)}
+    times = interleaved(steps, args.warmup, args.steps, device)
+    recipe = summary(times["recipe"], args.warmup, args.batch_size, "images")
+    bare = summary(times["bare"], args.warmup, args.batch_size, "images")
+    return {"config": f"ddp_torchrun.py's step (fp32, TF32 on a GPU; DDP world 1, DistributedSampler, DataLoader of "
+                      f"images on the device, meters, harness) against a bare loop; {args.arch}, batch "
+                      f"{args.batch_size}, {args.image_size} px; timed steps interleaved in rounds",
+            "recipe": recipe, "bare": bare, "ratio": recipe["median_ms"] / bare["median_ms"],
+            "peak_mem_mb": peak_mb(device)}
+
+
+def run_compile(args, device, cache):
+    missing = missing_compiler(device)
+    if missing:
+        raise RuntimeError(missing)
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    compiled_graphs = load_recipe("ddp_compile").compiled_graphs  # the recipe's own count of graphs and breaks
+    result = {"config": f"ddp_compile.py's step (model.compile(dynamic=False) before DDP) against eager; "
+                        f"{args.arch}, bf16 autocast, channels-last, batch {args.batch_size}, {args.image_size} px"}
+    for name, compiled in (("eager", False), ("compiled", True)):
+        free(device)
+        torch._dynamo.reset()
+        counters.clear()
+        step = ddp_compile_step(args, device, compiled)
+        sync = torch.get_device_module(device.type).synchronize
+        sync()
+        started = time.perf_counter()
+        step()  # the first step: compiled, it traces and compiles forward and backward
+        sync()
+        first = time.perf_counter() - started
+        times = timed(step, args.warmup, args.steps, device)
+        result[name] = {**summary(times, args.warmup, args.batch_size, "images"), "first_step_s": first,
+                        "peak_mem_mb": peak_mb(device)}
+        if compiled:
+            graphs, breaks = compiled_graphs()
+            result[name].update(graphs=graphs, graph_breaks=sum(breaks.values()), break_reasons=dict(breaks))
+    result["speedup"] = result["compiled"]["images_per_sec"] / result["eager"]["images_per_sec"]
+    result["compile_s"] = result["compiled"]["first_step_s"]
+    torch._dynamo.reset()
+    return result
+
+
+def lm_flops_per_token(args, n_matmul):
+    """nanoGPT's estimate_mfu (PaLM, appendix B): 6N for the weights' matrix products, forward and backward, plus
+    12 L d T for attention's two (B, T, T) products per layer, forward and backward, T the sequence length."""
+    return 6 * n_matmul + 12 * args.lm_layers * args.lm_d_model * args.lm_seq_len
+
+
+def run_lm(args, device, cache, peak):
+    stop_group = dist.new_group(backend="gloo")  # the recipes' stop vote runs on gloo beside the step
+    out = {"config": f"{args.lm_layers} layers, {args.lm_heads} heads, d_model {args.lm_d_model}, sequence "
+                     f"{args.lm_seq_len} bytes, batch {args.lm_batch_size}, bf16 autocast, vocabulary 256 (bytes)",
+           "references": LM_REFERENCES, "peak": peak}
+    for name, tp in (("lm_ddp", False), ("lm_tp", True)):
+        free(device)
+        step, n_matmul = lm_step(args, device, tp, stop_group)
+        times = timed(step, args.warmup, args.steps, device)
+        row = summary(times, args.warmup, args.lm_batch_size * args.lm_seq_len, "tokens")
+        flops = lm_flops_per_token(args, n_matmul)
+        row.update(n_matmul_params=n_matmul, flops_per_token=flops, peak_mem_mb=peak_mb(device),
+                   achieved_tflops=row["tokens_per_sec"] * flops / 1e12,
+                   mfu=row["tokens_per_sec"] * flops / (peak["tflops"] * 1e12) if peak["tflops"] else None)
+        out[name] = row
+        del step
+    out["tp_over_ddp_step"] = out["lm_tp"]["median_ms"] / out["lm_ddp"]["median_ms"]
+    return out
+
+
+# ----------------------------------------------------------------------------------------- report
+def environment(device):
+    env = {"device": device.type, "device_name": None, "driver": None, "torch": torch.__version__,
+           "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
+           "python": platform.python_version(), "platform": platform.platform(), "cpu": platform.processor() or
+           platform.machine(), "cores": os.cpu_count(),
+           "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+    if device.type == "cuda":
+        env["device_name"] = torch.cuda.get_device_name(device)
+        props = torch.cuda.get_device_properties(device)
+        env["memory_gib"] = round(props.total_memory / 2**30, 1)
+        env["capability"] = f"{props.major}.{props.minor}"
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i",
+                                  str(device.index or 0)], capture_output=True, text=True, timeout=20)
+            if smi.returncode == 0 and smi.stdout.strip():
+                env["driver"] = smi.stdout.strip().splitlines()[0]
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return env
+
+
+def peak_for(env, override):
+    if override is not None:
+        return {"tflops": override, "source": "--peak-tflops"}
+    name = env["device_name"] or ""
+    if "NVL" not in name:
+        for key, tflops, source in PEAKS:
+            if key in name:
+                return {"tflops": tflops, "source": source}
+    why = "the CPU: no peak" if env["device"] == "cpu" else f"{name!r} is not in PEAKS (--peak-tflops gives it)"
+    return {"tflops": None, "source": why}
+
+
+def verdict(ratio, goal, higher_is_better, applies):
+    if ratio is None:
+        return "-"
+    if not applies:
+        return f"n/a ({applies.reason})"
+    met = ratio >= goal if higher_is_better else ratio <= goal
+    return "met" if met else "missed"
+
+
+class NotApplicable:
+    """A falsy verdict condition that says why."""
+
+    def __init__(self, reason):
+        self.reason = reason
+
+    def __bool__(self):
+        return False
+
+
+def anchor_applies(args, env):
+    """The DLE anchors are for resnet50 at 224 px, batch 256, on a GPU."""
+    if env["device"] != "cuda":
+        return NotApplicable("not a GPU")
+    if (args.arch, args.image_size, args.batch_size) != ("resnet50", 224, 256):
+        return NotApplicable("not the anchor's resnet50, 224 px, batch 256")
+    return True
+
+
+def table(report, args):
+    """The Markdown table: one row per figure, the reference or goal beside it, met / missed."""
+    s, env = report["sections"], report["environment"]
+    on_gpu = True if env["device"] == "cuda" else NotApplicable("not a GPU")
+    anchor = anchor_applies(args, env)
+    rows = []
+
+    def failed(key):
+        return s.get(key, {}).get("error")
+
+    if "throughput" in s:
+        t = s["throughput"]
+        rows.append(["1 throughput", failed("throughput") and f"failed: {failed('throughput')}" or
+                     f"{t['images_per_sec']:,.0f} img/s ({t['config']}; step {t['median_ms']:.1f} ms)",
+                     f"DLE ResNet-50 mixed precision, 1x A100 80GB: {DLE['mixed_images_per_sec']:,} img/s; "
+                     f"goal >= {GOALS['throughput']}x that",
+                     "-" if failed("throughput") else f"{t['ratio_to_anchor']:.2f}x",
+                     "-" if failed("throughput") else verdict(t["ratio_to_anchor"], GOALS["throughput"], True,
+                                                               anchor)])
+    if "overhead" in s:
+        o = s["overhead"]
+        rows.append(["2 overhead", failed("overhead") and f"failed: {failed('overhead')}" or
+                     f"ddp_torchrun step {o['recipe']['median_ms']:.2f} ms against the bare loop's "
+                     f"{o['bare']['median_ms']:.2f} ms", f"goal <= {GOALS['overhead']}x the bare loop",
+                     "-" if failed("overhead") else f"{o['ratio']:.3f}x",
+                     "-" if failed("overhead") else verdict(o["ratio"], GOALS["overhead"], False, on_gpu)])
+    if "compile" in s:
+        c = s["compile"]
+        rows.append(["3 compile", failed("compile") and f"failed: {failed('compile')}" or
+                     f"compiled {c['compiled']['images_per_sec']:,.0f} img/s against eager "
+                     f"{c['eager']['images_per_sec']:,.0f}; first step {c['compile_s']:.1f} s (compile), "
+                     f"{c['compiled']['graphs']} graph(s), {c['compiled']['graph_breaks']} break(s)",
+                     f"goal >= {GOALS['compile']}x eager (CPU, resnet18: 1.05x)",
+                     "-" if failed("compile") else f"{c['speedup']:.2f}x",
+                     "-" if failed("compile") else verdict(c["speedup"], GOALS["compile"], True, on_gpu)])
+    if "lm" in s:
+        lm = s["lm"]
+        refs = "; ".join(f"{r['name']}: {r['mfu']}" + (f" ({r['hardware']})" if r["hardware"] != "-" else "")
+                         for r in LM_REFERENCES)
+        for name in ("lm_ddp", "lm_tp"):
+            if failed("lm"):
+                rows.append([f"4 {name}", f"failed: {failed('lm')}", refs, "-", "-"])
+                continue
+            r = lm[name]
+            mfu = f"MFU {100 * r['mfu']:.1f}%" if r["mfu"] is not None else "MFU - (no peak)"
+            extra = f"; {lm['tp_over_ddp_step']:.2f}x lm_ddp's step" if name == "lm_tp" else ""
+            rows.append([f"4 {name}", f"{r['tokens_per_sec']:,.0f} tokens/s, {mfu} ({r['achieved_tflops']:.1f} "
+                         f"TFLOPS){extra}", refs if name == "lm_ddp" else "lm_ddp (DTensor's dispatch cost)",
+                         "-", "reference only"])
+    if "amp" in s:
+        a = s["amp"]
+        rows.append(["5 amp", failed("amp") and f"failed: {failed('amp')}" or
+                     f"bf16 {a['bf16']['images_per_sec']:,.0f} img/s against TF32 {a['tf32']['images_per_sec']:,.0f}",
+                     f"DLE, 1x A100 80GB: {DLE['mixed_images_per_sec']:,} against {DLE['tf32_images_per_sec']} "
+                     f"img/s, {DLE['speedup']}x", "-" if failed("amp") else f"{a['speedup']:.2f}x",
+                     "-" if failed("amp") else verdict(a["speedup"], GOALS["amp"], True, anchor)])
+    header = ["section", "measured (median of the timed steps)", "reference / goal", "ratio", "verdict"]
+    lines = ["| " + " | ".join(header) + " |", "|---|---|---|---:|---|"]
+    lines += ["| " + " | ".join(str(c).replace("|", "/") for c in row) + " |" for row in rows]
+    name = env["device_name"] or env["cpu"]
+    peak = report.get("peak") or {}
+    head = [f"GPU benchmark: {name}; driver {env['driver']}; torch {env['torch']}, CUDA {env['cuda']}; "
+            f"{args.steps} timed steps after {args.warmup} warm-up, medians; {report['wall_s']:.0f} s in all",
+            f"Command: `{report['command']}`"]
+    if peak:
+        head.append(f"MFU peak: {peak['tflops']} TFLOPS ({peak['source']})")
+    return "\n".join(head + [""] + lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------- main
+def setup(args):
+    """The device and the one-process group DDP needs (a free local port, nccl on a GPU, gloo on the CPU)."""
+    if args.device == "cuda":
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        torch.backends.cudnn.benchmark = True  # as the image recipes set them
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=300),
+                            **({"device_id": device} if backend == "nccl" else {}))
+    return device
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    started = time.perf_counter()
+    device = setup(args)
+    env = environment(device)
+    peak = peak_for(env, args.peak_tflops)
+    print(f"gpu_bench: {env['device_name'] or 'cpu'}, torch {env['torch']}, CUDA {env['cuda']}, driver "
+          f"{env['driver']}; sections {','.join(s for s in RUN_ORDER if s in args.sections)}", flush=True)
+    sections, cache = {}, {}
+    runners = {"throughput": run_throughput, "amp": run_amp, "overhead": run_overhead, "compile": run_compile,
+               "lm": lambda a, d, c: run_lm(a, d, c, peak)}
+    try:
+        for name in RUN_ORDER:
+            if name not in args.sections:
+                continue
+            t0 = time.perf_counter()
+            free(device)
+            try:
+                sections[name] = runners[name](args, device, cache)
+            except Exception as exc:  # one section's failure (an OOM, no compiler) leaves the others to run
+                message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                sections[name] = {"error": f"{type(exc).__name__}: {message}"[:300]}
+                print(f"gpu_bench: {name} failed: {sections[name]['error']}", file=sys.stderr, flush=True)
+            sections[name]["section_s"] = time.perf_counter() - t0
+            print(f"gpu_bench: {name} done in {sections[name]['section_s']:.1f} s", flush=True)
+    finally:
+        dist.destroy_process_group()
+    command = shlex.join(["python", "tools/gpu_bench.py", *(sys.argv[1:] if argv is None else argv)])
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    report = {"tool": "tools/gpu_bench.py", "command": command, "settings": settings, "environment": env,
+              "peak": peak, "goals": GOALS, "anchors": {"dle": DLE, "lm": LM_REFERENCES},
+              "sections": {k: sections[k] for k in SECTIONS if k in sections},
+              "wall_s": time.perf_counter() - started}
+    text = table(report, args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    if args.md:
+        args.md.parent.mkdir(parents=True, exist_ok=True)
+        args.md.write_text(text)
+    print("\n" + text, flush=True)
+    print(f"gpu_bench: wrote {args.out}" + (f" and {args.md}" if args.md else ""), flush=True)
+    return 1 if any("error" in s for s in sections.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
