@@ -736,7 +736,23 @@ def main(argv=None):
     peak = peak_for(env, args.peak_tflops)
     print(f"gpu_bench: {env['device_name'] or 'cpu'}, torch {env['torch']}, CUDA {env['cuda']}, driver "
           f"{env['driver']}; sections {','.join(s for s in RUN_ORDER if s in args.sections)}", flush=True)
+    command = shlex.join(["python", "tools/gpu_bench.py", *(sys.argv[1:] if argv is None else argv)])
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     sections, cache = {}, {}
+
+    def write():  # after every section: a run cut short (a time limit) keeps what it measured
+        report = {"tool": "tools/gpu_bench.py", "command": command, "settings": settings, "environment": env,
+                  "peak": peak, "goals": GOALS, "anchors": {"dle": DLE, "lm": LM_REFERENCES},
+                  "sections": {k: sections[k] for k in SECTIONS if k in sections},
+                  "wall_s": time.perf_counter() - started}
+        text = table(report, args)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        if args.md:
+            args.md.parent.mkdir(parents=True, exist_ok=True)
+            args.md.write_text(text)
+        return text
+
     runners = {"throughput": run_throughput, "amp": run_amp, "overhead": run_overhead, "compile": run_compile,
                "lm": lambda a, d, c: run_lm(a, d, c, peak)}
     try:
@@ -752,22 +768,11 @@ def main(argv=None):
                 sections[name] = {"error": f"{type(exc).__name__}: {message}"[:300]}
                 print(f"gpu_bench: {name} failed: {sections[name]['error']}", file=sys.stderr, flush=True)
             sections[name]["section_s"] = time.perf_counter() - t0
+            write()
             print(f"gpu_bench: {name} done in {sections[name]['section_s']:.1f} s", flush=True)
     finally:
         dist.destroy_process_group()
-    command = shlex.join(["python", "tools/gpu_bench.py", *(sys.argv[1:] if argv is None else argv)])
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    report = {"tool": "tools/gpu_bench.py", "command": command, "settings": settings, "environment": env,
-              "peak": peak, "goals": GOALS, "anchors": {"dle": DLE, "lm": LM_REFERENCES},
-              "sections": {k: sections[k] for k in SECTIONS if k in sections},
-              "wall_s": time.perf_counter() - started}
-    text = table(report, args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
-    if args.md:
-        args.md.parent.mkdir(parents=True, exist_ok=True)
-        args.md.write_text(text)
-    print("\n" + text, flush=True)
+    print("\n" + write(), flush=True)
     print(f"gpu_bench: wrote {args.out}" + (f" and {args.md}" if args.md else ""), flush=True)
     return 1 if any("error" in s for s in sections.values()) else 0
 
