@@ -1,7 +1,8 @@
 """What tests/test_lm_tp.py, test_lm_pp.py and test_lm_fsdp_tp.py each read or check the same way: the printed
 evaluation lines, a model.pt scored in one process, a recipe's flag check failing with one line, and (test_lm.py too)
-the preemption drill and the crash during an --async-save."""
+the preemption drill, the crash during an --async-save, and the kill while model.pt is written."""
 
+import os
 import random
 import re
 import signal
@@ -14,6 +15,7 @@ from jobs import error_lines
 
 from common.checkpoint import EX_TEMPFAIL
 from common.lm import Transformer, read_text, split, val_windows
+from common.utils import first_line
 
 
 def step_lines(stdout):
@@ -86,3 +88,29 @@ def killed_while_saving_resumes_bitwise(recipe, devices, args, out, straight_out
     resumed = result_of(launch(*run, "--resume", "auto"))
     assert (resumed["start_step"], resumed["steps"]) == (4, 8), said
     assert max_diff(params(out / "model.pt"), params(straight_out / "model.pt")) == 0, said
+
+
+def killed_while_writing_model_pt_leaves_the_last_one(recipe, devices, args, out, model, step4_out):
+    """Issue 58: a run that saves synchronously at steps 4 and 8 (`args`; model.pt at each save) is SIGKILLed, the
+    whole job, partway through writing step 8's model.pt: tests/faults' FAULT_KILL_MID_WRITE kills it after the first
+    write() to the second file opened as model.pt or model.pt.tmp (common.checkpoint.save_atomic's temp), so that
+    file holds some bytes. OUT_DIR/model.pt is then step 4's, whole: it loads (weights_only), strictly into
+    Transformer(**model), and equals `step4_out`'s (the same command with --max-steps 4) bitwise. A torch.save straight
+    to model.pt fails here: it truncates the file it overwrites, and the kill leaves a few bytes of a zip archive."""
+    run = [f"recipes/{recipe}.py", devices, *args, "--out-dir", out]
+    killed = launch(*run, env={"PYTHONPATH": str(REPO / "tests" / "faults"), "FAULT_KILL_MID_WRITE": "model.pt:2"})
+    said = f"stdout:\n{killed.stdout}\nstderr:\n{killed.stderr[-3000:]}"
+    assert killed.returncode == -signal.SIGKILL, said
+    cut = re.search(r"^FAULT: killing the job after the first write to (\S+) \((\d+) bytes\)$", killed.stdout, re.M)
+    assert cut and int(cut[2]) > 0, said
+    assert sorted(step_lines(killed.stdout)) == [4, 8] and "RESULT" not in killed.stdout, said  # killed at 8's save
+    assert re.search(r"^saved: \S+ and model\.pt at step 4;", killed.stdout, re.M), said
+    assert not re.search(r"^saved: .* at step 8", killed.stdout, re.M), said
+    assert os.path.getsize(cut[1]) > 0, said  # the file it was writing holds bytes: killed mid-write, not at the open
+    try:
+        state = torch.load(out / "model.pt", weights_only=True)
+    except Exception as exc:  # any failure to read it: what the test is about
+        pytest.fail(f"{out / 'model.pt'} does not load after a kill mid-write: {first_line(exc)}\n{said}")
+    Transformer(**model).load_state_dict(state, strict=True)
+    step4 = params(step4_out / "model.pt")
+    assert max_diff(state, step4) == 0, said

@@ -8,13 +8,18 @@ missing all-reduce or a rank that drew other windows moves weights by 1e-3 and m
 """
 
 import math
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import LM_RECIPES, launch, load_recipe, max_diff, params, result_of, run_direct
 from jobs import error_lines
-from lm_checks import killed_while_saving_resumes_bitwise, stops_and_resumes_bitwise
+from lm_checks import (
+    killed_while_saving_resumes_bitwise,
+    killed_while_writing_model_pt_leaves_the_last_one,
+    stops_and_resumes_bitwise,
+)
 
 from common.lm import Transformer, read_text, split, train_batch, val_windows
 from common.schedule import warmup_cosine
@@ -22,6 +27,7 @@ from common.schedule import warmup_cosine
 TINY = dict(n_layer=2, n_head=4, d_model=32, block_size=32, seq_len=16, batch_size=12, steps=8, warmup_steps=2,
             lr=3e-3, weight_decay=0.1, clip_grad=1.0, seed=0, val_windows=12)
 FLAGS = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()] + ["--eval-every", "4"]
+TINY_MODEL = {k: TINY[k] for k in ("n_layer", "n_head", "d_model", "block_size")}  # Transformer(**TINY_MODEL)
 TOLERANCE = 1e-5  # fp32 weights after 8 AdamW steps; measured 1e-7 to 1e-6 (the order of the gradient sums)
 
 
@@ -59,15 +65,16 @@ def ref():
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """lm_ddp.py with FLAGS on `world` processes, once per world in this module: (the CompletedProcess, its
-    --out-dir)."""
+    """lm_ddp.py with FLAGS (and `flags`) on `world` processes, once per (world, flags) in this module: (the
+    CompletedProcess, its --out-dir)."""
     done = {}
 
-    def run(world):
-        if world not in done:
-            out = tmp_path_factory.mktemp(f"straight{world}")
-            done[world] = (launch("recipes/lm_ddp.py", f"cpu:{world}", *FLAGS, "--out-dir", out), out)
-        return done[world]
+    def run(world, *flags):
+        key = (world, *map(str, flags))
+        if key not in done:
+            out = tmp_path_factory.mktemp(f"straight{world}{''.join(key[1:])}")
+            done[key] = (launch("recipes/lm_ddp.py", f"cpu:{world}", *FLAGS, *flags, "--out-dir", out), out)
+        return done[key]
     return run
 
 
@@ -97,7 +104,8 @@ def test_lm_ddp_resumes_exactly_and_activation_checkpointing_changes_nothing(str
     # step; AdamW's moments and the schedule are in latest.pt). Then the straight run again with every block
     # recomputed in backward: the same floating-point operations, so the same weights bitwise.
     unstopped, unstopped_out = straight(2)  # the quick tier's run above
-    first = launch("recipes/lm_ddp.py", "cpu:2", *FLAGS, "--max-steps", "4", "--out-dir", tmp_path / "pieced")
+    first, first_out = straight(2, "--max-steps", "4")  # shared with the kill mid-write below
+    shutil.copytree(first_out, tmp_path / "pieced")
     # --max-steps counts this run's steps: the same short command again goes on from 4 to 6, then to the end.
     middle = launch("recipes/lm_ddp.py", "cpu:2", *FLAGS, "--max-steps", "2", "--resume", "auto",
                     "--out-dir", tmp_path / "pieced")
@@ -134,6 +142,15 @@ def test_a_crash_while_an_async_save_writes_leaves_the_last_checkpoint_to_resume
     # writes step 8's, latest.pt is step 4's, whole (written to latest.pt.tmp, then renamed), and the run goes on.
     killed_while_saving_resumes_bitwise("lm_ddp", "cpu:2", FLAGS, tmp_path, straight(2)[1], "latest.pt.tmp",
                                         "latest.pt")
+
+
+@pytest.mark.slow  # the drill takes the real path (torchrun, new interpreters): 20-30 s; and the 4-step run
+def test_a_kill_while_model_pt_is_written_leaves_the_last_model_pt_whole(straight, tmp_path):
+    # Issue 58 (tests/lm_checks.py): rank 0 writes model.pt at steps 4 and 8; the job is SIGKILLed after the first
+    # write() to step 8's (save_atomic's model.pt.tmp). model.pt is step 4's, bitwise the 4-step run's: measured
+    # 0 apart; with a plain torch.save(state["model"], model.pt) it does not load (a truncated zip archive).
+    killed_while_writing_model_pt_leaves_the_last_one("lm_ddp", "cpu:2", FLAGS, tmp_path, TINY_MODEL,
+                                                      straight(2, "--max-steps", "4")[1])
 
 
 def test_activation_checkpointing_keeps_only_the_blocks_inputs():

@@ -157,6 +157,7 @@ def test_launch_sh_still_parses_every_warm_job(tmp_path):
     ({"PYTHONHASHSEED": "7"}, "PYTHONHASHSEED: read once"),
     ({"MAX_RESTARTS": "1"}, "MAX_RESTARTS: torchrun restarts the ranks"),
     ({"FAULT_KILL_ON_WRITE": "latest.pt:1"}, "tests/faults acts on the launcher"),
+    ({"FAULT_KILL_MID_WRITE": "model.pt:2"}, "tests/faults acts on the launcher"),
 ])
 def test_what_the_warm_path_cannot_do_takes_the_real_path(env, why, probe, tmp_path):
     job = warm.launch_job([probe, "cpu:2"], launch_env(env), tmp_path)

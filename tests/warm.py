@@ -119,7 +119,7 @@ def reason_for_real_path(env):
         return "COOKBOOK_WARM=0"
     if getattr(forbidden, "why", None):
         return forbidden.why
-    if env.get("FAULT_KILL_ON_WRITE") or env.get("FAULT_COLLECTIVE") or re.search(
+    if env.get("FAULT_KILL_ON_WRITE") or env.get("FAULT_KILL_MID_WRITE") or env.get("FAULT_COLLECTIVE") or re.search(
             r":(launcher|job)(,|$)", env.get("FAULT_SIGNAL", "")):
         return "tests/faults acts on the launcher (a kill, a signal passed on, the stacks it shows after a hang)"
     if env.get("CUDA_VISIBLE_DEVICES"):

@@ -23,13 +23,14 @@ import time
 
 def _on_write_open(name, act):
     """open(), and io.open() as pathlib and torch.distributed.checkpoint's writer use it, call act(file, n) as a file
-    named `name` is opened for writing the n-th time, before it opens; act may return a function that wraps the
-    opened file. Each fault below that watches a file is one of these; set together, they chain."""
-    real, seen = builtins.open, [0]
+    named `name` (or any of a tuple of names, counted together) is opened for writing the n-th time, before it opens;
+    act may return a function that wraps the opened file. Each fault below that watches a file is one of these; set
+    together, they chain."""
+    real, seen, names = builtins.open, [0], (name,) if isinstance(name, str) else tuple(name)
 
     def watching(file, mode="r", *args, **kwargs):
         wrap = None
-        if "w" in mode and os.path.basename(str(file)) == name:
+        if "w" in mode and os.path.basename(str(file)) in names:
             seen[0] += 1
             wrap = act(file, seen[0])
         f = real(file, mode, *args, **kwargs)
@@ -222,25 +223,30 @@ if os.environ.get("FAULT_SIGNAL"):
     if any(when.startswith("save=") for when, _ in _signals):
         _on_write_open("latest.pt.tmp", lambda file, n: _tick("save"))
 
+def _sigkill_the_job(when):
+    """SIGKILL to every process of the job (the launcher, this rank's parent, and all under it), this one last."""
+    import signal
+
+    sys.stdout.write(f"FAULT: killing the job {when}\n")
+    sys.stdout.flush()
+    launcher = os.getppid()
+    for pid in sorted(_job_pids(launcher) - {os.getpid()}) + [os.getpid()]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 # FAULT_KILL_ON_WRITE="NAME:N": in rank 0 (or a process without RANK), when a file named NAME is opened for writing
 # for the N-th time (torch.distributed.checkpoint's shard files: __0_0.distcp; from --async-save's writer thread too),
 # every process of the job (the launcher and all under it) is killed with SIGKILL: a node lost mid-write. A test double
 # of a CRASH.
 if os.environ.get("FAULT_KILL_ON_WRITE") and os.environ.get("RANK", "0") == "0":
-    import signal
-
     _kill_name, _kill_nth = os.environ["FAULT_KILL_ON_WRITE"].split(":")
 
     def _kill_the_job(file, n):
         if n == int(_kill_nth):
-            sys.stdout.write(f"FAULT: killing the job as {file} opens\n")
-            sys.stdout.flush()
-            launcher = os.getppid()
-            for pid in sorted(_job_pids(launcher) - {os.getpid()}) + [os.getpid()]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            _sigkill_the_job(f"as {file} opens")
 
     _on_write_open(_kill_name, _kill_the_job)
 
@@ -250,3 +256,49 @@ if os.environ.get("FAULT_KILL_ON_WRITE") and os.environ.get("RANK", "0") == "0":
 if os.environ.get("FAULT_SLOW_WRITE") and os.environ.get("RANK", "0") == "0":
     _slow_name, _slow_seconds = os.environ["FAULT_SLOW_WRITE"].split(":")
     _on_write_open(_slow_name, lambda file, n: time.sleep(float(_slow_seconds)))
+
+# FAULT_KILL_MID_WRITE="NAME:N": in rank 0 (or a process without RANK), the N-th time a file named NAME or NAME.tmp
+# (common.checkpoint.save_atomic's temp file) is opened for writing, counted together, the job is SIGKILLed as
+# FAULT_KILL_ON_WRITE kills it, but after the file's first write() (flushed: the file holds those bytes), not before
+# the open: a node lost partway through writing the file. torch.save given a path of either name opens it with
+# open() here: torch writes a path from C++, which no open() above would see (a plain torch.save(obj, "model.pt")).
+if os.environ.get("FAULT_KILL_MID_WRITE") and os.environ.get("RANK", "0") == "0":
+    _mid_name, _mid_nth = os.environ["FAULT_KILL_MID_WRITE"].split(":")
+    _mid_names = (_mid_name, f"{_mid_name}.tmp")
+
+    class _KilledAfterTheFirstWrite:
+        def __init__(self, f, file):
+            self._f, self._file = f, file
+
+        def write(self, data):
+            written = self._f.write(data)
+            self._f.flush()
+            _sigkill_the_job(f"after the first write to {self._file} ({written} bytes)")
+            return written
+
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self._f.close()
+
+    def _kill_mid_write(file, n):
+        if n == int(_mid_nth):
+            return lambda f: _KilledAfterTheFirstWrite(f, file)
+
+    _on_write_open(_mid_names, _kill_mid_write)
+    if os.environ.get("RANK") is not None:  # a rank: torch.save to a path goes through open()
+        import torch
+
+        _save = torch.save
+
+        def _save_through_open(obj, f, *args, **kwargs):
+            if isinstance(f, (str, os.PathLike)) and os.path.basename(os.fspath(f)) in _mid_names:
+                with open(f, "wb") as opened:
+                    return _save(obj, opened, *args, **kwargs)
+            return _save(obj, f, *args, **kwargs)
+
+        torch.save = _save_through_open
