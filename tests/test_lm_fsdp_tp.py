@@ -11,6 +11,8 @@ fp32, 8 steps of a 2-layer model) on 2 x 2, 1 x 4, 4 x 1, 3 x 1, 2 x 1, 1 x 2 an
 - --accum-steps 2 on 2 x 2 ends where --accum-steps 1 does (and the reference: the same step lines), with as many
   reduce-scatters per step: 3 (one per FSDP2 group: 2 blocks and the root), counted in the recipe's own processes;
   without the gradient-sync switch, 6 (the spawned check below, which also measures what the switch costs).
+- FSDP2's all-gathers, per group and step, counted there too: a block 2 (before its forward, again before its
+  backward) with --accum-steps 1, 4 with 2 (2K); the root 1 and 2 (K); every group 1 reduce-scatter a step.
 - state_bytes_per_rank: each rank's shards (parameters, gradients, AdamW's two moments: 4 fp32 copies): the cut
   layers / (dp x tp), the norms and row-parallel biases / dp, plus AdamW's 4-byte step counters: 173460 bytes a rank
   on 2 x 2, against lm_ddp's 686228 and lm_tp's 177044 on 4 ranks (the norms whole there). At the default model:
@@ -24,13 +26,12 @@ import json
 import os
 import re
 import shutil
-import textwrap
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import launch, load_recipe, max_diff, params, result_of, spawn_gloo
+from conftest import REPO, launch, load_recipe, max_diff, params, result_of, spawn_gloo
 from jobs import error_lines
 from lm_checks import check_args_refuses, one_process_val_loss, step_lines
 
@@ -45,41 +46,6 @@ WEIGHTS_ATOL = 1e-5  # measured: 5.3e-6 at most (AdamW on gradients that are zer
 PRINTED_ATOL = 1.01e-4  # one unit of the printed 4th decimal
 GROUPS = MODEL["n_layer"] + 1  # fully_shard groups: each block, then the root (embeddings, ln_f, head)
 SLOW = pytest.mark.slow  # a 4-process launch: 15-25 s on 2 cores
-
-# Imported by the recipe's processes (PYTHONPATH): counts FSDP2's reduce-scatters (dist.reduce_scatter_single, which
-# its _fsdp_collectives calls; tensor parallelism's own collectives are functional ones, not counted) and writes
-# COUNT_RS_DIR/rank<R>.json at exit.
-COUNTER = textwrap.dedent('''
-    import atexit, importlib.abc, importlib.util, json, os, sys
-
-    def _count(module):
-        real, calls = module.dist.reduce_scatter_single, [0]
-
-        def counted(*args, **kwargs):
-            calls[0] += 1
-            return real(*args, **kwargs)
-
-        module.dist.reduce_scatter_single = counted
-        path = os.path.join(os.environ["COUNT_RS_DIR"], f"rank{os.environ.get('RANK', 0)}.json")
-        atexit.register(lambda: open(path, "w").write(json.dumps(calls[0])))
-
-    class _Finder(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-            if name != "torch.distributed.fsdp._fully_shard._fsdp_collectives":
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(name)
-            run = spec.loader.exec_module
-            spec.loader.exec_module = lambda module: (run(module), _count(module))
-            return spec
-
-    _NAME = "torch.distributed.fsdp._fully_shard._fsdp_collectives"
-    if os.environ.get("COUNT_RS_DIR") and _NAME in sys.modules:  # a rank forked from tests/warm_server.py
-        _count(sys.modules[_NAME])
-    elif os.environ.get("COUNT_RS_DIR"):
-        sys.meta_path.insert(0, _Finder())
-''')
-
 
 def assert_lines_equal(lines, ref_lines):
     for step, values in lines.items():
@@ -99,21 +65,26 @@ def expected_state_bytes(dp, tp):
     return 16 * (cut // (dp * tp) + whole // dp) + 4 * len(list(model.parameters()))
 
 
-def reduce_scatters(folder, world):
-    """Each rank's count of FSDP2 reduce-scatters in a run launched with counted()."""
+def fsdp_counts(folder, world):
+    """Each rank's FSDP2 collectives in a run launched with counted() (tests/instrument's COUNT_FSDP_DIR): per
+    training step, {group: {"all_gather": n, "reduce_scatter": n}}, the groups "blocks.0", "blocks.1" and "root"."""
     return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def reduce_scatters(folder, world):
+    """Each rank's count of FSDP2 reduce-scatters in a run launched with counted(), all groups and steps."""
+    return [sum(group["reduce_scatter"] for step in rank["steps"] for group in step.values())
+            for rank in fsdp_counts(folder, world)]
 
 
 @pytest.fixture(scope="module")
 def counted(tmp_path_factory):
-    """env for launch(): COUNTER on PYTHONPATH, counting into a fresh folder (returned too)."""
-    site = tmp_path_factory.mktemp("rs_counter")
-    (site / "sitecustomize.py").write_text(COUNTER)
-
+    """env for launch(): tests/instrument on PYTHONPATH, counting FSDP2's collectives into a fresh folder (returned
+    too)."""
     def env():
-        folder = tmp_path_factory.mktemp("rs_counts")
-        path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
-        return {"PYTHONPATH": path, "COUNT_RS_DIR": str(folder)}, folder
+        folder = tmp_path_factory.mktemp("fsdp_counts")
+        path = os.pathsep.join(filter(None, [str(REPO / "tests" / "instrument"), os.environ.get("PYTHONPATH")]))
+        return {"PYTHONPATH": path, "COUNT_FSDP_DIR": str(folder)}, folder
 
     return env
 
@@ -206,6 +177,30 @@ def test_accumulation_equals_the_large_batch_with_one_reduce_scatter_per_step(ru
     assert reduce_scatters(k2_counts, 4) == [GROUPS * 8] * 4  # the same per step: not one per micro-step
     assert "(4 per dp rank x 2, in micro-batches of 2;" in k2.stdout
     assert "(4 per dp rank x 2, in micro-batches of 4;" in k1.stdout
+
+
+@SLOW
+def test_fsdp2_all_gathers_each_block_twice_a_step_and_reduce_scatters_it_once(runs):
+    # The docstring's count, in the recipe's own processes (tests/instrument's COUNT_FSDP_DIR: FSDPParamGroup's
+    # foreach_all_gather and foreach_reduce, per group, between optimizer steps; evaluation's all-gathers apart), on
+    # the module's two 2 x 2 runs. Measured, the same on every rank and every step:
+    # --accum-steps 1: each block 2 all-gathers (before its forward; again before its backward, as the forward
+    #   resharded it) and 1 reduce-scatter; the root 1 and 1 (kept unsharded from its forward to its backward).
+    # --accum-steps 2: each block 4 all-gathers (the docstring's 2K: every micro-step's forward and backward) and 1
+    #   reduce-scatter; the root 2 (K: resharded after each backward, the gradient-sync switch notwithstanding) and 1.
+    # Evaluation (a forward per evaluation here, autograd off): 1 all-gather per group, the root's too.
+    for flags, k, steps, evaluations in ((["--max-steps", 4, "--async-save"], 1, 4, 1),
+                                         (["--accum-steps", 2], 2, 8, 2)):
+        _, _, folder = runs("lm_fsdp_tp", "cpu:4", *flags)
+        for rank, counts in enumerate(fsdp_counts(folder, 4)):
+            said = (k, rank, counts)
+            assert len(counts["steps"]) == steps, said
+            for step, groups in enumerate(counts["steps"], 1):
+                assert groups == {"blocks.0": {"all_gather": 2 * k, "reduce_scatter": 1},
+                                  "blocks.1": {"all_gather": 2 * k, "reduce_scatter": 1},
+                                  "root": {"all_gather": k, "reduce_scatter": 1}}, (step, said)
+            assert counts["eval_all_gathers"] == dict.fromkeys(("blocks.0", "blocks.1", "root"), evaluations), said
+            assert counts["after_last_step"] == {}, said  # model.pt's gathering is not FSDP2's: DTensor's
 
 
 @SLOW

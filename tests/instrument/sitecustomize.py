@@ -30,6 +30,14 @@ With LOG_LOADS_DIR set, each torch.load of a file appends {"rank", "file", "map_
 LOG_LOADS_DIR/<pid>.jsonl ("file" the base name, "map_location" its repr, "mmap" as passed): where a checkpoint's
 tensors went and whether the file was read or mapped (ddp_checkpoint's per-epoch reload of the weights; on this
 CPU-only box the recipe's device is the CPU too, so the repr tells map_location="cpu" from map_location=device).
+With COUNT_FSDP_DIR set, each process counts FSDP2's collectives per parameter group (fully_shard's unit: a block,
+or "root" for the root module's own parameters) and per training step (optimizer steps delimit them): the
+all-gathers FSDPParamGroup starts (foreach_all_gather: one for all of a group's parameters, before its forward, and
+before its backward where the forward resharded) and its reduce-scatters (foreach_reduce, in post_backward, where
+the group reduces its gradients), and writes COUNT_FSDP_DIR/rank<R>.json at each step and at exit:
+{"steps": [{group: {"all_gather": n, "reduce_scatter": n}}, one per step], "eval_all_gathers": {group: n} (forwards
+with autograd off, evaluation's), "after_last_step": what came after the last step}. A mesh dimension of one rank
+makes none (FSDP2 skips the collective).
 Processes that never import those modules (launch.sh's port picker) do not pay for importing torch.
 """
 
@@ -45,6 +53,13 @@ import weakref
 _DIR = os.environ.get("COUNT_DDP_DIR")
 _RNG_DIR = os.environ.get("LOG_RNG_DIR")
 _LOADS_DIR = os.environ.get("LOG_LOADS_DIR")
+_FSDP_DIR = os.environ.get("COUNT_FSDP_DIR")
+
+
+def _rank():
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
 
 
 def _patch(ddp_module):
@@ -183,6 +198,58 @@ def _patch_load(torch):
     torch.load = logged_load
 
 
+def _patch_fsdp(group_module):
+    """FSDPParamGroup's all-gathers and reduce-scatters, each counted under the group that starts it."""
+    import atexit
+
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    groups, current = group_module.FSDPParamGroup, threading.local()
+    record = {"steps": [], "eval_all_gathers": {}, "after_last_step": {}}
+
+    def name(group):
+        return (group._module_fqn or "root") if group is not None else "unknown"
+
+    def within(method):  # the group whose method runs: the collectives below are its
+        def run(self, *args, **kwargs):
+            outer, current.group = getattr(current, "group", None), self
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                current.group = outer
+        return run
+
+    def counting(kind, collective):
+        def counted(*args, **kwargs):
+            group = getattr(current, "group", None)
+            evaluating = (kind == "all_gather" and not torch.is_grad_enabled() and group is not None
+                          and group._training_state.name == "FORWARD")
+            if evaluating:
+                record["eval_all_gathers"][name(group)] = record["eval_all_gathers"].get(name(group), 0) + 1
+            else:
+                counts = record["after_last_step"].setdefault(name(group), {"all_gather": 0, "reduce_scatter": 0})
+                counts[kind] += 1
+            return collective(*args, **kwargs)
+        return counted
+
+    def write(*args):
+        with open(os.path.join(_FSDP_DIR, f"rank{_rank()}.json"), "w") as f:
+            json.dump(record, f)
+
+    def step_ends(*args):
+        record["steps"].append(record["after_last_step"])
+        record["after_last_step"] = {}
+        write()
+
+    for method in ("unshard", "post_backward"):
+        setattr(groups, method, within(getattr(groups, method)))
+    group_module.foreach_all_gather = counting("all_gather", group_module.foreach_all_gather)
+    group_module.foreach_reduce = counting("reduce_scatter", group_module.foreach_reduce)
+    register_optimizer_step_post_hook(step_ends)
+    atexit.register(write)
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     """Finds the modules in `patches` as usual, and patches each once it has run."""
 
@@ -211,7 +278,8 @@ _COUNTS = {"grad_allreduces": 0, "eval_forwards": 0, "scaler_host_reads": 0, "bu
 _PATCHES = {**({"torch.nn.parallel.distributed": _patch,
                 "torch.distributed.optim.zero_redundancy_optimizer": _patch_zero} if _DIR else {}),
             **({"torch.utils.data.dataloader": _patch_loader} if _RNG_DIR else {}),
-            **({"torch": _patch_load} if _LOADS_DIR else {})}
+            **({"torch": _patch_load} if _LOADS_DIR else {}),
+            **({"torch.distributed.fsdp._fully_shard._fsdp_param_group": _patch_fsdp} if _FSDP_DIR else {})}
 for _name in [name for name in _PATCHES if name in sys.modules]:  # imported already: a rank forked from
     _PATCHES.pop(_name)(sys.modules[_name])  # tests/warm_server.py, which imported torch before this ran
 if _PATCHES:
