@@ -1,7 +1,7 @@
 """The recipes' speed on one GPU against published references: throughput, the recipe's cost over a bare loop,
 torch.compile's gain, the language model's MFU at GPT-2 small's shape, and AMP's gain (issue 59).
 
-    python tools/gpu_bench.py --out bench/gpu.json --md bench/gpu_table.md   # one H100 or H200: about 5 minutes
+    python tools/gpu_bench.py --out bench/gpu.json --md bench/gpu_table.md   # one H100 or H200: sized for <= 8 min
 
 One process, world size 1, synthetic data made on the device (no download, no dataset). Every figure is the median
 of --steps timed steps after --warmup untimed ones, each step timed on the device (CUDA events recorded between
