@@ -21,6 +21,7 @@ validation windows: the last batch of 8 padded):
   weights to 1e-5.
 """
 
+import json
 import re
 import shutil
 
@@ -28,7 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import launch, load_recipe, max_diff, params, result_of, spawn_gloo
+from conftest import REPO, launch, load_recipe, max_diff, params, result_of, spawn_gloo
 from jobs import error_lines
 from lm_checks import check_args_refuses, one_process_val_loss, step_lines
 
@@ -45,17 +46,38 @@ GRAD_RTOL = 2e-6  # measured: 1.4e-7 of the largest gradient (5e-8 clipped); a m
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """launch(devices, *flags) once per (devices, flags) in this module: (the CompletedProcess, its --out-dir)."""
+    """launch(devices, *flags) once per (devices, flags) in this module: (the CompletedProcess, its --out-dir). An
+    lm_pp run logs each stage's forwards and backwards per schedule call into schedule_log(out) (tests/instrument's
+    LOG_PP_DIR)."""
     done = {}
 
     def run(recipe, devices, *flags):
         key = (recipe, devices, *map(str, flags))
         if key not in done:
             out = tmp_path_factory.mktemp(re.sub(r"\W+", "_", "-".join(key)))
-            done[key] = (launch(f"recipes/{recipe}.py", devices, *ARGS, *flags, "--out-dir", out), out)
+            env = None
+            if recipe == "lm_pp":
+                schedule_log(out).mkdir()
+                env = {"PYTHONPATH": str(REPO / "tests" / "instrument"), "LOG_PP_DIR": str(schedule_log(out))}
+            done[key] = (launch(f"recipes/{recipe}.py", devices, *ARGS, *flags, "--out-dir", out, env=env), out)
         return done[key]
 
     return run
+
+
+def schedule_log(out):
+    """Where runs() logs an lm_pp run's schedule calls: beside its --out-dir."""
+    return out.with_name(f"{out.name}_schedule")
+
+
+def schedule_calls(out, world):
+    """Each rank's schedule calls in an lm_pp run of runs(), in order: [{"stage", "kind": "step" or "eval",
+    "actions": [("F" or "B", microbatch), ...], ...}, ...] per rank."""
+    calls = []
+    for rank in range(world):
+        lines = [json.loads(line) for line in (schedule_log(out) / f"rank{rank}.jsonl").read_text().splitlines()]
+        calls.append([{**line, "actions": [tuple(action) for action in line["actions"]]} for line in lines])
+    return calls
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +118,51 @@ def test_the_pipeline_trains_the_one_process_model(runs, reference, devices, sch
     saved = sorted(p.name for p in (out / "checkpoint").iterdir())  # latest.pt and the last save's shards only
     assert len(saved) == 2 and saved[0] == "latest.pt" and saved[1].startswith("step_8-"), saved
     assert len(list((out / "checkpoint" / saved[1]).glob("*.distcp"))) == pp  # a file per stage
+
+
+@pytest.mark.slow  # the runs above, shared (alone: 6-20 s each)
+@pytest.mark.parametrize("devices", ["cpu:2", "cpu:4"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_each_stage_runs_its_microbatches_in_the_docstring_s_order(runs, devices, schedule):
+    # Recorded in the recipe's own processes (tests/instrument's LOG_PP_DIR: PipelineStage.forward_one_chunk and
+    # backward_one_chunk, in the order each stage ran them, per schedule.step), on the runs above (m = 2p
+    # microbatches: 4 on 2 stages, 8 on 4). Measured: every training step of every stage is tools/pp_schedule.py's
+    # executed_order for the same (schedule, p, m) (which the docstring's timeline comes from), and the docstring's
+    # rule: 1F1B, stage s of p runs p - s forwards, then one B and one F in turn (B first, of the oldest
+    # microbatch), then the last p - s Bs, holding p - s microbatches at most; GPipe every F then every B, holding m.
+    # Evaluation (schedule.eval): the m forwards in order, no backward.
+    from tools import pp_schedule
+
+    proc, out = runs("lm_pp", devices, "--schedule", schedule)
+    assert result_of(proc)["steps"] == 8
+    p = int(devices.split(":")[1])
+    m = 2 * p
+    want = pp_schedule.executed_order(schedule, p, m)
+    forwards = [("F", i) for i in range(m)]
+    for rank, calls in enumerate(schedule_calls(out, p)):
+        steps = [call for call in calls if call["kind"] == "step"]
+        evals = [call for call in calls if call["kind"] == "eval"]
+        assert len(steps) == 8 and len(evals) == 4, (rank, calls)  # 8 steps; 12 windows in batches of 8, twice
+        assert {(c["stage"], c["stages"], c["microbatches"]) for c in calls} == {(rank, p, m)}
+        assert {c["schedule"] for c in calls} == {"Schedule1F1B" if schedule == "1f1b" else "ScheduleGPipe"}
+        for call in steps:
+            assert call["actions"] == want[rank], (rank, call["actions"], want[rank])
+        if schedule == "1f1b":
+            warm = p - rank  # p - s forwards first
+            rule = forwards[:warm] + [a for i in range(m - warm) for a in (("B", i), ("F", warm + i))] + [
+                ("B", i) for i in range(m - warm, m)]
+        else:
+            rule = forwards + [("B", i) for i in range(m)]
+        assert want[rank] == rule, (rank, want[rank], rule)
+        held = peak = 0
+        for kind, _ in steps[0]["actions"]:
+            held += 1 if kind == "F" else -1
+            peak = max(peak, held)
+        assert peak == (p - rank if schedule == "1f1b" else m), (rank, peak)
+        assert all(call["actions"] == forwards for call in evals), (rank, evals)
+    doc = " ".join(load_recipe("lm_pp").__doc__.split())
+    assert ("1f1b: p - s forwards first (stage s of p), then one B and one F in turn (the oldest microbatch's "
+            "backward first") in doc
 
 
 @pytest.mark.slow  # two 2-process launches and one of 1: 20-50 s

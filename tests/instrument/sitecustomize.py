@@ -38,6 +38,11 @@ the group reduces its gradients), and writes COUNT_FSDP_DIR/rank<R>.json at each
 {"steps": [{group: {"all_gather": n, "reduce_scatter": n}}, one per step], "eval_all_gathers": {group: n} (forwards
 with autograd off, evaluation's), "after_last_step": what came after the last step}. A mesh dimension of one rank
 makes none (FSDP2 skips the collective).
+With LOG_PP_DIR set, each call of a torch.distributed.pipelining single-stage schedule's step() (or eval(), which
+calls it with backward off) appends {"rank", "stage", "stages", "schedule", "microbatches", "kind": "step" or
+"eval", "actions": [["F" or "B", microbatch], ...]} to LOG_PP_DIR/rank<R>.jsonl: the forwards and backwards the
+stage ran (PipelineStage.forward_one_chunk, backward_one_chunk where the stage has a backward: eval() calls it too,
+and it returns at once), in the order it ran them.
 Processes that never import those modules (launch.sh's port picker) do not pay for importing torch.
 """
 
@@ -54,6 +59,7 @@ _DIR = os.environ.get("COUNT_DDP_DIR")
 _RNG_DIR = os.environ.get("LOG_RNG_DIR")
 _LOADS_DIR = os.environ.get("LOG_LOADS_DIR")
 _FSDP_DIR = os.environ.get("COUNT_FSDP_DIR")
+_PP_DIR = os.environ.get("LOG_PP_DIR")
 
 
 def _rank():
@@ -250,6 +256,38 @@ def _patch_fsdp(group_module):
     atexit.register(write)
 
 
+def _patch_pipelining(schedules):
+    """Each single-stage schedule's step() (and eval()) logs the forwards and backwards its stage runs, in order."""
+    stage_base = sys.modules["torch.distributed.pipelining.stage"]._PipelineStageBase
+    single, running = schedules.PipelineScheduleSingle, [None]
+    step, forward, backward = single.step, stage_base.forward_one_chunk, stage_base.backward_one_chunk
+
+    def logged_step(self, *args, **kwargs):
+        kind, running[0] = "step" if self._has_backward else "eval", []
+        try:
+            return step(self, *args, **kwargs)
+        finally:
+            actions, running[0] = running[0], None
+            line = {"rank": _rank(), "stage": self._stage.stage_index, "stages": self._stage.num_stages,
+                    "schedule": type(self).__name__, "microbatches": self._n_microbatches, "kind": kind,
+                    "actions": actions}
+            with open(os.path.join(_PP_DIR, f"rank{_rank()}.jsonl"), "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+    def logged_forward(self, chunk, *args, **kwargs):
+        if running[0] is not None:
+            running[0].append(["F", chunk])
+        return forward(self, chunk, *args, **kwargs)
+
+    def logged_backward(self, chunk, *args, **kwargs):
+        if running[0] is not None and self.has_backward:  # eval(): the schedule calls it, and it returns at once
+            running[0].append(["B", chunk])
+        return backward(self, chunk, *args, **kwargs)
+
+    single.step = logged_step
+    stage_base.forward_one_chunk, stage_base.backward_one_chunk = logged_forward, logged_backward
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     """Finds the modules in `patches` as usual, and patches each once it has run."""
 
@@ -279,7 +317,8 @@ _PATCHES = {**({"torch.nn.parallel.distributed": _patch,
                 "torch.distributed.optim.zero_redundancy_optimizer": _patch_zero} if _DIR else {}),
             **({"torch.utils.data.dataloader": _patch_loader} if _RNG_DIR else {}),
             **({"torch": _patch_load} if _LOADS_DIR else {}),
-            **({"torch.distributed.fsdp._fully_shard._fsdp_param_group": _patch_fsdp} if _FSDP_DIR else {})}
+            **({"torch.distributed.fsdp._fully_shard._fsdp_param_group": _patch_fsdp} if _FSDP_DIR else {}),
+            **({"torch.distributed.pipelining.schedules": _patch_pipelining} if _PP_DIR else {})}
 for _name in [name for name in _PATCHES if name in sys.modules]:  # imported already: a rank forked from
     _PATCHES.pop(_name)(sys.modules[_name])  # tests/warm_server.py, which imported torch before this ran
 if _PATCHES:
