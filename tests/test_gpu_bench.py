@@ -75,6 +75,11 @@ def test_the_json_has_its_keys(run):
     assert {"tf32", "bf16", "speedup"} <= set(s["amp"])
     for name in ("lm_ddp", "lm_tp"):
         assert {"tokens_per_sec", "mfu", "flops_per_token", "n_matmul_params", "achieved_tflops"} <= set(s["lm"][name])
+    # where a step's time goes, for a missed goal's cause: the profiled ops of each measurement
+    for ops in (s["throughput"]["top_ops"], s["overhead"]["top_ops"]["recipe"], s["overhead"]["top_ops"]["bare"],
+                s["compile"]["compiled"]["top_ops"], s["lm"]["lm_ddp"]["top_ops"], s["lm"]["lm_tp"]["top_ops"]):
+        assert ops and {"op", "calls_per_step", "self_cpu_ms", "self_device_ms"} <= set(ops[0])
+        assert [o["self_cpu_ms"] for o in ops] == sorted((o["self_cpu_ms"] for o in ops), reverse=True)
 
 
 def test_every_number_is_finite_and_every_measure_positive(run):
@@ -83,7 +88,7 @@ def test_every_number_is_finite_and_every_measure_positive(run):
     assert found
     for path, value in found:
         assert math.isfinite(value), path
-        if not path.endswith(("graph_breaks", "warmup_steps")):
+        if not path.endswith(("graph_breaks", "warmup_steps")) and ".top_ops" not in path:  # an op may take 0 ms
             assert value > 0, path
 
 

@@ -31,6 +31,8 @@ that the long compile comes last):
  5 amp         the step of 1 in fp32 with TF32 on (torch_amp.py --amp-dtype tf32) against bf16: DLE's A100 80GB
                table has 938 images/s TF32 against 2,470 mixed precision, 2.63x.
 
+After each measurement's timed steps, 3 more run under torch.profiler: its JSON's top_ops, the ops that take the
+step's time on the device, from which a missed goal's cause is read (the timed steps are not profiled).
 Writes --out (JSON: the environment, the settings, every timed step of every measurement, the summaries) and
 prints a Markdown table (also --md FILE) with the reference or goal beside each figure and met / missed. A section
 that fails is reported in the table and the JSON, the others still run, and the exit code is 1. On the CPU
@@ -208,6 +210,30 @@ def interleaved(steps_by_name, warmup, steps, device, rounds=3):
         for name, step in steps_by_name.items():
             times[name] += timed(step, 0, size, device)
     return times
+
+
+def profiled(step, device, steps=3, top=12):
+    """Where one step's time goes, after the timed steps (it changes none of them): torch.profiler over `steps`
+    more steps, the `top` ops by their own time on the device (on the CPU, the host's), per step, in ms. What a
+    missed goal's 'why' is read from."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if device.type != "cuda":
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # torch's CUDA build on a machine without one: quiet
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        torch.get_device_module(device.type).synchronize()
+    rows = []
+    for e in prof.key_averages():
+        device_us = getattr(e, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(e, "self_cuda_time_total", 0)
+        rows.append({"op": e.key, "calls_per_step": e.count / steps,
+                     "self_cpu_ms": e.self_cpu_time_total / 1000 / steps, "self_device_ms": device_us / 1000 / steps})
+    key = "self_device_ms" if device.type == "cuda" else "self_cpu_ms"
+    return sorted(rows, key=lambda r: -r[key])[:top]
 
 
 # -------------------------------------------------------------------------------------------- data
@@ -488,9 +514,11 @@ def peak_mb(device):
 def run_throughput(args, device, cache):
     step = torch_amp_step(args, device, "bf16")
     times = timed(step, args.warmup, args.steps, device)
+    top_ops = profiled(step, device)
     cache["bf16"] = out = {"config": f"{args.arch}, bf16 autocast, channels-last, batch {args.batch_size}, "
                                      f"{args.image_size} px, DDP world 1, data on the device",
-                           **summary(times, args.warmup, args.batch_size, "images"), "peak_mem_mb": peak_mb(device)}
+                           **summary(times, args.warmup, args.batch_size, "images"), "peak_mem_mb": peak_mb(device),
+                           "top_ops": top_ops}
     out["anchor_images_per_sec"] = DLE["mixed_images_per_sec"]
     out["ratio_to_anchor"] = out["images_per_sec"] / DLE["mixed_images_per_sec"]
     return out
@@ -509,7 +537,7 @@ def run_amp(args, device, cache):
 
 
 def run_overhead(args, device, cache):
-    total = args.warmup * 2 + args.steps + 2  # the loader's epoch covers every step taken
+    total = args.warmup + args.steps + 8  # the loader's epoch covers every step taken, the profiled ones too
     steps = {"recipe": ddp_torchrun_step(args, device, total), "bare": bare_loop_step(args, device)}
     times = interleaved(steps, args.warmup, args.steps, device)
     recipe = summary(times["recipe"], args.warmup, args.batch_size, "images")
@@ -518,7 +546,7 @@ def run_overhead(args, device, cache):
                       f"images on the device, meters, harness) against a bare loop; {args.arch}, batch "
                       f"{args.batch_size}, {args.image_size} px; timed steps interleaved in rounds",
             "recipe": recipe, "bare": bare, "ratio": recipe["median_ms"] / bare["median_ms"],
-            "peak_mem_mb": peak_mb(device)}
+            "peak_mem_mb": peak_mb(device), "top_ops": {name: profiled(step, device) for name, step in steps.items()}}
 
 
 def run_compile(args, device, cache):
@@ -544,7 +572,7 @@ def run_compile(args, device, cache):
         first = time.perf_counter() - started
         times = timed(step, args.warmup, args.steps, device)
         result[name] = {**summary(times, args.warmup, args.batch_size, "images"), "first_step_s": first,
-                        "peak_mem_mb": peak_mb(device)}
+                        "peak_mem_mb": peak_mb(device), "top_ops": profiled(step, device)}
         if compiled:
             graphs, breaks = compiled_graphs()
             result[name].update(graphs=graphs, graph_breaks=sum(breaks.values()), break_reasons=dict(breaks))
@@ -570,6 +598,7 @@ def run_lm(args, device, cache, peak):
         step, n_matmul = lm_step(args, device, tp, stop_group)
         times = timed(step, args.warmup, args.steps, device)
         row = summary(times, args.warmup, args.lm_batch_size * args.lm_seq_len, "tokens")
+        row["top_ops"] = profiled(step, device)
         flops = lm_flops_per_token(args, n_matmul)
         row.update(n_matmul_params=n_matmul, flops_per_token=flops, peak_mem_mb=peak_mb(device),
                    achieved_tflops=row["tokens_per_sec"] * flops / 1e12,
@@ -706,8 +735,9 @@ def table(report, args):
     head = [f"GPU benchmark: {name}; driver {env['driver']}; torch {env['torch']}, CUDA {env['cuda']}; "
             f"{args.steps} timed steps after {args.warmup} warm-up, medians; {report['wall_s']:.0f} s in all",
             f"Command: `{report['command']}`"]
-    if peak:
-        head.append(f"MFU peak: {peak['tflops']} TFLOPS ({peak['source']})")
+    if "lm" in s:
+        head.append(f"MFU peak: {peak['tflops']} TFLOPS ({peak['source']})" if peak.get("tflops") else
+                    f"MFU peak: none ({peak.get('source')})")
     return "\n".join(head + [""] + lines) + "\n"
 
 
