@@ -221,10 +221,14 @@ def profiled(step, device, steps=3, top=12):
     if device.type != "cuda":
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # torch's CUDA build on a machine without one: quiet
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            step()
-        torch.get_device_module(device.type).synchronize()
+    try:
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                step()
+            torch.get_device_module(device.type).synchronize()
+    except Exception as exc:  # a profiler that cannot start here (CUPTI) costs the profile, not the measurement
+        return [{"op": f"profile failed: {type(exc).__name__}: {exc}"[:300], "calls_per_step": 0, "self_cpu_ms": 0,
+                 "self_device_ms": 0}]
     rows = []
     for e in prof.key_averages():
         device_us = getattr(e, "self_device_time_total", None)
