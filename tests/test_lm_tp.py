@@ -13,6 +13,9 @@ recipes/lm_ddp.py on 1 process is the reference, launched once. On 2 and 4 ranks
 - state_bytes_per_rank: exactly the slices (parameters, gradients, AdamW's two moments) plus the replicated norms and
   row-parallel biases: 346772 bytes a rank on 2, 177044 on 4, against lm_ddp's 686228 (the embeddings' gradients
   come back whole on every rank: without grads_as_params, 365204 and 204692).
+- tp 3 (--n-head 3 --d-model 24, against lm_ddp with the same): 256 bytes and 32 positions do not divide by 3;
+  DTensor cuts them 86, 86, 84 and 11, 11, 10, and every check above holds at the same tolerances (val_loss equal to
+  6 decimals, model.pt 3.2e-6 apart; state bytes 151316, 151316, 149396).
 - resume: --max-steps 4, then --resume auto on the same ranks gives the uninterrupted run's model.pt bitwise; the same
   checkpoint resumed on 4 ranks without --sequence-parallel, with --activation-checkpointing (DCP reshards), gives
   the reference's weights to 1e-5 (measured 1.5e-7).
@@ -40,6 +43,7 @@ from common.lm import Transformer
 from tools.lm_bench import comm_table
 
 MODEL = {"n_layer": 2, "n_head": 4, "d_model": 32, "block_size": 32}
+TP3_MODEL = {**MODEL, "n_head": 3, "d_model": 24}  # tp 3 divides the heads and the MLP, not 256 bytes or 32 positions
 ARGS = ["--n-layer", 2, "--n-head", 4, "--d-model", 32, "--block-size", 32, "--seq-len", 16, "--batch-size", 8,
         "--steps", 8, "--eval-every", 4, "--val-windows", 8]
 VAL_RTOL = 2e-6  # measured: equal to 6 decimals (< 1e-7)
@@ -50,15 +54,32 @@ STEP = {"n_layer": 2, "n_head": 4, "d_model": 32, "seq_len": 16, "batch": 4,  # 
 UNRESOLVED = "could not be resolved"  # parallelize_module's warning for a plan key that names no module: it only warns
 
 
-def expected_state_bytes(tp):
-    """Parameters, gradients and AdamW's exp_avg and exp_avg_sq (4 fp32 copies) of each rank's slices, the norms and
-    the row-parallel layers' biases whole (Replicate), plus AdamW's 4-byte step counter per parameter."""
-    model = Transformer(**MODEL)
-    whole = sum(p.numel() for n, p in model.named_parameters() if ".ln" in n or n.startswith("ln_f")
-                or n.endswith(("wo.bias", "proj.bias")))
-    cut = sum(p.numel() for p in model.parameters()) - whole
-    assert cut % tp == 0
-    return 16 * (cut // tp + whole) + 4 * len(list(model.parameters()))
+def expected_state_bytes(tp, model=MODEL):
+    """Per rank: parameters, gradients and AdamW's exp_avg and exp_avg_sq (4 fp32 copies) of the rank's slices, the
+    norms and the row-parallel layers' biases whole (Replicate), plus AdamW's 4-byte step counter per parameter. A
+    dimension tp does not divide (the 256 bytes of the embedding and the head, the positions of --block-size, on 3
+    ranks) is cut as DTensor's Shard cuts it (torch.chunk's way): ceil(n / tp) rows a rank, the last ranks what is
+    left (256 on 3: 86, 86, 84)."""
+    net = Transformer(**model)
+    cut_dim = {"tok_emb.weight": 0, "pos_emb.weight": 0, "head.weight": 0}  # RowwiseParallel embeddings; the head
+    for name, _ in net.named_parameters():
+        if name.endswith(("wq.weight", "wq.bias", "wk.weight", "wk.bias", "wv.weight", "wv.bias", "fc.weight",
+                          "fc.bias")):
+            cut_dim[name] = 0  # ColwiseParallel: by output
+        elif name.endswith(("wo.weight", "proj.weight")):
+            cut_dim[name] = 1  # RowwiseParallel: by input (its bias whole)
+    per_rank = []
+    for rank in range(tp):
+        held = 0
+        for name, param in net.named_parameters():
+            if name not in cut_dim:
+                held += param.numel()
+                continue
+            n = param.shape[cut_dim[name]]
+            chunk = -(-n // tp)
+            held += max(0, min(chunk, n - rank * chunk)) * param.numel() // n
+        per_rank.append(16 * held + 4 * len(list(net.parameters())))
+    return per_rank
 
 
 @pytest.fixture(scope="module")
@@ -85,12 +106,13 @@ def reference(runs):
 SLOW = pytest.mark.slow  # about 20 s each on 2 cores (4 ranks on 2 cores: 25 s); the first also runs the reference
 
 
-@pytest.mark.parametrize(("devices", "sp"), [("cpu:2", False), pytest.param("cpu:2", True, marks=SLOW),
-                                             pytest.param("cpu:4", False, marks=SLOW),
-                                             pytest.param("cpu:4", True, marks=SLOW)])
-def test_tensor_parallel_trains_the_one_process_model(runs, reference, devices, sp):
-    ref, ref_lines, ref_out = reference
-    proc, out = runs("lm_tp", devices, *(["--sequence-parallel"] if sp else []))
+def trains_the_one_process_model(runs, devices, flags, model, sp):
+    """lm_tp on `devices` with ARGS and `flags` (and --sequence-parallel if `sp`) against lm_ddp on 1 process with the
+    same: the RESULT keys, val_loss, the printed step lines, model.pt (and one process scoring it), each rank's state
+    bytes, the checkpoint folder. Returns (the largest weight difference, val_loss's relative difference)."""
+    ref_proc, ref_out = runs("lm_ddp", "cpu:1", *flags)
+    ref, ref_lines = result_of(ref_proc), step_lines(ref_proc.stdout)
+    proc, out = runs("lm_tp", devices, *flags, *(["--sequence-parallel"] if sp else []))
     result = result_of(proc)
     tp = int(devices.split(":")[1])
     assert (result["recipe"], result["world_size"], result["tp"], result["sequence_parallel"]) == ("lm_tp", tp, tp, sp)
@@ -103,16 +125,38 @@ def test_tensor_parallel_trains_the_one_process_model(runs, reference, devices, 
     for step, values in lines.items():
         for key, value in values.items():
             assert abs(value - ref_lines[step][key]) <= PRINTED_ATOL * max(1.0, abs(value)), (step, key, value)
-    assert max_diff(params(out / "model.pt"), params(ref_out / "model.pt")) <= WEIGHTS_ATOL
+    weights = max_diff(params(out / "model.pt"), params(ref_out / "model.pt"))
+    assert weights <= WEIGHTS_ATOL
     # model.pt is the full model: one process scores it as the run did (every rank, all windows, loss_parallel).
-    one_process = one_process_val_loss(out / "model.pt", MODEL, 16, 8)
+    one_process = one_process_val_loss(out / "model.pt", model, 16, 8)
     assert abs(one_process - result["val_loss"]) <= VAL_RTOL * result["val_loss"]
     # Each rank holds its slices only (gradients included: the embeddings' come back whole and are cut again).
-    assert ref["state_bytes_per_rank"] == [expected_state_bytes(1)]
-    assert result["state_bytes_per_rank"] == [expected_state_bytes(tp)] * tp
+    assert ref["state_bytes_per_rank"] == expected_state_bytes(1, model)
+    assert result["state_bytes_per_rank"] == expected_state_bytes(tp, model)
     assert max(result["state_bytes_per_rank"]) < ref["state_bytes_per_rank"][0]
     saved = sorted(p.name for p in (out / "checkpoint").iterdir())  # latest.pt and the last save's shards only
     assert len(saved) == 2 and saved[0] == "latest.pt" and saved[1].startswith("step_8-"), saved
+    return weights, abs(result["val_loss"] - ref["val_loss"]) / ref["val_loss"]
+
+
+@pytest.mark.parametrize(("devices", "sp"), [("cpu:2", False), pytest.param("cpu:2", True, marks=SLOW),
+                                             pytest.param("cpu:4", False, marks=SLOW),
+                                             pytest.param("cpu:4", True, marks=SLOW)])
+def test_tensor_parallel_trains_the_one_process_model(runs, devices, sp):
+    trains_the_one_process_model(runs, devices, [], MODEL, sp)
+    assert len(set(expected_state_bytes(int(devices.split(":")[1])))) == 1  # tp divides every cut dimension here
+
+
+@SLOW  # two launches, of 1 process and of 3: 25-40 s
+def test_tensor_parallel_on_3_ranks_cuts_the_bytes_and_positions_unevenly(runs):
+    # The docstring's `lm_tp.py 0,1,3 --n-head 6 --d-model 192`, small: 3 heads of 8, an MLP of 96 (3 divides both),
+    # where the 256 bytes of the embedding and the head and the 32 positions are cut 86, 86, 84 and 11, 11, 10
+    # (DTensor's Shard: ceil-sized pieces first). The same checks as above, at the same tolerances; measured: val_loss
+    # equal to the RESULT line's 6 decimals, model.pt 3.2e-6 from lm_ddp's (wk's bias, as above), the step lines equal,
+    # and each rank's state bytes its own slices': 151316, 151316 and 149396.
+    weights, val = trains_the_one_process_model(runs, "cpu:3", ["--n-head", 3, "--d-model", 24], TP3_MODEL, False)
+    print(f"tp 3: model.pt {weights:.2e} from lm_ddp's, val_loss {val:.1e} relative")
+    assert expected_state_bytes(3, TP3_MODEL) == [151316, 151316, 149396]  # the uneven slices: rank 2 holds less
 
 
 @SLOW
