@@ -35,6 +35,10 @@ class Edit:
     file: str = ""  # a file of common/ the edit goes into instead of the recipe (the recipe's tests guard it)
 
 
+# ShardFolders.start_async (fsdp.py and the sharded language models) pointing latest.pt at a save as it starts.
+NAMED_EARLY = ("        self.in_flight = (future, pointer, folder)\n",
+               "        self.in_flight = (future, pointer, folder)\n"
+               "        if torch.distributed.get_rank() == 0:\n            self.point_latest(pointer)\n")
 EDITS = [
     Edit("set_epoch", "no sampler.set_epoch(epoch): every epoch replays the same order",
          "train_sampler.set_epoch(epoch)", "pass"),
@@ -60,6 +64,8 @@ EDITS = [
          "model(empty)", "pass"),
     Edit("divergence_check", "no divergence check: a NaN run trains on, exits 0 and saves its NaN weights",
          "diverged.all_reduce_and_check(", "(lambda *args, **kwargs: None)("),
+    Edit("lm_divergence_check", "no divergence check: a NaN run trains on, exits 0 and saves its NaN weights",
+         "meter.all_reduce_and_check(", "(lambda *args, **kwargs: None)("),
     Edit("fused_sgd", "AMP with a for-each SGD: GradScaler reads the inf flag on the host every step (a GPU sync)",
          "weight_decay=5e-4, fused=", "weight_decay=5e-4, foreach="),
     Edit("bn_recompute", "eval with BatchNorm statistics that trail the weights (not recomputed from the last batches)",
@@ -151,7 +157,8 @@ EDITS = [
     Edit("preempt_vote", "each rank stops when SIGUSR1 reaches it, no vote: one saves while the others train",
          "stop = vote is not None and vote.wait() and ballot.item() > 0", "stop = bool(preempt)"),
     Edit("lm_preempt_vote", "each rank stops when SIGUSR1 reaches it, no vote: one saves while the others train",
-         "stop = vote is not None and vote.wait() and ballot.item() > 0", "stop = bool(preempt)"),
+         "agreed = self.work is not None and self.work.wait() and self.ballot.item() > 0",
+         "agreed = bool(self.flag)", file="common/harness.py"),
     Edit("resume_bucket_layout", "no backward before a resumed DDP run's first step: other buckets, other roundings",
          "model(torch.zeros(1, 3, args.image_size, args.image_size, device=device)).sum().backward()",
          "pass"),
@@ -169,18 +176,12 @@ EDITS = [
          "self._remaining_restarts = 0  # as torch does", "pass  # as torch does", file="tools/torchrun.py"),
     # Issue 43: --async-save (the crash while the thread writes: tests/test_fsdp.py, test_lm.py, test_lm_tp.py).
     Edit("async_named_early", "--async-save naming the shards in latest.pt as their write starts, not once written",
-         "            in_flight = (future, pointer, folder)\n",
-         "            in_flight = (future, pointer, folder)\n            if is_main:\n"
-         "                point_latest(pointer, checkpoints, latest)\n"),
+         *NAMED_EARLY, file="common/checkpoint.py"),
     Edit("lm_async_named_early", "--async-save naming the shards in latest.pt as their write starts, not once written",
-         "                in_flight = (future, pointer, folder)\n",
-         "                in_flight = (future, pointer, folder)\n                if is_main:\n"
-         "                    point_latest(pointer, checkpoints, latest)\n"),
+         *NAMED_EARLY, file="common/checkpoint.py"),
     Edit("lm_async_cpu_copy", "--async-save without the copy in CPU memory: the thread writes what later steps changed",
          "saver.submit(write_checkpoint, cpu_copy(state),", "saver.submit(write_checkpoint, state,"),
 ]
-# Edits that mean something in the language models too; the others are the image recipes' lessons.
-LM_TOO = {"divergence_check"}
 # The recipes whose tests guard an edit of common/ (Edit.file): the heads per rank matter only where heads are cut.
 FILE_EDIT_RECIPES = {"lm_tp", "lm_fsdp_tp"}
 
@@ -316,7 +317,7 @@ def main(argv=None):
                and (not e.file or e.name in ONE_RECIPE or r in FILE_EDIT_RECIPES)
                and (e.name not in ONE_RECIPE or r == ONE_RECIPE[e.name][0])
                and (e.name != "map_location" or r in RESUME_TESTS)
-               and (r.startswith("lm_") == e.name.startswith("lm_") or e.name in LM_TOO)]
+               and r.startswith("lm_") == e.name.startswith("lm_")]  # the language models' edits are lm_*
     print(f"{len(mutants)} mutants: each edit on each recipe that contains its text", flush=True)
     results = []
     for i, (recipe, edit) in enumerate(mutants, 1):
