@@ -234,9 +234,10 @@ class StepMeter:
 
         meter = harness.StepMeter(model, device, args.profile, args.out_dir, rank, forward=None)
                                                  the clock starts; own_ms: the data wait, and forward's where given
-                                                 (Throughput.watch: DDP's model.module)
+                                                 (Throughput.watch: DDP's model.module); model None: no own_ms
         meter.start()                            the clock runs again, after an evaluation stopped it
-        meter.step(step, loss, tokens)           after each optimizer step: no host sync
+        meter.step(step, loss, tokens)           after each optimizer step: no host sync; loss None where this rank
+                                                 has none (a pipeline stage before the last): the clock alone
         meter.all_reduce_and_check(step, model)  a NaN/inf loss or weight stops the run (exit 3): before eval, save
         meter.all_reduce_loss()                  the clock stops; the mean loss since the last call, with every rank's
                                                  own_ms in the same all-reduce
@@ -248,7 +249,8 @@ class StepMeter:
         self.device, self.loss, self.train_loss = device, AverageMeter(), None
         self.speed, self.diverged = Throughput(device), DivergenceCheck(device)
         self.profiler = Profiler(profile, out_dir, rank, device)  # --profile: steps 3-6
-        self.speed.watch(model, forward=forward)
+        if model is not None:
+            self.speed.watch(model, forward=forward)
         self.speed.start()
 
     def start(self):
@@ -256,8 +258,9 @@ class StepMeter:
             self.speed.start()
 
     def step(self, step, loss, tokens):
-        self.loss.update(loss, 1)  # a tensor: summed on the device, no sync per step
-        self.diverged.update(step, loss)
+        if loss is not None:
+            self.loss.update(loss, 1)  # a tensor: summed on the device, no sync per step
+            self.diverged.update(step, loss)
         self.speed.step(tokens)
         self.profiler.step()  # --profile: OUT_DIR/profile/trace_rankR.json
 

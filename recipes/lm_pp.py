@@ -304,8 +304,8 @@ def main():
     # ----------------------------------------------------------------------------------- train
     last = min(args.steps, start_step + (args.max_steps or args.steps))  # --max-steps: this run's
     # The loss, the clock (tokens/s, own_ms: each rank's own work), the NaN watch, --profile; the clock starts.
-    # New: no own_ms (a stage's forward waits for the one before; --profile shows the stages): an nn.Identity() watched
-    meter = harness.StepMeter(nn.Identity(), device, args.profile, args.out_dir, rank)  # New: never called, not model
+    # New: None: no own_ms (a stage's forward waits for the one before it; --profile shows each stage's time).
+    meter = harness.StepMeter(None, device, args.profile, args.out_dir, rank)
     vote = harness.StopVote(preempt, stop_group)  # SIGUSR1: every rank stops after the same step
     step, stop, train_loss, val_loss = start_step, False, None, None
     while step < last:
@@ -323,12 +323,9 @@ def main():
         optimizer.step()
         scheduler.step()
         step += 1
-        if stage.is_last:  # New: the loss is the last stage's alone
-            loss = torch.stack(losses).mean()  # New: the mean of m equal pieces' means: the batch's mean
-            meter.step(step, loss, args.batch_size * args.seq_len)  # tokens (bytes); no host sync
-        else:  # New: no loss here: the loss meter and the NaN watch stay at none (the check below all-reduces them)
-            meter.speed.step(args.batch_size * args.seq_len)  # the rest of meter.step: the clock and --profile
-            meter.profiler.step()
+        # New: the loss is the last stage's alone, the mean of m equal pieces' means: the batch's mean.
+        loss = torch.stack(losses).mean() if stage.is_last else None
+        meter.step(step, loss, args.batch_size * args.seq_len)  # tokens (bytes); no host sync
         saves.finish_async(only_if_done=True)  # New: written? latest.pt names it now (each rank at its own step)
         stop = vote.all_reduce_max()  # the vote started a step ago: every rank the same answer at the same step
         evaluating = step % args.eval_every == 0 or step == last

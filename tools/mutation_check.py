@@ -181,6 +181,25 @@ EDITS = [
          *NAMED_EARLY, file="common/checkpoint.py"),
     Edit("lm_async_cpu_copy", "--async-save without the copy in CPU memory: the thread writes what later steps changed",
          "saver.submit(write_checkpoint, cpu_copy(state),", "saver.submit(write_checkpoint, state,"),
+    # Issue 58: what the language models teach (tests/test_lm*.py measure it in the recipes' own processes).
+    Edit("lm_model_pt_atomic", "same numbers, model.pt written in place: a kill mid-write leaves it truncated",
+         'save_atomic(state["model"], os.path.join(out_dir, "model.pt"))',
+         'torch.save(state["model"], os.path.join(out_dir, "model.pt"))'),
+    Edit("lm_model_pt_atomic_sharded", "same numbers, model.pt written in place: a kill mid-write leaves it truncated",
+         'save_atomic(full, os.path.join(args.out_dir, "model.pt"))',
+         'torch.save(full, os.path.join(args.out_dir, "model.pt"))'),
+    Edit("lm_fsdp_block_kept", "same numbers, FSDP2's blocks kept gathered from forward to backward: one all-gather a "
+         "block, a whole tp slice of every block held", '        fully_shard(block, mesh=mesh["dp"])',
+         '        fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)'),
+    Edit("lm_fsdp_root_resharded", "same numbers, the root resharded after forward: gathered again for backward",
+         '    fully_shard(model, mesh=mesh["dp"])',
+         '    fully_shard(model, mesh=mesh["dp"], reshard_after_forward=True)'),
+    Edit("lm_pp_1f1b_is_gpipe", "same numbers, --schedule 1f1b running GPipe: every microbatch's activations held",
+         'SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}',
+         'SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": ScheduleGPipe}'),
+    Edit("lm_tp_refuses_3", "lm_tp refusing --tp 3, which its docstring runs (256 bytes cut 86/86/84)",
+         "    if args.sequence_parallel and args.seq_len % args.tp:  # New",
+         "    if 256 % args.tp or args.sequence_parallel and args.seq_len % args.tp:  # New"),
 ]
 # The recipes whose tests guard an edit of common/ (Edit.file): the heads per rank matter only where heads are cut.
 FILE_EDIT_RECIPES = {"lm_tp", "lm_fsdp_tp"}
@@ -206,6 +225,12 @@ ONE_RECIPE = {"async_named_early": ("fsdp", ["tests/test_fsdp.py", *ASYNC_CRASH]
               "lm_preempt_vote": ("lm_ddp", ["tests/test_lm.py", "-k", "sigusr1"]),
               "resume_bucket_layout": ("ddp_checkpoint", [PREEMPT, "-k", "3-self"]),
               "lm_resume_bucket_layout": ("lm_ddp", ["tests/test_lm.py", "-k", "sigusr1"]),
+              "lm_model_pt_atomic": ("lm_ddp", ["tests/test_lm.py", "-k", "model_pt"]),
+              "lm_model_pt_atomic_sharded": ("lm_tp", ["tests/test_lm_tp.py", "-k", "model_pt"]),
+              "lm_fsdp_block_kept": ("lm_fsdp_tp", ["tests/test_lm_fsdp_tp.py", "-k", "all_gathers"]),
+              "lm_fsdp_root_resharded": ("lm_fsdp_tp", ["tests/test_lm_fsdp_tp.py", "-k", "all_gathers"]),
+              "lm_pp_1f1b_is_gpipe": ("lm_pp", ["tests/test_lm_pp.py", "-k", "order"]),
+              "lm_tp_refuses_3": ("lm_tp", ["tests/test_lm_tp.py", "-k", "3_ranks"]),
               # In epoch 1 a fresh run's workers draw the same streams again: the stop in epoch 2 tells.
               "seeded_samples": ("ddp_checkpoint", [PREEMPT, "-k", "3-self"]),
               "skip_first": ("ddp_checkpoint", [PREEMPT, "-k", "2-launcher"]),
