@@ -9,6 +9,7 @@ import shutil
 import signal
 
 import torch
+import torch.distributed
 
 from common.utils import OneLineError, first_line, human, print0
 
@@ -179,6 +180,82 @@ def dcp_failure(exc, folder=None):
         return (f"a write failed: a full disk, a quota or an I/O error ({said.strip()}); "
                 f"{_free(os.path.join(folder, 'x'))} free there")
     return said
+
+
+class ShardFolders:
+    """OUT_DIR/checkpoint/, the sharded checkpoints of fsdp.py and the language models: one folder of DCP shards per
+    save, PREFIX_N-RUN (a step or an epoch, then the run's tag, which the recipe broadcasts: no save overwrites the
+    folder latest.pt names, so a failed save leaves it whole), and latest.pt, written by rank 0 atomically once every
+    rank's shards are written, naming the newest; older folders then go. The dcp calls stay in the recipe. Local:
+    no collective (an async save's thread makes its own, on its own group; finish_async waits for them).
+
+        saves = ShardFolders(args.out_dir, run_tag, "step")
+        folder = saves.folder(step)                   this save's shards (the pointer's "shards": its name)
+        saves.point_latest(pointer)                   rank 0, once dcp.save returned on every rank
+        raise saves.failure(exc, folder) from exc     a dcp.CheckpointException (a full disk): one line
+        dcp.async_save(..., async_stager=saves.stager(), ...)   copies to plain CPU memory (below)
+        saves.start_async(future, pointer, folder)    dcp.async_save's future: one save in flight
+        saves.finish_async(only_if_done=False)        waits for it; then rank 0 points latest.pt at it
+        raise saves.load_failure(exc, path) from exc  a dcp.load that failed: one line"""
+
+    def __init__(self, out_dir, run_tag, prefix):
+        self.root = os.path.join(out_dir, "checkpoint")
+        self.latest = os.path.join(self.root, "latest.pt")
+        self.run_tag, self.prefix, self.in_flight, self._stager = run_tag, prefix, None, None
+
+    def folder(self, n):
+        return os.path.join(self.root, f"{self.prefix}_{n}-{self.run_tag}")
+
+    def point_latest(self, pointer):
+        """Rank 0, once every rank's shards are written: latest.pt (atomically) names them; older folders go."""
+        save_atomic(pointer, self.latest)
+        for old in os.listdir(self.root):  # older shards (a save before, an earlier run's, a killed save's)
+            if old.startswith(f"{self.prefix}_") and old != pointer["shards"]:
+                shutil.rmtree(os.path.join(self.root, old), ignore_errors=True)
+
+    def failure(self, exc, folder):
+        return SaveError(f"cannot write the shards in {folder} ({dcp_failure(exc, self.root)}): {self.latest}, if "
+                         "any, still points at the previous ones; free some space, then --resume")
+
+    def load_failure(self, exc, path):
+        return CheckpointError(f"cannot load the shards in {path} ({dcp_failure(exc)}): a shard file is missing or "
+                               "truncated, or they hold another model")
+
+    def stager(self):
+        """dcp.async_save's stager: the shards copied to plain CPU memory (training waits for that alone), closed
+        once written. Not pinned or shared memory, no copy-ahead from a GPU in the writer (else that thread opens a
+        CUDA stream on GPU 0, on every rank); named, as the writer is a stager itself whose staging copies twice."""
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self._stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                    use_async_staging=False, use_non_blocking_copy=False))
+        return self._stager
+
+    def start_async(self, future, pointer, folder):
+        """dcp.async_save's future, its pointer and folder: the save in flight (the last one finished first)."""
+        if self._stager is not None:  # its CPU copies go once written
+            future.add_done_callback(lambda _, stager=self._stager: stager.close())
+            self._stager = None
+        self.in_flight = (future, pointer, folder)
+
+    def finish_async(self, only_if_done=False):
+        """Every rank: wait for the save in flight to end (its thread's collectives: every rank's shards and the
+        metadata written); then rank 0 names it in latest.pt. only_if_done: only if it has ended already (each rank
+        at its own step: no collective here). True if a save was finished."""
+        if self.in_flight is None or (only_if_done and not self.in_flight[0].done()):
+            return False
+        from torch.distributed.checkpoint import CheckpointException  # here: only the sharded recipes import DCP
+
+        (future, pointer, folder), self.in_flight = self.in_flight, None
+        try:
+            future.result()
+        except CheckpointException as exc:
+            raise self.failure(exc, folder) from exc
+        if torch.distributed.get_rank() == 0:  # done on rank 0: every rank's shards and the metadata are written
+            self.point_latest(pointer)
+            said = folder if self.prefix == "epoch" else f"{self.latest} at step {pointer['step']}"
+            print0(f"saved: {said} (written in the background)")
+        return True
 
 
 def load_weights(model, state, path):

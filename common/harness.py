@@ -26,6 +26,11 @@ as one name, so every such line reads `harness.NAME(...)` and shows itself for w
     harness.gather_profile_table(...)     each rank's share of compute, communication, data, optimizer, idle: a
                                           COLLECTIVE (all-gather)
     harness.gather_result_line(...)       the RESULT line tests and benchmarks read: a COLLECTIVE (all-gather)
+    harness.StopVote(flag, group)         the language models' SIGUSR1 vote: its all_reduce_max() is a COLLECTIVE
+                                          (ddp_checkpoint.py writes the same lines out: the lesson is there)
+    harness.StepMeter(...)                the language models' loop plumbing in one object: the loss meter, the
+                                          divergence watch, the clock (tokens/s, own_ms, ETA) and --profile; local
+                                          but for its methods named for their collective
 
 No function here performs a collective unless its name says so (all_reduce, broadcast, gather, or process_group:
 it makes one): everything else is local and safe under `if is_main:` (tests/test_harness.py walks common/ and runs
@@ -46,6 +51,7 @@ from common.outputs import broadcast_out_dir_check, held_state_bytes, state_byte
 from common.profiling import Profiler, gather_profile_table
 from common.tensorboard_log import TensorBoard
 from common.utils import (
+    AverageMeter,
     DivergenceCheck,
     Throughput,
     die,
@@ -199,7 +205,94 @@ def gather_result_line(device, speed, model, optimizer, peaks=None, rate_key="im
                        first_step_end_unix=speed.first_step_at)
 
 
-__all__ = ["DivergenceCheck", "Profiler", "TensorBoard", "Throughput", "add_flags", "add_profile_flag",
-           "broadcast_out_dir_check", "check_compiler", "check_epochs_left", "check_flags", "check_full_batch",
-           "check_gpu", "default_workers", "die", "gather_profile_table", "gather_result_line", "one_line_errors",
-           "peak_memory_mb", "state_bytes"]
+class StopVote:
+    """SIGUSR1 (a scheduler's warning, docs/clusters.md) reaches the ranks at different times, and they must stop after
+    the same step. all_reduce_max() after each step starts an all-reduce (MAX) of this rank's `flag` on `group`, a gloo
+    group of its own (it runs beside the step's collectives), and returns the vote started one step earlier, which
+    ran under this step: no step waits for it, and every rank reads the same vote at the same step. wait() after the
+    loop: the last vote ends (every rank started as many). ddp_checkpoint.py writes these lines out in its loop."""
+
+    def __init__(self, flag, group):
+        self.flag, self.group, self.work, self.ballot = flag, group, None, None
+
+    def all_reduce_max(self):
+        """A COLLECTIVE (async): True on every rank once any rank's flag was set a step ago."""
+        agreed = self.work is not None and self.work.wait() and self.ballot.item() > 0
+        self.ballot = torch.tensor([float(bool(self.flag))])
+        self.work = dist.all_reduce(self.ballot, dist.ReduceOp.MAX, group=self.group, async_op=True)
+        return agreed
+
+    def wait(self):
+        if self.work is not None:
+            self.work.wait()
+
+
+class StepMeter:
+    """The language models' loop plumbing, one object: the training loss (an AverageMeter summed on the device), the
+    divergence watch (DivergenceCheck), the clock (Throughput: tokens/s after the first step, own_ms, the ETA) and
+    --profile (Profiler). Local, but for the methods whose names say their collective.
+
+        meter = harness.StepMeter(model, device, args.profile, args.out_dir, rank, forward=None)
+                                                 the clock starts; own_ms: the data wait, and forward's where given
+                                                 (Throughput.watch: DDP's model.module); model None: no own_ms
+        meter.start()                            the clock runs again, after an evaluation stopped it
+        meter.step(step, loss, tokens)           after each optimizer step: no host sync; loss None where this rank
+                                                 has none (a pipeline stage before the last): the clock alone
+        meter.all_reduce_and_check(step, model)  a NaN/inf loss or weight stops the run (exit 3): before eval, save
+        meter.all_reduce_loss()                  the clock stops; the mean loss since the last call, with every rank's
+                                                 own_ms in the same all-reduce
+        meter.fields(steps_left)                 the eval line's "tok/s=... eta=... own_ms=..."
+        meter.stop()                             the clock, and --profile's trace written
+        meter.gather_profile_table(), meter.gather_result_line(model, optimizer, **fields)"""
+
+    def __init__(self, model, device, profile, out_dir, rank, forward=None):
+        self.device, self.loss, self.train_loss = device, AverageMeter(), None
+        self.speed, self.diverged = Throughput(device), DivergenceCheck(device)
+        self.profiler = Profiler(profile, out_dir, rank, device)  # --profile: steps 3-6
+        if model is not None:
+            self.speed.watch(model, forward=forward)
+        self.speed.start()
+
+    def start(self):
+        if self.speed._epoch_start is None:  # stopped (or never started): a save between evaluations stays timed
+            self.speed.start()
+
+    def step(self, step, loss, tokens):
+        if loss is not None:
+            self.loss.update(loss, 1)  # a tensor: summed on the device, no sync per step
+            self.diverged.update(step, loss)
+        self.speed.step(tokens)
+        self.profiler.step()  # --profile: OUT_DIR/profile/trace_rankR.json
+
+    def all_reduce_and_check(self, step, model):
+        """A COLLECTIVE (an all-reduce, MIN): every rank calls it at the same steps."""
+        self.diverged.all_reduce_and_check(None, step, model=model)
+
+    def all_reduce_loss(self):
+        """A COLLECTIVE (an all-reduce): the mean training loss over every rank since the last call."""
+        self.speed.stop()
+        self.loss.all_reduce(self.device, ride=self.speed)  # with every rank's own_ms: one all-reduce
+        self.train_loss, self.loss = self.loss.avg, AverageMeter()
+        return self.train_loss
+
+    def fields(self, steps_left):
+        speed = self.speed
+        return f"tok/s={speed.images_per_sec:.0f} eta={speed.eta(steps_left)}{speed.spread}"
+
+    def stop(self):
+        self.speed.stop()
+        self.profiler.stop()  # --profile: writes the steps it recorded
+
+    def gather_profile_table(self):
+        """A COLLECTIVE (an all-gather): every rank's compute, communication, data, idle; for rank 0 to print."""
+        return gather_profile_table(self.profiler, self.device)
+
+    def gather_result_line(self, model, optimizer, **fields):
+        """A COLLECTIVE (two all-gathers): the RESULT line, with tokens/s."""
+        return gather_result_line(self.device, self.speed, model, optimizer, rate_key="tokens_per_sec", **fields)
+
+
+__all__ = ["DivergenceCheck", "Profiler", "StepMeter", "StopVote", "TensorBoard", "Throughput", "add_flags",
+           "add_profile_flag", "broadcast_out_dir_check", "check_compiler", "check_epochs_left", "check_flags",
+           "check_full_batch", "check_gpu", "default_workers", "die", "gather_profile_table", "gather_result_line",
+           "one_line_errors", "peak_memory_mb", "state_bytes"]

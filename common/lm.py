@@ -22,6 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from common.harness import add_profile_flag
+
 CORPUS_LIST = Path(__file__).with_name("lm_corpus.txt")
 VAL_FRACTION = 0.05
 VOCAB = 256  # bytes
@@ -221,3 +223,50 @@ def check_model_flags(n_layer, n_head, d_model, seq_len, block_size, parallel=1,
 
 def bits_per_byte(nats):
     return nats / math.log(2)
+
+
+# ------------------------------------------------------------------------------------------ flags
+# What a resumed run must share with the run that saved (the model, the data and the schedule); not the world size,
+# nor a layout flag (--tp, --pp, --dp, ...: the sharded checkpoints reshard).
+SAME_ON_RESUME = ("text", "n_layer", "n_head", "d_model", "block_size", "seq_len", "batch_size", "steps",
+                  "warmup_steps", "lr", "weight_decay", "clip_grad", "seed", "amp_dtype")
+
+
+def add_flags(p, name, sharded=False):
+    """The flags every language-model recipe shares: the model's shape, the text, the schedule, AdamW, evaluation,
+    checkpoints and the harness's own. Each recipe adds --batch-size (whose split is its lesson) and its layout flags.
+    sharded: OUT_DIR/checkpoint/ holds DCP shards and a latest.pt naming them (lm_tp, lm_pp, lm_fsdp_tp)."""
+    p.add_argument("--text", help="a UTF-8 file or a folder of them (default: the Python standard library's source)")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=256, help="positions the model has: the longest --seq-len")
+    p.add_argument("--seq-len", type=int, default=128, help="bytes per training sequence")
+    p.add_argument("--steps", type=int, default=1000, help="optimizer steps: the schedule's length")
+    p.add_argument("--warmup-steps", type=int, help="linear warm-up, then cosine to 0 (default: --steps / 20; at most "
+                   "--steps / 3)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's, on the weight matrices only")
+    p.add_argument("--clip-grad", type=float, default=1.0, help="clip the gradient's global norm to this")
+    p.add_argument("--amp-dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast, no loss scaler")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
+    p.add_argument("--eval-every", type=int, default=250, help="validate (and save) every N steps, and at the end")
+    p.add_argument("--save-every", type=int, help="also save every N steps between evaluations; "
+                   "SIGUSR1 saves at the next step and exits 75")
+    p.add_argument("--async-save", action="store_true", help=(
+        "write each checkpoint's shards from a thread while training goes on (dcp.async_save); one save in flight; "
+        "model.pt at the end (or a stop)" if sharded else
+        "write each checkpoint from a thread while training goes on (a copy in CPU memory first); one save in flight"))
+    p.add_argument("--val-windows", type=int, default=128, help="validation windows of --seq-len (fixed)")
+    p.add_argument("--seed", type=int, default=0)
+    latest = "checkpoint/latest.pt" if sharded else "latest.pt"
+    p.add_argument("--out-dir", default=f"runs/{name}", help="model.pt and " + (
+        "checkpoint/ (sharded; latest.pt: the resume point)" if sharded else "latest.pt (the resume point)"))
+    p.add_argument("--resume", help=f"{latest} of an earlier run, or 'auto': OUT_DIR/{latest} if it exists"
+                   + ("; any number of ranks, any layout" if sharded else ""))
+    p.add_argument("--max-steps", type=int, help="train at most this many steps in this run, then save (a short run: "
+                   "the same command with --resume auto goes on)")
+    p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
+    p.add_argument("--debug-collectives", action="store_true", help="each collective first checks that every rank "
+                   "called the same one, with the same shapes (torch's DETAIL level; slow)")
+    add_profile_flag(p)  # --profile: a trace per rank and where each rank's step time goes

@@ -48,8 +48,6 @@ import collections
 import copy
 import datetime
 import os
-import secrets
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -72,7 +70,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common import harness  # plumbing, not the lesson: every line that uses it says so
-from common.checkpoint import CheckpointError, SaveError, dcp_failure, find_resume, load_checkpoint, save_atomic
+from common.checkpoint import ShardFolders, find_resume, load_checkpoint
 from common.data import add_data_flags, build_datasets, prepare_dataset
 from common.models import build_model, recomputed_batchnorm
 from common.schedule import warmup_cosine
@@ -162,40 +160,13 @@ def rng_state(device):  # New
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
 
 
-def point_latest(pointer, checkpoints, latest):  # New
-    """Rank 0, once every rank's shards are written: latest.pt (atomically) names them; older shard folders go."""
-    save_atomic(pointer, latest)
-    for old in os.listdir(checkpoints):  # older shards (an epoch before, an earlier run's, a killed save's): not named
-        if old.startswith("epoch_") and old != pointer["shards"]:
-            shutil.rmtree(os.path.join(checkpoints, old), ignore_errors=True)
-
-
-def shard_failure(exc, folder, latest):  # New
-    return SaveError(f"cannot write the shards in {folder} ({dcp_failure(exc, os.path.dirname(folder))}): {latest}, "
-                     "if any, still points at the previous ones; free some space, then --resume")
-
-
-def finish_async_save(in_flight, checkpoints, latest):  # New
-    """Every rank: wait for the save in flight to end (its thread's collectives: every rank's shards written); then
-    rank 0 names it in latest.pt. Called once it is done (a step sees it) or before the next save and at the end."""
-    future, pointer, folder = in_flight
-    try:
-        future.result()
-    except dcp.CheckpointException as exc:
-        raise shard_failure(exc, folder, latest) from exc
-    if dist.get_rank() == 0:  # done on rank 0: every rank's shards and the metadata are written
-        point_latest(pointer, checkpoints, latest)
-        print0(f"saved: {folder} (written in the background)")
-
-
-def load_shards(model, optimizer, path):
+def load_shards(model, optimizer, path, saves):
     """Every rank reads its part of the sharded checkpoint at `path`, however many ranks wrote it (DCP reshards)."""
     model_state, optim_state = get_state_dict(model, optimizer)  # this world's layout, filled in by load
     try:
         dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
     except dcp.CheckpointException as exc:  # a BaseException: `except Exception` would let it through
-        raise CheckpointError(f"cannot load the shards in {path} ({dcp_failure(exc)}): a shard file is missing or "
-                              "truncated, or they hold another model") from exc
+        raise saves.load_failure(exc, path) from exc
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
 
@@ -290,15 +261,16 @@ def main():
     # After fully_shard: the optimizer must hold the sharded (DTensor) parameters, and its state is sharded too.
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
     scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs)  # per step
-    checkpoints = os.path.join(args.out_dir, "checkpoint")
-    latest = os.path.join(checkpoints, "latest.pt")
     # Shard folders epoch_N-RUN: no save overwrites the one latest.pt points at, so a failed save leaves it whole.
-    run_tag = [secrets.token_hex(3)]
+    run_tag = [os.urandom(3).hex()]
     dist.broadcast_object_list(run_tag, src=0)  # every rank writes into the same folder
-    run_tag = run_tag[0]
+    # OUT_DIR/checkpoint/: the shard folders and latest.pt, which rank 0 points at the newest whole one, an async save
+    # in flight (common/checkpoint.py: no collective)
+    saves = ShardFolders(args.out_dir, run_tag[0], "epoch")
+    latest = saves.latest
     # New: --async-save's writer thread makes collectives (the plan, the results) while training makes its own: on a
     # group of their own, so the two never interleave. A CPU backend: async_save refuses a group without one.
-    save_group, in_flight = (dist.new_group(backend="gloo", timeout=timeout) if args.async_save else None), None
+    save_group = dist.new_group(backend="gloo", timeout=timeout) if args.async_save else None
     start_epoch, step, best_acc1 = 0, 0, float("-inf")
     resume = find_resume(args.resume, latest)  # 'auto': latest.pt if there is one (what MAX_RESTARTS reruns)
     if resume:
@@ -307,7 +279,7 @@ def main():
         for flag in ("arch", "epochs"):  # another model does not fit the shards; the cosine schedule was laid out
             if ckpt["args"][flag] != getattr(args, flag):  # for that many epochs
                 harness.die(f"{resume} was trained with --{flag} {ckpt['args'][flag]}; resume with the same --{flag}")
-        load_shards(model, optimizer, os.path.join(os.path.dirname(resume), ckpt["shards"]))
+        load_shards(model, optimizer, os.path.join(os.path.dirname(resume), ckpt["shards"]), saves)
         start_epoch, step, best_acc1 = ckpt["epoch"], ckpt["step"], ckpt["best_acc1"]
         # The schedule goes by this run's steps per epoch (another world size or batch counts others).
         scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs,
@@ -364,9 +336,8 @@ def main():
                 diverged.all_reduce_and_check(epoch, step)  # a collective: one verdict everywhere
             speed.step(args.batch_size)
             prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
-            if in_flight is not None and in_flight[0].done():  # New: written: latest.pt names it now, not a save later
-                finish_async_save(in_flight, checkpoints, latest)  # no collective: each rank at its own step
-                in_flight, diverged.last_good = None, latest
+            if saves.finish_async(only_if_done=True):  # New: written: latest.pt names it now (each rank at its step)
+                diverged.last_good = latest
             if step >= total_steps:
                 break
         epoch_time = speed.stop()  # waits for the device: the host clock runs ahead of queued GPU work
@@ -398,14 +369,13 @@ def main():
         rngs = [None] * world_size
         dist.all_gather_object(rngs, rng_state(device))  # a collective: every rank calls it
         best_acc1 = max(best_acc1, val_acc1)  # val_acc1 is all-reduced, so every rank agrees
-        shards = f"epoch_{epoch + 1}-{run_tag}"
+        folder, started = saves.folder(epoch + 1), time.perf_counter()
         model_state, optim_state = get_state_dict(model, optimizer)  # DTensors: each rank's own shard
-        pointer = {"shards": shards, "scheduler": copy.deepcopy(scheduler.state_dict()), "epoch": epoch + 1,
-                   "step": step, "best_acc1": best_acc1, "rng": rngs, "args": vars(args)}  # what latest.pt will say
-        folder, started = os.path.join(checkpoints, shards), time.perf_counter()
+        pointer = {"shards": os.path.basename(folder), "scheduler": copy.deepcopy(scheduler.state_dict()),
+                   "epoch": epoch + 1, "step": step, "best_acc1": best_acc1, "rng": rngs,
+                   "args": vars(args)}  # what latest.pt will say
         if args.async_save:  # New: one save in flight: the last one ends, and latest.pt names it, before the next
-            if in_flight is not None:
-                finish_async_save(in_flight, checkpoints, latest)
+            if saves.finish_async():
                 diverged.last_good = latest
             # Staged: copied to CPU memory now (training changes the weights next), then written by a thread. Its
             # writer copies nothing ahead from a GPU (else that thread opens a CUDA stream on GPU 0, on every rank);
@@ -416,21 +386,20 @@ def main():
             future = dcp.async_save({"model": model_state, "optimizer": optim_state}, storage_writer=writer,
                                     async_stager=stager, process_group=save_group)
             future.add_done_callback(lambda _, stager=stager: stager.close())  # its CPU copies go once written
-            in_flight = (future, pointer, folder)
+            saves.start_async(future, pointer, folder)
             print0(f"saving: {folder} in the background; training waited {time.perf_counter() - started:.3f} s")
         else:
             try:
                 dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=folder)
             except dcp.CheckpointException as exc:  # a full disk, on any rank: every rank gets it
-                raise shard_failure(exc, folder, latest) from exc
+                raise saves.failure(exc, folder) from exc
             if is_main:  # dcp.save returned on every rank: all shards are written. Now point latest.pt at them.
-                point_latest(pointer, checkpoints, latest)
+                saves.point_latest(pointer)
             print0(f"saved: {folder}; training waited {time.perf_counter() - started:.3f} s")
             diverged.last_good = latest
         if step >= total_steps:
             break
-    if in_flight is not None:  # New: the last save in flight ends (and latest.pt names it) before the job does
-        finish_async_save(in_flight, checkpoints, latest)
+    saves.finish_async()  # New: the last save in flight ends (and latest.pt names it) before the job does
     # ------------------------------------------------------------------------------------ save
     # The full weights, gathered shard by shard onto rank 0's CPU (a collective: every rank calls it; the others
     # get an empty dict). Plain tensors, no prefix: they load into build_model(arch, classes, image_size) anywhere.

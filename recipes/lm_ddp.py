@@ -22,7 +22,8 @@ What it shows, against ddp_torchrun.py (diff them: the lesson is what a transfor
 - --activation-checkpointing: each block's activations are recomputed in backward instead of kept (the
   non-reentrant torch.utils.checkpoint: under DDP the reentrant one fails with "Expected to mark a variable ready
   only once" when a block is checkpointed twice or a parameter is unused; docs/lm.md).
-`harness.` lines are plumbing, not the lesson (common/harness.py); siblings of lm_ddp.py mark theirs `# New:`.
+Plumbing, not the lesson: `harness.` lines and the two harness objects `meter` (the loss, the clock, the NaN watch,
+--profile) and `vote` (SIGUSR1's stop vote); common/harness.py. The siblings of lm_ddp.py mark theirs `# New:`.
 """
 # launcher: torchrun
 
@@ -42,61 +43,18 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
-from common import harness  # plumbing, not the lesson: every line that uses it says so
+from common import harness, lm  # not the lesson: harness. lines are plumbing, lm. lines the workload (text, model)
 from common.checkpoint import EX_TEMPFAIL, SignalFlag, cpu_copy, find_resume, load_same_flags, save_atomic
-from common.lm import (
-    TextError,
-    Transformer,
-    bits_per_byte,
-    check_model_flags,
-    check_text,
-    read_text,
-    split,
-    train_batch,
-    val_windows,
-)
 from common.schedule import warmup_cosine
-from common.utils import AverageMeter, print0
-
-# What a resumed run must share with the run that saved (the model, the data and the schedule); not the world size.
-SAME_ON_RESUME = ("text", "n_layer", "n_head", "d_model", "block_size", "seq_len", "batch_size", "steps",
-                  "warmup_steps", "lr", "weight_decay", "clip_grad", "seed", "amp_dtype")
+from common.utils import print0
 
 
 # ------------------------------------------------------------------------------------------- args
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--text", help="a UTF-8 file or a folder of them (default: the Python standard library's source)")
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=256, help="positions the model has: the longest --seq-len")
-    p.add_argument("--seq-len", type=int, default=128, help="bytes per training sequence")
+    lm.add_flags(p, "lm_ddp")  # the family's: the model's shape, the text, the schedule, AdamW, the checkpoints
     p.add_argument("--batch-size", type=int, help="GLOBAL batch in sequences, split across processes (default: 32; 30 "
                    "on 3)")
-    p.add_argument("--steps", type=int, default=1000, help="optimizer steps: the schedule's length")
-    p.add_argument("--warmup-steps", type=int, help="linear warm-up, then cosine to 0 (default: --steps / 20; at most "
-                   "--steps / 3)")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
-    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's, on the weight matrices only")
-    p.add_argument("--clip-grad", type=float, default=1.0, help="clip the gradient's global norm to this")
-    p.add_argument("--amp-dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast, no loss scaler")
-    p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
-    p.add_argument("--eval-every", type=int, default=250, help="validate (and save) every N steps, and at the end")
-    p.add_argument("--save-every", type=int, help="also save every N steps between evaluations; "
-                   "SIGUSR1 saves at the next step and exits 75")
-    p.add_argument("--async-save", action="store_true", help="write each checkpoint from a thread while training "
-                   "goes on (a copy in CPU memory first); one save in flight")
-    p.add_argument("--val-windows", type=int, default=128, help="validation windows of --seq-len (fixed)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", default="runs/lm_ddp", help="model.pt and latest.pt (the resume point)")
-    p.add_argument("--resume", help="latest.pt of an earlier run, or 'auto': OUT_DIR/latest.pt if it exists")
-    p.add_argument("--max-steps", type=int, help="train at most this many steps in this run, then save (a short run: "
-                   "the same command with --resume auto goes on)")
-    p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
-    p.add_argument("--debug-collectives", action="store_true", help="each collective first checks that every rank "
-                   "called the same one, with the same shapes (torch's DETAIL level; slow)")
-    harness.add_profile_flag(p)  # --profile: a trace per rank and where each rank's step time goes
     return p.parse_args(argv)
 
 
@@ -107,7 +65,7 @@ def check_args(args, world_size):
     if args.warmup_steps is None:
         args.warmup_steps = args.steps // 20
     try:
-        check_model_flags(args.n_layer, args.n_head, args.d_model, args.seq_len, args.block_size)
+        lm.check_model_flags(args.n_layer, args.n_head, args.d_model, args.seq_len, args.block_size)
     except ValueError as exc:
         harness.die(str(exc))
 
@@ -120,7 +78,7 @@ def write_checkpoint(state, latest, out_dir):
 
 
 def finish_async_save(in_flight, latest):
-    """Rank 0: wait for the save in flight to be written (a failed write raises here), and say so."""
+    """Rank 0: wait for the save in flight to be written (a failed write raises here), and say so. None: none now."""
     future, step = in_flight
     future.result()
     print0(f"saved: {latest} and model.pt at step {step} (written in the background)")
@@ -129,8 +87,7 @@ def finish_async_save(in_flight, latest):
 # ------------------------------------------------------------------------------------------- eval
 @torch.no_grad()
 def evaluate(model, inputs, targets, rank, world_size, batch, device, amp):
-    """Mean loss per byte over every validation window: rank r scores windows r, r + N, ...; the sums are
-    all-reduced (every rank calls it)."""
+    """Mean loss per byte over every validation window: rank r scores windows r, r + N, ...; sums all-reduced."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)  # summed loss, bytes
     mine_x, mine_y = inputs[rank::world_size], targets[rank::world_size]
@@ -177,17 +134,17 @@ def main():
     # YOUR DATA goes here: text as bytes in a uint8 tensor (read_text: a file, a folder, or the default corpus).
     # Every rank reads it whole: a few MB. A corpus of GBs would be memory-mapped instead (np.memmap), as nanoGPT does.
     try:
-        text, where = read_text(args.text)
-        train_text, val_text = split(text)
-        check_text(train_text, val_text, args.seq_len, args.val_windows)
-    except TextError as exc:
+        text, where = lm.read_text(args.text)
+        train_text, val_text = lm.split(text)
+        lm.check_text(train_text, val_text, args.seq_len, args.val_windows)
+    except lm.TextError as exc:
         harness.die(str(exc))
-    val_x, val_y = val_windows(val_text, args.seq_len, args.val_windows)
+    val_x, val_y = lm.val_windows(val_text, args.seq_len, args.val_windows)
     print0(f"data: {where} train={len(train_text)} val={len(val_text)} bytes, {len(val_x)} validation windows")
     # ----------------------------------------------------------------------------------- model
-    torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
+    torch.manual_seed(args.seed)  # the same full model on every rank
     # YOUR MODEL goes here: an nn.Module from tokens (B, T) to logits (B, T, vocab).
-    model = Transformer(args.n_layer, args.n_head, args.d_model, args.block_size).to(device)
+    model = lm.Transformer(args.n_layer, args.n_head, args.d_model, args.block_size).to(device)
     if args.activation_checkpointing:  # before DDP: each block's forward runs again in backward, nothing kept inside
         for name, block in model.blocks.items():  # non-reentrant (checkpoint_wrapper's default): DDP-safe
             model.blocks[name] = checkpoint_wrapper(block)  # state_dict keys stay as without it
@@ -204,7 +161,7 @@ def main():
     latest = os.path.join(args.out_dir, "latest.pt")
     resume = find_resume(args.resume, latest) if args.resume else None
     if resume:  # every rank loads the same file: no broadcast needed
-        flags = {k: getattr(args, k) for k in SAME_ON_RESUME}
+        flags = {k: getattr(args, k) for k in lm.SAME_ON_RESUME}
         ckpt = load_same_flags(resume, device, flags, require=("model", "optimizer"))  # one line if not, or other flags
         model.module.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
@@ -222,20 +179,16 @@ def main():
     amp = args.amp_dtype == "bf16"
     # ----------------------------------------------------------------------------------- train
     last = min(args.steps, start_step + (args.max_steps or args.steps))  # --max-steps: this run's
-    step, speed = start_step, harness.Throughput(device)
-    prof = harness.Profiler(args.profile, args.out_dir, rank, device)  # --profile: steps 3-6
-    speed.watch(model, forward=model.module)  # own_ms on the epoch line: data + forward
-    diverged = harness.DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
-    loss_meter = AverageMeter()
-    val_loss = None
-    vote, ballot, stop = None, None, False  # the stop vote in flight, its tensor; True once SIGUSR1 is agreed
+    # The loss, the clock (tokens/s, own_ms: each rank's own work), the NaN watch, --profile; the clock starts.
+    meter = harness.StepMeter(model, device, args.profile, args.out_dir, rank, forward=model.module)  # data + forward
+    vote = harness.StopVote(preempt, stop_group)  # SIGUSR1: every rank stops after the same step
+    step, stop, train_loss, val_loss = start_step, False, None, None
     # --async-save: rank 0's writer thread, and the save it is writing (one at a time: the next waits for it).
     saver, in_flight = concurrent.futures.ThreadPoolExecutor(max_workers=1) if args.async_save else None, None
-    speed.start()
     while step < last:
         # The same (seed, step) on every rank: rank r takes the r-th slice of one global batch.
         x, y = (t.to(device, non_blocking=True)
-                for t in train_batch(train_text, step, args.seed, args.batch_size, args.seq_len, rank, world_size))
+                for t in lm.train_batch(train_text, step, args.seed, args.batch_size, args.seq_len, rank, world_size))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             logits = model(x)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())  # fp32 softmax over the 256 bytes
@@ -244,37 +197,27 @@ def main():
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)  # the same averaged gradient everywhere
         optimizer.step()
         scheduler.step()
-        loss_meter.update(loss, 1)  # a tensor: summed on the device, no sync per step
         step += 1
-        diverged.update(step, loss)
-        speed.step(args.batch_size * args.seq_len)  # tokens (bytes)
-        prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
+        meter.step(step, loss, args.batch_size * args.seq_len)  # tokens (bytes); no host sync
         if in_flight is not None and in_flight[0].done():  # written: said (a failure raised) at the step that sees it
-            finish_async_save(in_flight, latest)
-            in_flight = None
-        # SIGUSR1 reaches the ranks at different times; they must stop after the same step. Each step starts
-        # an all-reduce (MAX) of its flag on the vote's own gloo group, and reads the last step's, which ran
-        # under this step: no step waits for it, and every rank reads the same vote at the same step.
-        stop = vote is not None and vote.wait() and ballot.item() > 0
-        ballot = torch.tensor([float(bool(preempt))])
-        vote = dist.all_reduce(ballot, dist.ReduceOp.MAX, group=stop_group, async_op=True)
+            in_flight = finish_async_save(in_flight, latest)
+        stop = vote.all_reduce_max()  # the vote started a step ago: every rank the same answer at the same step
         evaluating = step % args.eval_every == 0 or step == last
         if evaluating or stop or (args.save_every and step % args.save_every == 0):  # --save-every, SIGUSR1
-            diverged.all_reduce_and_check(None, step, model=model)  # before eval and any save
+            meter.all_reduce_and_check(step, model)  # a NaN/inf loss or weight stops the run before any save
             if evaluating:
                 # -------------------------------------------------------------------------------- eval
-                speed.stop()
-                loss_meter.all_reduce(device, ride=speed)  # with every rank's own_ms: one all-reduce
+                train_loss = meter.all_reduce_loss()  # the mean since the last eval; the clock stops
                 val_loss = evaluate(model.module, val_x, val_y, rank, world_size, batch_per_process, device, amp)
-                print0(f"step={step}/{args.steps} train_loss={loss_meter.avg:.4f} val_loss={val_loss:.4f} "
-                       f"val_bpb={bits_per_byte(val_loss):.4f} lr={scheduler.get_last_lr()[0]:.2e} "
-                       f"tok/s={speed.images_per_sec:.0f} eta={speed.eta(last - step)}{speed.spread}")
+                print0(f"step={step}/{args.steps} train_loss={train_loss:.4f} val_loss={val_loss:.4f} "
+                       f"val_bpb={lm.bits_per_byte(val_loss):.4f} lr={scheduler.get_last_lr()[0]:.2e} "
+                       f"{meter.fields(last - step)}")
             # -------------------------------------------------------------------------------- save
             if is_main:  # the resume point: weights, AdamW's moments, the step (the data follows from it)
                 os.makedirs(args.out_dir, exist_ok=True)
                 started = time.perf_counter()
                 state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                         "epoch": 0, "flags": {k: getattr(args, k) for k in SAME_ON_RESUME}}
+                         "epoch": 0, "flags": {k: getattr(args, k) for k in lm.SAME_ON_RESUME}}
                 if args.async_save:  # one save in flight: the last one is written before the next starts
                     if in_flight is not None:
                         finish_async_save(in_flight, latest)
@@ -287,14 +230,11 @@ def main():
                     write_checkpoint(state, latest, args.out_dir)
                     print0(f"saved: {latest} and model.pt at step {step}; training waited "
                            f"{time.perf_counter() - started:.3f} s")
-            if evaluating:
-                train_loss, loss_meter = loss_meter.avg, AverageMeter()
-                speed.start()
+            meter.start()  # the clock again, after an evaluation stopped it
             if stop:  # saved; every rank leaves the loop at this step
                 break
-    speed.stop()
-    if vote is not None:  # the last vote; every rank started as many
-        vote.wait()
+    meter.stop()  # the clock; --profile writes its trace
+    vote.wait()  # the last vote; every rank started as many
     if in_flight is not None:  # the last save in flight is written before the job ends (or exits 75)
         finish_async_save(in_flight, latest)
     if stop and step < last:  # saved; the scheduler's requeue resumes it (--resume auto)
@@ -306,14 +246,11 @@ def main():
     # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
     if val_loss is None:  # resumed at or past --max-steps / --steps: nothing left to train
         val_loss = evaluate(model.module, val_x, val_y, rank, world_size, batch_per_process, device, amp)
-        train_loss = None
-    prof.stop()  # --profile: writes the steps it recorded
     if args.profile:  # a collective (all-gather): every rank's compute, communication, data, idle
-        print0(harness.gather_profile_table(prof, device))
-    print0(harness.gather_result_line(device, speed, model, optimizer, recipe="lm_ddp", steps=step,
-                                      start_step=start_step, train_loss=train_loss, val_loss=val_loss,
-                                      val_bpb=bits_per_byte(val_loss), val_windows=len(val_x),
-                                      rate_key="tokens_per_sec"))
+        print0(meter.gather_profile_table())
+    print0(meter.gather_result_line(model, optimizer, recipe="lm_ddp", steps=step, start_step=start_step,
+                                    train_loss=train_loss, val_loss=val_loss, val_bpb=lm.bits_per_byte(val_loss),
+                                    val_windows=len(val_x)))
     dist.destroy_process_group()
 
 

@@ -14,9 +14,9 @@ What it shows, against lm_tp.py (diff them: the lesson is what a second, data-pa
   one node's (torchrun numbers a node's ranks together). TP's collectives (activations, several per block) stay
   inside a node; FSDP2's cross nodes: a block's weights all-gathered twice a step (before its forward, and again
   before its backward: freed after the forward, fully_shard's default) and its gradients reduce-scattered once; the
-  root (embeddings, ln_f, the head) once each (kept for backward). lm_tp.py's plan cuts
-  each layer within a tp group, then fully_shard(mesh=mesh["dp"]) on each block, then the root, cuts the slices
-  again across dp. In that order: FSDP2 shards what TP left each rank.
+  root (embeddings, ln_f, the head) once each (kept for backward). lm_tp.py's plan cuts each layer within a tp
+  group, then fully_shard(mesh=mesh["dp"]) on each block, then the root, cuts the slices again across dp. In that
+  order: FSDP2 shards what TP left each rank.
 - The data: --batch-size is the GLOBAL batch, split across the dp ranks (common.lm.train_batch with the dp rank);
   the ranks of a tp group take the same sequences (TP cuts the model, not the batch). Validation: dp rank r scores
   windows r, r + dp, ... (each window once), a tp group together; the sums are all-reduced across dp.
@@ -51,15 +51,14 @@ One weight on a 2 x 2 mesh: wq.weight (D, D), cut by rows: ColwiseParallel acros
     after, and reduce-scatters their gradients (the mean over the dp ranks' batches) onto the shards.
     Placements (_StridedShard(0, split_factor=2), Shard(0)): dp cuts each tp slice, not the whole weight. The norms
     without --sequence-parallel (plain until fully_shard): cut across dp only, ranks 0 and 1 holding the same half.
-`harness.` lines are plumbing, not the lesson (common/harness.py); this recipe marks its changes to lm_tp.py `# New:`.
+Plumbing, not the lesson: `harness.` lines and the objects `meter` (the loss, the clock, the NaN watch, --profile),
+`vote` (SIGUSR1's stop vote) and `saves` (common/checkpoint.py's shard folders). Changes to lm_tp.py: `# New:`.
 """
 # launcher: torchrun
 
 import argparse
 import datetime
 import os
-import secrets
-import shutil
 import signal
 import sys
 import time
@@ -70,7 +69,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -91,80 +89,27 @@ from torch.distributed.tensor.parallel import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
-from common import harness  # plumbing, not the lesson: every line that uses it says so
-from common.checkpoint import (
-    EX_TEMPFAIL,
-    CheckpointError,
-    SaveError,
-    SignalFlag,
-    dcp_failure,
-    find_resume,
-    load_same_flags,
-    save_atomic,
-)
-from common.lm import (
-    TextError,
-    Transformer,
-    bits_per_byte,
-    check_model_flags,
-    check_text,
-    read_text,
-    split,
-    train_batch,
-    val_windows,
-)
+from common import harness, lm  # not the lesson: harness. lines are plumbing, lm. lines the workload (text, model)
+from common.checkpoint import EX_TEMPFAIL, ShardFolders, SignalFlag, find_resume, load_same_flags, save_atomic
 from common.schedule import warmup_cosine
-from common.utils import AverageMeter, print0
+from common.utils import print0
 
-# What a resumed run must share with the run that saved (the model, the data and the schedule); not the world size.
-# New: nor --dp, --tp, --sequence-parallel or --accum-steps: DCP reshards, and K micro-steps take one batch's step.
-SAME_ON_RESUME = ("text", "n_layer", "n_head", "d_model", "block_size", "seq_len", "batch_size", "steps",
-                  "warmup_steps", "lr", "weight_decay", "clip_grad", "seed", "amp_dtype")
+SAME_ON_RESUME = lm.SAME_ON_RESUME  # New: not --dp, --tp, --sequence-parallel or --accum-steps: DCP reshards
 
 
 # ------------------------------------------------------------------------------------------- args
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--text", help="a UTF-8 file or a folder of them (default: the Python standard library's source)")
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=256, help="positions the model has: the longest --seq-len")
-    p.add_argument("--seq-len", type=int, default=128, help="bytes per training sequence")
+    lm.add_flags(p, "lm_fsdp_tp", sharded=True)  # sharded: OUT_DIR/checkpoint/, DCP shards and latest.pt
     p.add_argument("--batch-size", type=int, help="GLOBAL batch in sequences, split across the --dp ranks (default: "
                    "32; 30 on --dp 3)")  # New
-    p.add_argument("--accum-steps", type=int, default=1, help="micro-batches per step: one reduce-scatter per step "
-                   "(FSDP2's set_requires_gradient_sync), unsharded gradients kept between them")  # New
-    p.add_argument("--steps", type=int, default=1000, help="optimizer steps: the schedule's length")
-    p.add_argument("--warmup-steps", type=int, help="linear warm-up, then cosine to 0 (default: --steps / 20; at most "
-                   "--steps / 3)")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
-    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's, on the weight matrices only")
-    p.add_argument("--clip-grad", type=float, default=1.0, help="clip the gradient's global norm to this")
-    p.add_argument("--amp-dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast, no loss scaler")
-    p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
     p.add_argument("--dp", type=int, help="FSDP2 degree: tp groups (default: the processes / --tp)")  # New
     p.add_argument("--tp", type=int, help="tensor-parallel degree: processes per tp group, consecutive ranks "
                    "(default: 2 where the processes are even, else 1; or the processes / --dp)")  # New
     p.add_argument("--sequence-parallel", action="store_true",
                    help="cut the activations between the cut layers along the sequence too (--seq-len / --tp each)")
-    p.add_argument("--eval-every", type=int, default=250, help="validate (and save) every N steps, and at the end")
-    p.add_argument("--save-every", type=int, help="also save every N steps between evaluations; "
-                   "SIGUSR1 saves at the next step and exits 75")
-    p.add_argument("--async-save", action="store_true", help="write each checkpoint's shards from a thread while "
-                   "training goes on (dcp.async_save); one save in flight; model.pt at the end (or a stop)")
-    p.add_argument("--val-windows", type=int, default=128, help="validation windows of --seq-len (fixed)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", default="runs/lm_fsdp_tp", help="model.pt and checkpoint/ (sharded; latest.pt: the "
-                                                                "resume point)")  # New
-    p.add_argument("--resume", help="checkpoint/latest.pt of an earlier run, or 'auto': OUT_DIR/checkpoint/latest.pt "
-                                    "if it exists; any mesh (--dp, --tp)")  # New
-    p.add_argument("--max-steps", type=int, help="train at most this many steps in this run, then save (a short run: "
-                   "the same command with --resume auto goes on)")
-    p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
-    p.add_argument("--debug-collectives", action="store_true", help="each collective first checks that every rank "
-                   "called the same one, with the same shapes (torch's DETAIL level; slow)")
-    harness.add_profile_flag(p)  # --profile: a trace per rank and where each rank's step time goes
+    p.add_argument("--accum-steps", type=int, default=1, help="micro-batches per step: one reduce-scatter per step "
+                   "(FSDP2's set_requires_gradient_sync), unsharded gradients kept between them")  # New
     return p.parse_args(argv)
 
 
@@ -188,8 +133,8 @@ def check_args(args, world_size):
                     + f" (the data-parallel ranks' micro-batches); try --batch-size "
                     f"{max(1, args.batch_size // parts) * parts}")
     try:
-        check_model_flags(args.n_layer, args.n_head, args.d_model, args.seq_len, args.block_size,
-                          parallel=args.tp, parallel_flag="--tp")
+        lm.check_model_flags(args.n_layer, args.n_head, args.d_model, args.seq_len, args.block_size,
+                             parallel=args.tp, parallel_flag="--tp")
     except ValueError as exc:
         harness.die(str(exc))
     if args.sequence_parallel and args.seq_len % args.tp:
@@ -245,7 +190,7 @@ def clip_grad_norm_across_meshes(model, max_norm):  # New
 
 
 # ------------------------------------------------------------------------------------ checkpoints
-def load_shards(model, optimizer, path):
+def load_shards(model, optimizer, path, saves):
     """Every rank reads its part of the sharded checkpoint at `path`, however many ranks wrote it (DCP reshards)."""
     # New: no implicit_replication (lm_tp.py's): fully_shard made every parameter a DTensor, the norms too.
     model_state, optim_state = get_state_dict(model, optimizer)  # this world's layout, filled in by load
@@ -254,36 +199,8 @@ def load_shards(model, optimizer, path):
     try:
         dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
     except dcp.CheckpointException as exc:  # a BaseException: `except Exception` would let it through
-        raise CheckpointError(f"cannot load the shards in {path} ({dcp_failure(exc)}): a shard file is missing or "
-                              "truncated, or they hold another model") from exc
+        raise saves.load_failure(exc, path) from exc
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
-
-
-def point_latest(pointer, checkpoints, latest):
-    """Rank 0, once every rank's shards are written: latest.pt (atomically) names them; older shard folders go."""
-    save_atomic(pointer, latest)
-    for old in os.listdir(checkpoints):  # older shards (a step before, an earlier run's, a killed save's): not named
-        if old.startswith("step_") and old != pointer["shards"]:
-            shutil.rmtree(os.path.join(checkpoints, old), ignore_errors=True)
-
-
-def shard_failure(exc, folder, latest):
-    return SaveError(f"cannot write the shards in {folder} ({dcp_failure(exc, os.path.dirname(folder))}): {latest}, "
-                     "if any, still points at the previous ones; free some space, then --resume")
-
-
-def finish_async_save(in_flight, checkpoints, latest):
-    """Every rank: wait for the save in flight to end (its thread's collectives: every rank's shards written, the
-    metadata last); then rank 0 names it in latest.pt. Called once a step sees it done, before the next save, and at
-    the end."""
-    future, pointer, folder = in_flight
-    try:
-        future.result()
-    except dcp.CheckpointException as exc:
-        raise shard_failure(exc, folder, latest) from exc
-    if dist.get_rank() == 0:  # done on rank 0: every rank's shards and the metadata are written
-        point_latest(pointer, checkpoints, latest)
-        print0(f"saved: {latest} at step {pointer['step']} (written in the background)")
 
 
 # ------------------------------------------------------------------------------------------- eval
@@ -346,21 +263,21 @@ def main():
     # YOUR DATA goes here: text as bytes in a uint8 tensor (read_text: a file, a folder, or the default corpus).
     # Every rank reads it whole: a few MB. A corpus of GBs would be memory-mapped instead (np.memmap), as nanoGPT does.
     try:
-        text, where = read_text(args.text)
-        train_text, val_text = split(text)
-        check_text(train_text, val_text, args.seq_len, args.val_windows)
-    except TextError as exc:
+        text, where = lm.read_text(args.text)
+        train_text, val_text = lm.split(text)
+        lm.check_text(train_text, val_text, args.seq_len, args.val_windows)
+    except lm.TextError as exc:
         harness.die(str(exc))
-    val_x, val_y = val_windows(val_text, args.seq_len, args.val_windows)
+    val_x, val_y = lm.val_windows(val_text, args.seq_len, args.val_windows)
     print0(f"data: {where} train={len(train_text)} val={len(val_text)} bytes, {len(val_x)} validation windows")
     # ----------------------------------------------------------------------------------- model
     # New: rank 0 alone builds the one-process model lm_ddp.py starts from (--seed, on its CPU), once: the weights
     # every rank loads below. The other ranks never hold the whole model.
     torch.manual_seed(args.seed)
-    full = Transformer(args.n_layer, args.n_head, args.d_model, args.block_size).state_dict() if is_main else {}
+    full = lm.Transformer(args.n_layer, args.n_head, args.d_model, args.block_size).state_dict() if is_main else {}
     # YOUR MODEL goes here: an nn.Module from tokens (B, T) to logits (B, T, vocab), whose plan names its layers.
     with torch.device("meta"):  # New: shapes only: no memory, and its init draws nothing
-        model = Transformer(args.n_layer, args.n_head, args.d_model, args.block_size)
+        model = lm.Transformer(args.n_layer, args.n_head, args.d_model, args.block_size)
     # New: each rank's slices of the meta model (nothing to scatter), its tp group's plan
     model = parallelize_module(model, mesh["tp"], tp_plan(args.sequence_parallel), src_data_rank=None)
     if args.activation_checkpointing:  # after parallelize_module, whose plan names the unwrapped modules
@@ -382,20 +299,18 @@ def main():
     optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": args.weight_decay},
                                    {"params": others, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
     start_step = 0
-    checkpoints = os.path.join(args.out_dir, "checkpoint")
-    latest = os.path.join(checkpoints, "latest.pt")
     # Shard folders step_N-RUN: no save overwrites the one latest.pt points at, so a failed save leaves it whole.
-    run_tag = [secrets.token_hex(3)]
+    run_tag = [os.urandom(3).hex()]
     dist.broadcast_object_list(run_tag, src=0)  # every rank writes into the same folder
-    run_tag = run_tag[0]
-    # --async-save's writer thread makes collectives (the plan, the results) while training makes its own: on a
-    # group of their own, so the two never interleave. A CPU backend: async_save refuses a group without one.
-    save_group, in_flight = (dist.new_group(backend="gloo", timeout=timeout) if args.async_save else None), None
+    saves = ShardFolders(args.out_dir, run_tag[0], "step")  # OUT_DIR/checkpoint/: shard folders, latest.pt
+    latest = saves.latest  # the resume point, naming the newest whole shard folder
+    # --async-save's thread makes its collectives on a group of its own (never among the step's); gloo: it must.
+    save_group = dist.new_group(backend="gloo", timeout=timeout) if args.async_save else None
     resume = find_resume(args.resume, latest) if args.resume else None
     if resume:  # every rank reads its own slices of the shards latest.pt names (any mesh wrote them)
-        flags = {k: getattr(args, k) for k in SAME_ON_RESUME}
+        flags = {k: getattr(args, k) for k in lm.SAME_ON_RESUME}
         ckpt = load_same_flags(resume, "cpu", flags, require=("shards",))  # one line if not, or other flags
-        load_shards(model, optimizer, os.path.join(os.path.dirname(resume), ckpt["shards"]))
+        load_shards(model, optimizer, os.path.join(os.path.dirname(resume), ckpt["shards"]), saves)
         start_step = ckpt["step"]
         print0(f"resume: {resume} at step {start_step} (saved on a {ckpt.get('mesh', '?')} mesh, now "
                f"{args.dp} x {args.tp})")  # New
@@ -403,24 +318,18 @@ def main():
     scheduler = warmup_cosine(optimizer, 1, args.steps, args.warmup_steps / args.steps, start_step=start_step)
     # state_bytes counts every slice (a DTensor's global size); every rank writes and loads there: shared.
     harness.broadcast_out_dir_check(args.out_dir, is_main, {"model.pt": harness.state_bytes(model),
-                                                            "checkpoint": 3 * harness.state_bytes(model)},
-                                    shared=True)
+                                                            "checkpoint": 3 * harness.state_bytes(model)}, shared=True)
     amp = args.amp_dtype == "bf16"
     # ----------------------------------------------------------------------------------- train
     last = min(args.steps, start_step + (args.max_steps or args.steps))  # --max-steps: this run's
-    step, speed = start_step, harness.Throughput(device)
-    prof = harness.Profiler(args.profile, args.out_dir, rank, device)  # --profile: steps 3-6
-    speed.watch(model)  # own_ms on the epoch line: waiting for data (its forward all-gathers and all-reduces)
-    diverged = harness.DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
-    loss_meter = AverageMeter()
-    val_loss = None
-    vote, ballot, stop = None, None, False  # the stop vote in flight, its tensor; True once SIGUSR1 is agreed
-    speed.start()
+    # The loss, the clock (tokens/s, own_ms: each rank's own work), the NaN watch, --profile; the clock starts.
+    meter = harness.StepMeter(model, device, args.profile, args.out_dir, rank)  # own_ms: the data wait (forward: FSDP2)
+    vote = harness.StopVote(preempt, stop_group)  # SIGUSR1: every rank stops after the same step
+    step, stop, train_loss, val_loss = start_step, False, None, None
     while step < last:
-        # New: this dp rank's share of step's global batch (every rank of its tp group takes the same), in
-        # --accum-steps micro-batches.
+        # New: this dp rank's share of the batch (its tp group's ranks take the same), in --accum-steps micro-batches.
         xs, ys = (t.to(device, non_blocking=True).chunk(args.accum_steps)
-                  for t in train_batch(train_text, step, args.seed, args.batch_size, args.seq_len, dp_rank, args.dp))
+                  for t in lm.train_batch(train_text, step, args.seed, args.batch_size, args.seq_len, dp_rank, args.dp))
         optimizer.zero_grad(set_to_none=True)  # New: once a step, before the micro-batches
         loss = 0.0  # New
         for micro, (x, y) in enumerate(zip(xs, ys, strict=True)):  # New
@@ -432,83 +341,57 @@ def main():
                 micro_loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / args.accum_steps  # New
                 micro_loss.backward()  # New: TP's collectives; on the last micro-step FSDP2's reduce-scatters too
             loss = loss + micro_loss.detach().to_local()  # New: the step's mean over its micro-batches
-        # New: every gradient is now a DTensor laid out as its parameter (FSDP2 redistributes them before its
-        # reduce-scatter: lm_tp.py's grads_as_params is its job here).
+        # New: no grads_as_params (lm_tp.py's): FSDP2 laid each gradient out as its parameter before reduce-scattering.
         clip_grad_norm_across_meshes(model, args.clip_grad)  # New: the global norm, over every shard on both meshes
         optimizer.step()
         scheduler.step()
-        loss_meter.update(loss, 1)  # a tensor: summed on the device, no sync per step
         step += 1
-        diverged.update(step, loss)
-        speed.step(args.batch_size * args.seq_len)  # tokens (bytes)
-        prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
-        if in_flight is not None and in_flight[0].done():  # Written: latest.pt names it now, not a save later
-            finish_async_save(in_flight, checkpoints, latest)  # no collective: each rank at its own step
-            in_flight = None
-        # SIGUSR1 reaches the ranks at different times; they must stop after the same step. Each step starts
-        # an all-reduce (MAX) of its flag on the vote's own gloo group, and reads the last step's, which ran
-        # under this step: no step waits for it, and every rank reads the same vote at the same step.
-        stop = vote is not None and vote.wait() and ballot.item() > 0
-        ballot = torch.tensor([float(bool(preempt))])
-        vote = dist.all_reduce(ballot, dist.ReduceOp.MAX, group=stop_group, async_op=True)
+        meter.step(step, loss, args.batch_size * args.seq_len)  # tokens (bytes); no host sync
+        saves.finish_async(only_if_done=True)  # written? latest.pt names it now (each rank at its own step)
+        stop = vote.all_reduce_max()  # the vote started a step ago: every rank the same answer at the same step
         evaluating = step % args.eval_every == 0 or step == last
         if evaluating or stop or (args.save_every and step % args.save_every == 0):  # --save-every, SIGUSR1
-            diverged.all_reduce_and_check(None, step, model=model)  # before eval and any save
+            meter.all_reduce_and_check(step, model)  # a NaN/inf loss or weight stops the run before any save
             if evaluating:
                 # -------------------------------------------------------------------------------- eval
-                speed.stop()
-                loss_meter.all_reduce(device, ride=speed)  # with every rank's own_ms: one all-reduce
+                train_loss = meter.all_reduce_loss()  # the mean since the last eval; the clock stops
                 val_loss = evaluate(model, val_x, val_y, dp_rank, args.dp, mesh.get_group("dp"), per_dp, device,
                                     amp)  # New
-                print0(f"step={step}/{args.steps} train_loss={loss_meter.avg:.4f} val_loss={val_loss:.4f} "
-                       f"val_bpb={bits_per_byte(val_loss):.4f} lr={scheduler.get_last_lr()[0]:.2e} "
-                       f"tok/s={speed.images_per_sec:.0f} eta={speed.eta(last - step)}{speed.spread}")
+                print0(f"step={step}/{args.steps} train_loss={train_loss:.4f} val_loss={val_loss:.4f} "
+                       f"val_bpb={lm.bits_per_byte(val_loss):.4f} lr={scheduler.get_last_lr()[0]:.2e} "
+                       f"{meter.fields(last - step)}")
             # -------------------------------------------------------------------------------- save
-            # Every rank writes its slices (torch.save on rank 0 would write rank 0's alone), then rank 0 points
-            # latest.pt at them: weights, AdamW's moments, the step (the data follows from it).
-            shards, started = f"step_{step}-{run_tag}", time.perf_counter()
-            folder = os.path.join(checkpoints, shards)
+            # Every rank writes its slices (DCP), then rank 0 points latest.pt at them: weights, moments, step.
+            folder, started = saves.folder(step), time.perf_counter()
             model_state, optim_state = get_state_dict(model, optimizer)  # DTensors: each rank's own slices
-            pointer = {"shards": shards, "step": step, "epoch": 0, "mesh": f"{args.dp} x {args.tp}",  # New
-                       "flags": {k: getattr(args, k) for k in SAME_ON_RESUME}}
-            if args.async_save:  # one save in flight: the last one ends, and latest.pt names it, before the next
-                if in_flight is not None:
-                    finish_async_save(in_flight, checkpoints, latest)
-                # Staged: copied to CPU memory now (the next step changes the weights), then written by a thread.
-                # As fsdp.py: no copy-ahead from a GPU in the writer; a DefaultStager named (the writer is a stager
-                # itself, whose staging copies each shard twice), closed once written.
-                stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                      use_async_staging=False, use_non_blocking_copy=False))
-                future = dcp.async_save({"model": model_state, "optimizer": optim_state}, async_stager=stager,
+            pointer = {"shards": os.path.basename(folder), "step": step, "epoch": 0, "mesh": f"{args.dp} x {args.tp}",
+                       "flags": {k: getattr(args, k) for k in lm.SAME_ON_RESUME}}  # New: the mesh it was saved on
+            if args.async_save:  # one save in flight, as fsdp.py: the last one ends and latest.pt names it first
+                saves.finish_async()
+                future = dcp.async_save({"model": model_state, "optimizer": optim_state}, async_stager=saves.stager(),
                                         storage_writer=dcp.FileSystemWriter(folder, per_thread_copy_ahead=0),
                                         process_group=save_group)
-                future.add_done_callback(lambda _, stager=stager: stager.close())  # its CPU copies go once written
-                in_flight = (future, pointer, folder)
+                saves.start_async(future, pointer, folder)
                 print0(f"saving: {folder} in the background; training waited {time.perf_counter() - started:.3f} s")
             else:
                 try:
                     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=folder)
                 except dcp.CheckpointException as exc:  # a full disk, on any rank: every rank gets it
-                    raise shard_failure(exc, folder, latest) from exc
+                    raise saves.failure(exc, folder) from exc
                 # The full weights, gathered slice by slice onto rank 0's CPU (a collective; the others get {}).
                 full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
                 if is_main:  # dcp.save returned on every rank: all shards are written. Now point latest.pt at them.
-                    point_latest(pointer, checkpoints, latest)
+                    saves.point_latest(pointer)
                     save_atomic(full, os.path.join(args.out_dir, "model.pt"))  # loads into Transformer(...)
                     print0(f"saved: {latest} and model.pt at step {step}; training waited "
                            f"{time.perf_counter() - started:.3f} s")
-            if evaluating:
-                train_loss, loss_meter = loss_meter.avg, AverageMeter()
-                speed.start()
+            meter.start()  # the clock again, after an evaluation stopped it
             if stop:  # saved; every rank leaves the loop at this step
                 break
-    speed.stop()
-    if vote is not None:  # the last vote; every rank started as many
-        vote.wait()
-    if in_flight is not None:  # The last save in flight ends (and latest.pt names it) before the job does
-        finish_async_save(in_flight, checkpoints, latest)
-    if args.async_save:  # the full weights once, at the end or the stop: gathering them (a collective) every
-        # save would be a wait for every rank
+    meter.stop()  # the clock; --profile writes its trace
+    vote.wait()  # the last vote; every rank started as many
+    saves.finish_async()  # the last save in flight ends (and latest.pt names it) before the job does
+    if args.async_save:  # the full weights once, at the end or a stop (gathered at every save: a wait for all)
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if is_main:
             save_atomic(full, os.path.join(args.out_dir, "model.pt"))  # loads into Transformer(...)
@@ -522,16 +405,13 @@ def main():
     # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
     if val_loss is None:  # resumed at or past --max-steps / --steps: nothing left to train
         val_loss = evaluate(model, val_x, val_y, dp_rank, args.dp, mesh.get_group("dp"), per_dp, device, amp)  # New
-        train_loss = None
-    # New: state_bytes_per_rank counts each rank's shards: 1 / (dp x tp) of the cut layers, 1 / dp of the norms.
-    prof.stop()  # --profile: writes the steps it recorded
     if args.profile:  # a collective (all-gather): every rank's compute, communication, data, idle
-        print0(harness.gather_profile_table(prof, device))
-    print0(harness.gather_result_line(device, speed, model, optimizer, recipe="lm_fsdp_tp", steps=step,
-                                      start_step=start_step, train_loss=train_loss, val_loss=val_loss,
-                                      val_bpb=bits_per_byte(val_loss), val_windows=len(val_x), dp=args.dp,
-                                      tp=args.tp, sequence_parallel=args.sequence_parallel,
-                                      accum_steps=args.accum_steps, rate_key="tokens_per_sec"))  # New
+        print0(meter.gather_profile_table())
+    # New: state_bytes_per_rank counts each rank's shards: 1 / (dp x tp) of the cut layers, 1 / dp of the norms.
+    print0(meter.gather_result_line(model, optimizer, recipe="lm_fsdp_tp", steps=step, start_step=start_step,
+                                    train_loss=train_loss, val_loss=val_loss, val_bpb=lm.bits_per_byte(val_loss),
+                                    val_windows=len(val_x), dp=args.dp, tp=args.tp,
+                                    sequence_parallel=args.sequence_parallel, accum_steps=args.accum_steps))
     dist.destroy_process_group()
 
 

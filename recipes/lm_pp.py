@@ -35,21 +35,21 @@ What it shows, against lm_ddp.py (diff them: the lesson is what cutting the mode
 - Clipping by the GLOBAL norm: each stage's squared norm, summed across the stages (an all-reduce); each stage
   clipped by its own norm would scale the pieces differently, a gradient no one-process run has.
 - Checkpoints: every stage writes its weights and AdamW's state (torch.distributed.checkpoint) under the full model's
-  names to OUT_DIR/checkpoint/step_N-RUN/, then rank 0 points checkpoint/latest.pt at them (as lm_tp.py); DCP loads
-  by name, so --resume works on any --pp (bitwise on the same). OUT_DIR/model.pt: the stages' weights gathered on
-  rank 0, the full state_dict of common.lm.Transformer, for one process. --async-save as lm_tp.py's.
+  names to OUT_DIR/checkpoint/step_N-RUN/, then rank 0 points checkpoint/latest.pt at them (as lm_tp.py; `saves`:
+  common/checkpoint.py's ShardFolders, plumbing); DCP loads by name, so --resume works on any --pp (bitwise on the
+  same). OUT_DIR/model.pt: the stages' weights gathered on rank 0, the full state_dict of common.lm.Transformer, for
+  one process. --async-save as lm_tp.py's.
 - launch.sh G:N (ranks sharing one GPU over gloo) is refused: the stages' activations go by point-to-point send and
   recv, and gloo's hand the tensor's address to its host transport with no device check (ProcessGroupGloo::send);
   one rank per GPU (NCCL), or cpu:N.
-`harness.` lines are plumbing, not the lesson (common/harness.py); this recipe marks its changes to lm_ddp.py `# New:`.
+Plumbing, not the lesson: `harness.` lines and the two harness objects `meter` (the loss, the clock, the NaN watch,
+--profile) and `vote` (SIGUSR1's stop vote); common/harness.py. The siblings of lm_ddp.py mark theirs `# New:`.
 """
 # launcher: torchrun
 
 import argparse
 import datetime
 import os
-import secrets  # New
-import shutil  # New
 import signal
 import sys
 import time
@@ -61,40 +61,16 @@ import torch.distributed.checkpoint as dcp  # New
 import torch.nn as nn  # New
 import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # New
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict  # New
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # New
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
-from common import harness  # plumbing, not the lesson: every line that uses it says so
-from common.checkpoint import (
-    EX_TEMPFAIL,
-    CheckpointError,
-    SaveError,
-    SignalFlag,
-    dcp_failure,
-    find_resume,
-    load_same_flags,
-    save_atomic,
-)
-from common.lm import (
-    TextError,
-    Transformer,
-    bits_per_byte,
-    check_model_flags,
-    check_text,
-    read_text,
-    split,
-    train_batch,
-    val_windows,
-)
+from common import harness, lm  # not the lesson: harness. lines are plumbing, lm. lines the workload (text, model)
+from common.checkpoint import EX_TEMPFAIL, ShardFolders, SignalFlag, find_resume, load_same_flags, save_atomic
 from common.schedule import warmup_cosine
-from common.utils import AverageMeter, print0
+from common.utils import print0
 
 P2P_ON_SHARED_GPU = "gloo's send and recv read a CUDA tensor's address as host memory (no device check)"  # New
-# What a resumed run must share with the run that saved (the model, the data and the schedule); not the world size.
-SAME_ON_RESUME = ("text", "n_layer", "n_head", "d_model", "block_size", "seq_len", "batch_size", "steps",
-                  "warmup_steps", "lr", "weight_decay", "clip_grad", "seed", "amp_dtype")
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # New: --schedule
 # New: AdamW's state keyed by parameter name, not by index: stage 1's first parameter is index 0 too, so indexed
 # states from several stages would collide in one checkpoint (and a resume on another --pp would misplace them).
@@ -104,45 +80,15 @@ FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 # ------------------------------------------------------------------------------------------- args
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--text", help="a UTF-8 file or a folder of them (default: the Python standard library's source)")
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=256, help="positions the model has: the longest --seq-len")
-    p.add_argument("--seq-len", type=int, default=128, help="bytes per training sequence")
+    lm.add_flags(p, "lm_pp", sharded=True)  # New: sharded: OUT_DIR/checkpoint/, DCP shards and latest.pt
     p.add_argument("--batch-size", type=int, help="GLOBAL batch in sequences: every stage takes all of it, in "
                    "--microbatches pieces (default: 32, rounded down to a multiple of --microbatches)")  # New
-    p.add_argument("--steps", type=int, default=1000, help="optimizer steps: the schedule's length")
-    p.add_argument("--warmup-steps", type=int, help="linear warm-up, then cosine to 0 (default: --steps / 20; at most "
-                   "--steps / 3)")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
-    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's, on the weight matrices only")
-    p.add_argument("--clip-grad", type=float, default=1.0, help="clip the gradient's global norm to this")
-    p.add_argument("--amp-dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast, no loss scaler")
-    p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
     p.add_argument("--pp", type=int, help="pipeline stages: the number of processes (the default)")  # New
     p.add_argument("--schedule", choices=sorted(SCHEDULES), default="gpipe",  # New
                    help="the order of the microbatches' forwards and backwards on each stage: gpipe (all forwards, "
                    "then all backwards) or 1f1b (alternating: fewer activations held)")
     p.add_argument("--microbatches", type=int, help="pieces each step's batch is cut into, to flow through the "
                    "stages (default: 2 x --pp)")  # New
-    p.add_argument("--eval-every", type=int, default=250, help="validate (and save) every N steps, and at the end")
-    p.add_argument("--save-every", type=int, help="also save every N steps between evaluations; "
-                   "SIGUSR1 saves at the next step and exits 75")
-    p.add_argument("--async-save", action="store_true", help="write each checkpoint's shards from a thread while "
-                   "training goes on (dcp.async_save); one save in flight; model.pt at the end (or a stop)")  # New
-    p.add_argument("--val-windows", type=int, default=128, help="validation windows of --seq-len (fixed)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", default="runs/lm_pp", help="model.pt and checkpoint/ (a shard per stage; latest.pt: "
-                                                           "the resume point)")  # New
-    p.add_argument("--resume", help="checkpoint/latest.pt of an earlier run, or 'auto': OUT_DIR/checkpoint/latest.pt "
-                                    "if it exists; any number of stages")  # New
-    p.add_argument("--max-steps", type=int, help="train at most this many steps in this run, then save (a short run: "
-                   "the same command with --resume auto goes on)")
-    p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
-    p.add_argument("--debug-collectives", action="store_true", help="each collective first checks that every rank "
-                   "called the same one, with the same shapes (torch's DETAIL level; slow)")
-    harness.add_profile_flag(p)  # --profile: a trace per rank and where each rank's step time goes
     return p.parse_args(argv)
 
 
@@ -160,7 +106,7 @@ def check_args(args, world_size):
     if args.warmup_steps is None:
         args.warmup_steps = args.steps // 20
     try:
-        check_model_flags(args.n_layer, args.n_head, args.d_model, args.seq_len, args.block_size)
+        lm.check_model_flags(args.n_layer, args.n_head, args.d_model, args.seq_len, args.block_size)
     except ValueError as exc:
         harness.die(str(exc))
     if args.pp > args.n_layer:  # New
@@ -234,31 +180,16 @@ def clip_grad_norm_across_stages(parameters, max_norm):  # New
 
 
 # ------------------------------------------------------------------------------------ checkpoints
-def load_shards(model, optimizer, path):  # New, as lm_tp.py's
-    """Every stage reads its weights and AdamW's state from the checkpoint at `path` by name, however many stages
-    wrote it."""
+def load_shards(model, optimizer, path, saves):  # New, as lm_tp.py's
+    """Every stage reads its weights and AdamW's state by name from the shards at `path` (any --pp wrote them)."""
     for group in optimizer.param_groups:  # load fills in only the keys asked for: without this one, the scheduler
         group.setdefault("initial_lr", group["lr"])  # would scale the saved step's rate instead of the peak
     model_state, optim_state = get_state_dict(model, optimizer, options=FLAT)  # this stage's, filled in by load
     try:
         dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
     except dcp.CheckpointException as exc:  # a BaseException: `except Exception` would let it through
-        raise CheckpointError(f"cannot load the shards in {path} ({dcp_failure(exc)}): a shard file is missing or "
-                              "truncated, or they hold another model") from exc
+        raise saves.load_failure(exc, path) from exc
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=FLAT)
-
-
-def point_latest(pointer, checkpoints, latest):  # New, as in fsdp.py
-    """Rank 0, once every rank's shards are written: latest.pt (atomically) names them; older shard folders go."""
-    save_atomic(pointer, latest)
-    for old in os.listdir(checkpoints):  # older shards (a step before, an earlier run's, a killed save's): not named
-        if old.startswith("step_") and old != pointer["shards"]:
-            shutil.rmtree(os.path.join(checkpoints, old), ignore_errors=True)
-
-
-def shard_failure(exc, folder, latest):  # New
-    return SaveError(f"cannot write the shards in {folder} ({dcp_failure(exc, os.path.dirname(folder))}): {latest}, "
-                     "if any, still points at the previous ones; free some space, then --resume")
 
 
 def gather_full_weights(model, is_main, world_size):  # New
@@ -267,20 +198,6 @@ def gather_full_weights(model, is_main, world_size):  # New
     parts = [None] * world_size if is_main else None
     dist.gather_object({k: v.cpu() for k, v in model.state_dict().items()}, parts, dst=0)
     return {k: v for part in parts for k, v in part.items()} if is_main else None
-
-
-def finish_async_save(in_flight, checkpoints, latest):  # New, as in fsdp.py
-    """Every rank: wait for the save in flight to end (its thread's collectives: every rank's shards written, the
-    metadata last); then rank 0 names it in latest.pt. Called once a step sees it done, before the next save, and at
-    the end."""
-    future, pointer, folder = in_flight
-    try:
-        future.result()
-    except dcp.CheckpointException as exc:
-        raise shard_failure(exc, folder, latest) from exc
-    if dist.get_rank() == 0:  # done on rank 0: every rank's shards and the metadata are written
-        point_latest(pointer, checkpoints, latest)
-        print0(f"saved: {latest} at step {pointer['step']} (written in the background)")
 
 
 # ------------------------------------------------------------------------------------------- eval
@@ -337,24 +254,24 @@ def main():
     # YOUR DATA goes here: text as bytes in a uint8 tensor (read_text: a file, a folder, or the default corpus).
     # Every rank reads it whole: a few MB. A corpus of GBs would be memory-mapped instead (np.memmap), as nanoGPT does.
     try:
-        text, where = read_text(args.text)
-        train_text, val_text = split(text)
-        check_text(train_text, val_text, args.seq_len, args.val_windows)
-    except TextError as exc:
+        text, where = lm.read_text(args.text)
+        train_text, val_text = lm.split(text)
+        lm.check_text(train_text, val_text, args.seq_len, args.val_windows)
+    except lm.TextError as exc:
         harness.die(str(exc))
-    val_x, val_y = val_windows(val_text, args.seq_len, args.val_windows)
+    val_x, val_y = lm.val_windows(val_text, args.seq_len, args.val_windows)
     print0(f"data: {where} train={len(train_text)} val={len(val_text)} bytes, {len(val_x)} validation windows")
     # ----------------------------------------------------------------------------------- model
-    torch.manual_seed(args.seed)  # New: the same full model on every rank as lm_ddp.py builds, then cut
-    # YOUR MODEL goes here: an nn.Module from tokens (B, T) to logits (B, T, vocab), whose Stage keeps its pieces.
-    model = Transformer(args.n_layer, args.n_head, args.d_model, args.block_size).to(device)
+    torch.manual_seed(args.seed)  # the same full model on every rank
+    # YOUR MODEL goes here: an nn.Module from tokens (B, T) to logits (B, T, vocab).
+    model = lm.Transformer(args.n_layer, args.n_head, args.d_model, args.block_size).to(device)
     model_bytes = harness.state_bytes(model)  # New: the whole model's, before the cut (model.pt's size)
-    model = Stage(model, rank, args.pp, amp=args.amp_dtype == "bf16")  # New: this rank's piece; the rest is freed
+    model = Stage(model, rank, args.pp, amp=args.amp_dtype == "bf16")  # New: this rank's piece of it; the rest freed
     print0("pipeline: " + " | ".join(f"stage {s}: block{f' {a}' if b - a == 1 else f's {a}-{b - 1}'}"  # New
                                      for s, (a, b) in enumerate(stage_blocks(args.n_layer, args.pp)))
            + " (the embeddings on the first, the norm and the head on the last)")
-    if args.activation_checkpointing:  # New: this stage's blocks; non-reentrant (checkpoint_wrapper's default)
-        for name, block in model.blocks.items():
+    if args.activation_checkpointing:  # New: this stage's blocks
+        for name, block in model.blocks.items():  # non-reentrant (checkpoint_wrapper's default): DDP-safe
             model.blocks[name] = checkpoint_wrapper(block)  # state_dict keys stay as without it
         wrapped = sum(isinstance(b, CheckpointWrapper) for b in model.blocks.values())
         print0(f"activation checkpointing: {wrapped} of {len(model.blocks)} blocks recompute their forward in backward "
@@ -366,42 +283,36 @@ def main():
     optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": args.weight_decay},
                                    {"params": others, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
     start_step = 0
-    checkpoints = os.path.join(args.out_dir, "checkpoint")  # New
-    latest = os.path.join(checkpoints, "latest.pt")  # New
     # New: shard folders step_N-RUN: no save overwrites the one latest.pt points at, so a failed save leaves it whole.
-    run_tag = [secrets.token_hex(3)]
+    run_tag = [os.urandom(3).hex()]
     dist.broadcast_object_list(run_tag, src=0)  # every rank writes into the same folder
-    run_tag = run_tag[0]
-    # New: --async-save's writer thread makes collectives (the plan, the results) while training makes its own: on a
-    # group of their own, so the two never interleave. A CPU backend: async_save refuses a group without one.
-    save_group, in_flight = (dist.new_group(backend="gloo", timeout=timeout) if args.async_save else None), None
+    saves = ShardFolders(args.out_dir, run_tag[0], "step")  # New: OUT_DIR/checkpoint/: shard folders, latest.pt
+    latest = saves.latest  # New: the resume point, naming the newest whole shard folder
+    # New: --async-save's thread makes its collectives on a group of its own (never among the step's); gloo: it must.
+    save_group = dist.new_group(backend="gloo", timeout=timeout) if args.async_save else None
     resume = find_resume(args.resume, latest) if args.resume else None
     if resume:  # New: every stage reads its own part of the shards latest.pt names (any number of stages wrote them)
-        flags = {k: getattr(args, k) for k in SAME_ON_RESUME}
+        flags = {k: getattr(args, k) for k in lm.SAME_ON_RESUME}
         ckpt = load_same_flags(resume, "cpu", flags, require=("shards",))  # one line if not, or other flags
-        load_shards(model, optimizer, os.path.join(os.path.dirname(resume), ckpt["shards"]))
+        load_shards(model, optimizer, os.path.join(os.path.dirname(resume), ckpt["shards"]), saves)
         start_step = ckpt["step"]
         print0(f"resume: {resume} at step {start_step}")
     # The rate per step: warm-up, then cosine over --steps; a resumed run takes up the schedule where it stopped.
     scheduler = warmup_cosine(optimizer, 1, args.steps, args.warmup_steps / args.steps, start_step=start_step)
-    # New: every rank writes and loads its stage's shards there: shared.
     harness.broadcast_out_dir_check(args.out_dir, is_main, {"model.pt": model_bytes, "checkpoint": 3 * model_bytes},
-                                    shared=True)
+                                    shared=True)  # New: every rank writes and loads its stage's shards there: shared
     # ----------------------------------------------------------------------------------- train
     last = min(args.steps, start_step + (args.max_steps or args.steps))  # --max-steps: this run's
-    step, speed = start_step, harness.Throughput(device)
-    prof = harness.Profiler(args.profile, args.out_dir, rank, device)  # --profile: steps 3-6
-    # New: no speed.watch(): a stage's forward waits for the stage before it, so no own_ms (--profile shows stages)
-    diverged = harness.DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
-    loss_meter = AverageMeter()
-    val_loss = None
-    vote, ballot, stop = None, None, False  # the stop vote in flight, its tensor; True once SIGUSR1 is agreed
-    speed.start()
+    # The loss, the clock (tokens/s, own_ms: each rank's own work), the NaN watch, --profile; the clock starts.
+    # New: None: no own_ms (a stage's forward waits for the one before it; --profile shows each stage's time).
+    meter = harness.StepMeter(None, device, args.profile, args.out_dir, rank)
+    vote = harness.StopVote(preempt, stop_group)  # SIGUSR1: every rank stops after the same step
+    step, stop, train_loss, val_loss = start_step, False, None, None
     while step < last:
         # New: dp_rank 0 of 1: every stage takes the whole batch of (seed, step), the one lm_ddp.py splits; the first
         # stage feeds in the bytes, the last scores the targets.
         x, y = (t.to(device, non_blocking=True)
-                for t in train_batch(train_text, step, args.seed, args.batch_size, args.seq_len, 0, 1))
+                for t in lm.train_batch(train_text, step, args.seed, args.batch_size, args.seq_len, 0, 1))
         optimizer.zero_grad(set_to_none=True)  # New: before the step, which adds up its microbatches' gradients
         losses = []  # New: filled in on the last stage, one loss per microbatch
         # New: every microbatch's forward and backward in the schedule's order: activations sent on to the next
@@ -412,77 +323,52 @@ def main():
         optimizer.step()
         scheduler.step()
         step += 1
-        if stage.is_last:  # New: the loss is the last stage's alone; the others' meters stay at 0 of 0
-            loss = torch.stack(losses).mean()  # New: the mean of m equal pieces' means: the batch's mean
-            loss_meter.update(loss, 1)  # a tensor: summed on the device, no sync per step
-            diverged.update(step, loss)  # New: the check below all-reduces the first bad step to every rank
-        speed.step(args.batch_size * args.seq_len)  # tokens (bytes)
-        prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
-        if in_flight is not None and in_flight[0].done():  # New: written: latest.pt names it now, not a save later
-            finish_async_save(in_flight, checkpoints, latest)  # no collective: each rank at its own step
-            in_flight = None
-        # SIGUSR1 reaches the ranks at different times; they must stop after the same step. Each step starts
-        # an all-reduce (MAX) of its flag on the vote's own gloo group, and reads the last step's, which ran
-        # under this step: no step waits for it, and every rank reads the same vote at the same step.
-        stop = vote is not None and vote.wait() and ballot.item() > 0
-        ballot = torch.tensor([float(bool(preempt))])
-        vote = dist.all_reduce(ballot, dist.ReduceOp.MAX, group=stop_group, async_op=True)
+        # New: the loss is the last stage's alone, the mean of m equal pieces' means: the batch's mean.
+        loss = torch.stack(losses).mean() if stage.is_last else None
+        meter.step(step, loss, args.batch_size * args.seq_len)  # tokens (bytes); no host sync
+        saves.finish_async(only_if_done=True)  # New: written? latest.pt names it now (each rank at its own step)
+        stop = vote.all_reduce_max()  # the vote started a step ago: every rank the same answer at the same step
         evaluating = step % args.eval_every == 0 or step == last
         if evaluating or stop or (args.save_every and step % args.save_every == 0):  # --save-every, SIGUSR1
-            diverged.all_reduce_and_check(None, step, model=model)  # before eval and any save
+            meter.all_reduce_and_check(step, model)  # a NaN/inf loss or weight stops the run before any save
             if evaluating:
                 # -------------------------------------------------------------------------------- eval
-                speed.stop()
-                loss_meter.all_reduce(device, ride=speed)  # New: the last stage's sum and count, onto every rank
+                train_loss = meter.all_reduce_loss()  # New: the last stage's sum and count, onto every rank
                 val_loss = evaluate(schedule, stage, val_x, val_y, args.batch_size, device)  # New: through the stages
-                print0(f"step={step}/{args.steps} train_loss={loss_meter.avg:.4f} val_loss={val_loss:.4f} "
-                       f"val_bpb={bits_per_byte(val_loss):.4f} lr={scheduler.get_last_lr()[0]:.2e} "
-                       f"tok/s={speed.images_per_sec:.0f} eta={speed.eta(last - step)}{speed.spread}")
+                print0(f"step={step}/{args.steps} train_loss={train_loss:.4f} val_loss={val_loss:.4f} "
+                       f"val_bpb={lm.bits_per_byte(val_loss):.4f} lr={scheduler.get_last_lr()[0]:.2e} "
+                       f"{meter.fields(last - step)}")
             # -------------------------------------------------------------------------------- save
-            # New: every stage writes its own part (torch.save on rank 0 would write stage 0's alone), then rank 0
-            # points latest.pt at them: weights, AdamW's moments, the step (the data follows from it).
-            shards, started = f"step_{step}-{run_tag}", time.perf_counter()
-            folder = os.path.join(checkpoints, shards)
+            # New: every stage writes its own part (DCP), then rank 0 points latest.pt at them: weights, moments, step.
+            folder, started = saves.folder(step), time.perf_counter()
             model_state, optim_state = get_state_dict(model, optimizer, options=FLAT)  # the full model's names
-            pointer = {"shards": shards, "step": step, "epoch": 0,  # what latest.pt will say
-                       "flags": {k: getattr(args, k) for k in SAME_ON_RESUME}}
-            if args.async_save:  # New: one save in flight: the last one ends, and latest.pt names it, before the next
-                if in_flight is not None:
-                    finish_async_save(in_flight, checkpoints, latest)
-                # Staged: copied to CPU memory now (the next step changes the weights), then written by a thread.
-                # As fsdp.py: no copy-ahead from a GPU in the writer; a DefaultStager named (the writer is a stager
-                # itself, whose staging copies each shard twice), closed once written.
-                stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                      use_async_staging=False, use_non_blocking_copy=False))
-                future = dcp.async_save({"model": model_state, "optimizer": optim_state}, async_stager=stager,
+            pointer = {"shards": os.path.basename(folder), "step": step, "epoch": 0,  # what latest.pt will say
+                       "flags": {k: getattr(args, k) for k in lm.SAME_ON_RESUME}}
+            if args.async_save:  # New: one save in flight, as fsdp.py: the last one ends and latest.pt names it first
+                saves.finish_async()
+                future = dcp.async_save({"model": model_state, "optimizer": optim_state}, async_stager=saves.stager(),
                                         storage_writer=dcp.FileSystemWriter(folder, per_thread_copy_ahead=0),
                                         process_group=save_group)
-                future.add_done_callback(lambda _, stager=stager: stager.close())  # its CPU copies go once written
-                in_flight = (future, pointer, folder)
+                saves.start_async(future, pointer, folder)
                 print0(f"saving: {folder} in the background; training waited {time.perf_counter() - started:.3f} s")
             else:
                 try:
                     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=folder)
                 except dcp.CheckpointException as exc:  # a full disk, on any rank: every rank gets it
-                    raise shard_failure(exc, folder, latest) from exc
+                    raise saves.failure(exc, folder) from exc
                 full = gather_full_weights(model, is_main, world_size)  # New: a collective
                 if is_main:  # dcp.save returned on every rank: all shards are written. Now point latest.pt at them.
-                    point_latest(pointer, checkpoints, latest)
+                    saves.point_latest(pointer)
                     save_atomic(full, os.path.join(args.out_dir, "model.pt"))  # New: loads into Transformer(...)
                     print0(f"saved: {latest} and model.pt at step {step}; training waited "
                            f"{time.perf_counter() - started:.3f} s")
-            if evaluating:
-                train_loss, loss_meter = loss_meter.avg, AverageMeter()
-                speed.start()
+            meter.start()  # the clock again, after an evaluation stopped it
             if stop:  # saved; every rank leaves the loop at this step
                 break
-    speed.stop()
-    if vote is not None:  # the last vote; every rank started as many
-        vote.wait()
-    if in_flight is not None:  # New: the last save in flight ends (and latest.pt names it) before the job does
-        finish_async_save(in_flight, checkpoints, latest)
-    if args.async_save:  # New: the full weights once, at the end or the stop: gathering them (a collective) every
-        # save would be a wait for every rank
+    meter.stop()  # the clock; --profile writes its trace
+    vote.wait()  # the last vote; every rank started as many
+    saves.finish_async()  # New: the last save in flight ends (and latest.pt names it) before the job does
+    if args.async_save:  # New: the full weights once, at the end or a stop (gathered at every save: a wait for all)
         full = gather_full_weights(model, is_main, world_size)
         if is_main:
             save_atomic(full, os.path.join(args.out_dir, "model.pt"))  # loads into Transformer(...)
@@ -496,16 +382,13 @@ def main():
     # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
     if val_loss is None:  # resumed at or past --max-steps / --steps: nothing left to train
         val_loss = evaluate(schedule, stage, val_x, val_y, args.batch_size, device)  # New
-        train_loss = None
-    # New: state_bytes_per_rank counts each rank's stage (lm_ddp.py holds the whole model everywhere).
-    prof.stop()  # --profile: writes the steps it recorded
     if args.profile:  # a collective (all-gather): every rank's compute, communication, data, idle
-        print0(harness.gather_profile_table(prof, device))
-    print0(harness.gather_result_line(device, speed, model, optimizer, recipe="lm_pp", steps=step,
-                                      start_step=start_step, train_loss=train_loss, val_loss=val_loss,
-                                      val_bpb=bits_per_byte(val_loss), val_windows=len(val_x),
-                                      pp=args.pp, schedule=args.schedule, microbatches=args.microbatches,  # New
-                                      rate_key="tokens_per_sec"))
+        print0(meter.gather_profile_table())
+    # New: state_bytes_per_rank counts each rank's stage (lm_ddp.py holds the whole model everywhere).
+    print0(meter.gather_result_line(model, optimizer, recipe="lm_pp", steps=step, start_step=start_step,
+                                    train_loss=train_loss, val_loss=val_loss, val_bpb=lm.bits_per_byte(val_loss),
+                                    val_windows=len(val_x), pp=args.pp, schedule=args.schedule,
+                                    microbatches=args.microbatches))  # New
     dist.destroy_process_group()
 
 

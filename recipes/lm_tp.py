@@ -5,7 +5,6 @@
     ./launch.sh recipes/lm_tp.py 0,1,3 --n-head 6 --d-model 192          # 3 GPUs: --tp must divide the heads
     ./launch.sh recipes/lm_tp.py 0,1,2,3,4,5,6,7 --n-head 8 --sequence-parallel  # 8 GPUs: a head each
     ./launch.sh recipes/lm_tp.py cpu:2                                   # 2 CPU processes (gloo): minutes
-    ./launch.sh recipes/lm_tp.py cpu:4 --sequence-parallel               # 4 CPU processes
     ./launch.sh recipes/lm_tp.py 0,1 --save-every 100 --async-save       # checkpoints written while training goes on
 
 What it shows, against lm_ddp.py (diff them: the lesson is what cutting every layer across ranks changes):
@@ -19,13 +18,12 @@ What it shows, against lm_ddp.py (diff them: the lesson is what cutting every la
   bias are whole on every rank, but each rank's gradient covers its positions only (Partial): all-reduced once.
 - loss_parallel(): each rank's logits are (B, T, 256 / tp); the cross-entropy all-reduces the softmax's max and sum,
   so no rank ever holds all 256. No data parallelism: --tp is the number of processes, all take the whole batch.
-- clip_grad_norm_ on DTensors: the global norm (the slices' squares summed across ranks).
-- Checkpoints: every rank writes its slices (torch.distributed.checkpoint) to OUT_DIR/checkpoint/step_N-RUN/, then
-  rank 0 points checkpoint/latest.pt at them, atomically and last (as fsdp.py); --resume loads them on any number of
-  ranks (DCP reshards; bitwise on the same). OUT_DIR/model.pt: full weights for common.lm.Transformer, one process.
-  --async-save: dcp.async_save copies the slices to CPU memory (training waits for that alone) and a thread writes
-  them on a gloo group of its own; latest.pt names them at the first step after they are written, one save in flight
-  (as fsdp.py). model.pt comes at the end (or a SIGUSR1 stop) alone: gathering it is a collective ranks wait for.
+  clip_grad_norm_ on DTensors: the global norm (the slices' squares summed across ranks).
+- Checkpoints as fsdp.py's (`saves`: common/checkpoint.py's ShardFolders, plumbing): every rank writes its slices
+  (torch.distributed.checkpoint) to OUT_DIR/checkpoint/step_N-RUN/, then rank 0 points checkpoint/latest.pt at them;
+  --resume on any number of ranks (DCP reshards; bitwise on the same). --async-save: dcp.async_save, a thread writing
+  on a gloo group of its own, one in flight. OUT_DIR/model.pt: full weights for common.lm.Transformer, one process
+  (with --async-save at the end or a stop).
 
 One block on 2 ranks (D = --d-model, H = --n-head; nn.Linear weights are (out, in)); [SP: ...] = --sequence-parallel
                 rank 0                              rank 1
@@ -39,15 +37,14 @@ One block on 2 ranks (D = --d-model, H = --n-head; nn.Linear weights are (out, i
     ln2, mlp    as ln1 and attention: fc rows 0..2D | 2D..4D, gelu on its units, proj columns 0..2D | 2D..4D
   Embeddings: tok_emb bytes 0..128 | 128..256, pos_emb positions 0..P/2 | P/2..P (P = --block-size): each rank
   looks up its rows, zeros elsewhere, then all-reduce [SP: reduce-scatter]. Head: bytes 0..128 | 128..256.
-`harness.` lines are plumbing, not the lesson (common/harness.py); this recipe marks its changes to lm_ddp.py `# New:`.
+Plumbing, not the lesson: `harness.` lines and the two harness objects `meter` (the loss, the clock, the NaN watch,
+--profile) and `vote` (SIGUSR1's stop vote); common/harness.py. The siblings of lm_ddp.py mark theirs `# New:`.
 """
 # launcher: torchrun
 
 import argparse
 import datetime
 import os
-import secrets  # New
-import shutil  # New
 import signal
 import sys
 import time
@@ -58,7 +55,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp  # New
 import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # New
 from torch.distributed.checkpoint.state_dict import (  # New
     StateDictOptions,
     get_model_state_dict,
@@ -78,74 +74,21 @@ from torch.distributed.tensor.parallel import (  # New
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
-from common import harness  # plumbing, not the lesson: every line that uses it says so
-from common.checkpoint import (
-    EX_TEMPFAIL,
-    CheckpointError,
-    SaveError,
-    SignalFlag,
-    dcp_failure,
-    find_resume,
-    load_same_flags,
-    save_atomic,
-)
-from common.lm import (
-    TextError,
-    Transformer,
-    bits_per_byte,
-    check_model_flags,
-    check_text,
-    read_text,
-    split,
-    train_batch,
-    val_windows,
-)
+from common import harness, lm  # not the lesson: harness. lines are plumbing, lm. lines the workload (text, model)
+from common.checkpoint import EX_TEMPFAIL, ShardFolders, SignalFlag, find_resume, load_same_flags, save_atomic
 from common.schedule import warmup_cosine
-from common.utils import AverageMeter, print0
-
-# What a resumed run must share with the run that saved (the model, the data and the schedule); not the world size.
-SAME_ON_RESUME = ("text", "n_layer", "n_head", "d_model", "block_size", "seq_len", "batch_size", "steps",
-                  "warmup_steps", "lr", "weight_decay", "clip_grad", "seed", "amp_dtype")
+from common.utils import print0
 
 
 # ------------------------------------------------------------------------------------------- args
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--text", help="a UTF-8 file or a folder of them (default: the Python standard library's source)")
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=256, help="positions the model has: the longest --seq-len")
-    p.add_argument("--seq-len", type=int, default=128, help="bytes per training sequence")
-    p.add_argument("--batch-size", type=int, default=32, help="GLOBAL batch in sequences: every rank takes all of it")
-    p.add_argument("--steps", type=int, default=1000, help="optimizer steps: the schedule's length")
-    p.add_argument("--warmup-steps", type=int, help="linear warm-up, then cosine to 0 (default: --steps / 20; at most "
-                   "--steps / 3)")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
-    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's, on the weight matrices only")
-    p.add_argument("--clip-grad", type=float, default=1.0, help="clip the gradient's global norm to this")
-    p.add_argument("--amp-dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast, no loss scaler")
-    p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
+    lm.add_flags(p, "lm_tp", sharded=True)  # New: sharded: OUT_DIR/checkpoint/, DCP shards and latest.pt
+    p.add_argument("--batch-size", type=int, default=32, help="GLOBAL batch in sequences: every rank takes all of "
+                   "it")  # New
     p.add_argument("--tp", type=int, help="tensor-parallel degree: the number of processes (the default)")  # New
     p.add_argument("--sequence-parallel", action="store_true",  # New
                    help="cut the activations between the cut layers along the sequence too (--seq-len / --tp each)")
-    p.add_argument("--eval-every", type=int, default=250, help="validate (and save) every N steps, and at the end")
-    p.add_argument("--save-every", type=int, help="also save every N steps between evaluations; "
-                   "SIGUSR1 saves at the next step and exits 75")
-    p.add_argument("--async-save", action="store_true", help="write each checkpoint's shards from a thread while "
-                   "training goes on (dcp.async_save); one save in flight; model.pt at the end (or a stop)")  # New
-    p.add_argument("--val-windows", type=int, default=128, help="validation windows of --seq-len (fixed)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", default="runs/lm_tp", help="model.pt and checkpoint/ (sharded; latest.pt: the resume "
-                                                           "point)")  # New
-    p.add_argument("--resume", help="checkpoint/latest.pt of an earlier run, or 'auto': OUT_DIR/checkpoint/latest.pt "
-                                    "if it exists; any number of ranks")  # New
-    p.add_argument("--max-steps", type=int, help="train at most this many steps in this run, then save (a short run: "
-                   "the same command with --resume auto goes on)")
-    p.add_argument("--dist-timeout", type=float, default=300, help="seconds a collective waits before failing")
-    p.add_argument("--debug-collectives", action="store_true", help="each collective first checks that every rank "
-                   "called the same one, with the same shapes (torch's DETAIL level; slow)")
-    harness.add_profile_flag(p)  # --profile: a trace per rank and where each rank's step time goes
     return p.parse_args(argv)
 
 
@@ -158,8 +101,8 @@ def check_args(args, world_size):
         harness.die(f"--tp {args.tp} must equal the number of processes, {world_size}: lm_tp.py is tensor parallel "
                     f"only (every rank holds a slice of every layer); launch {args.tp} processes or leave --tp out")
     try:
-        check_model_flags(args.n_layer, args.n_head, args.d_model, args.seq_len, args.block_size,
-                          parallel=args.tp, parallel_flag="--tp")  # New: whole heads and MLP units per rank
+        lm.check_model_flags(args.n_layer, args.n_head, args.d_model, args.seq_len, args.block_size,
+                             parallel=args.tp, parallel_flag="--tp")  # New: whole heads and MLP units per rank
     except ValueError as exc:
         harness.die(str(exc))
     if args.sequence_parallel and args.seq_len % args.tp:  # New
@@ -201,18 +144,16 @@ def tp_plan(sequence_parallel):  # New
 
 
 def grads_as_params(model):  # New
-    """Each gradient in its parameter's layout, once, before clipping and the step (left as they are, clip_grad_norm_
-    and each AdamW op would redistribute them again). Two come back otherwise: with --sequence-parallel a norm's gain
-    and bias are whole on every rank, but each rank's gradient sums over its own positions only (Partial): all-reduced
-    here; and an embedding's gradient comes back whole (Replicate, the full table on every rank) though each rank
-    holds a slice of its rows: sliced here, no communication."""
+    """Each gradient in its parameter's layout, once, before clipping and the step (else each of those ops would
+    redistribute it again). Two differ: with --sequence-parallel a norm's gradient sums over the rank's positions only
+    (Partial): all-reduced here; an embedding's comes back whole (Replicate): sliced here, no communication."""
     for p in model.parameters():
         if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
             p.grad = p.grad.redistribute(placements=p.placements)
 
 
 # ------------------------------------------------------------------------------------ checkpoints
-def load_shards(model, optimizer, path):  # New, as in fsdp.py
+def load_shards(model, optimizer, path, saves):  # New, as in fsdp.py
     """Every rank reads its part of the sharded checkpoint at `path`, however many ranks wrote it (DCP reshards)."""
     with implicit_replication():  # get_state_dict runs a step of the fresh optimizer: plain norms beside DTensors
         model_state, optim_state = get_state_dict(model, optimizer)  # this world's layout, filled in by load
@@ -221,44 +162,15 @@ def load_shards(model, optimizer, path):  # New, as in fsdp.py
     try:
         dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
     except dcp.CheckpointException as exc:  # a BaseException: `except Exception` would let it through
-        raise CheckpointError(f"cannot load the shards in {path} ({dcp_failure(exc)}): a shard file is missing or "
-                              "truncated, or they hold another model") from exc
+        raise saves.load_failure(exc, path) from exc
     with implicit_replication():
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
-
-
-def point_latest(pointer, checkpoints, latest):  # New, as in fsdp.py
-    """Rank 0, once every rank's shards are written: latest.pt (atomically) names them; older shard folders go."""
-    save_atomic(pointer, latest)
-    for old in os.listdir(checkpoints):  # older shards (a step before, an earlier run's, a killed save's): not named
-        if old.startswith("step_") and old != pointer["shards"]:
-            shutil.rmtree(os.path.join(checkpoints, old), ignore_errors=True)
-
-
-def shard_failure(exc, folder, latest):  # New
-    return SaveError(f"cannot write the shards in {folder} ({dcp_failure(exc, os.path.dirname(folder))}): {latest}, "
-                     "if any, still points at the previous ones; free some space, then --resume")
-
-
-def finish_async_save(in_flight, checkpoints, latest):  # New, as in fsdp.py
-    """Every rank: wait for the save in flight to end (its thread's collectives: every rank's shards written, the
-    metadata last); then rank 0 names it in latest.pt. Called once a step sees it done, before the next save, and at
-    the end."""
-    future, pointer, folder = in_flight
-    try:
-        future.result()
-    except dcp.CheckpointException as exc:
-        raise shard_failure(exc, folder, latest) from exc
-    if dist.get_rank() == 0:  # done on rank 0: every rank's shards and the metadata are written
-        point_latest(pointer, checkpoints, latest)
-        print0(f"saved: {latest} at step {pointer['step']} (written in the background)")
 
 
 # ------------------------------------------------------------------------------------------- eval
 @torch.no_grad()
 def evaluate(model, inputs, targets, batch, device, amp):
-    """Mean loss per byte over every validation window. New: every rank runs every window (each holds a slice of
-    every layer, so all of them take part in each forward); the loss is the same on all: no all-reduce."""
+    """Mean loss per byte over every validation window. New: every rank runs every window, each with its slices."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)  # summed loss, bytes
     for i in range(0, len(inputs), batch):
@@ -299,27 +211,26 @@ def main():
     stop_group = dist.new_group(backend="gloo", timeout=timeout)  # the stop vote's: it runs beside the step's
     mesh = init_device_mesh(device.type, (args.tp,), mesh_dim_names=("tp",))  # New: the ranks that cut each layer
     print0(f"setup: world_size={world_size} backend={backend} device={device.type} global_batch={args.batch_size} "
-           f"(all of it on every rank: tp={args.tp}, sequence_parallel={args.sequence_parallel}) sequences of "
-           f"{args.seq_len} bytes")  # New
+           f"(all of it on every rank: tp={args.tp}, sp={args.sequence_parallel}) sequences of {args.seq_len} bytes")
     # ------------------------------------------------------------------------------------ data
     # YOUR DATA goes here: text as bytes in a uint8 tensor (read_text: a file, a folder, or the default corpus).
     # Every rank reads it whole: a few MB. A corpus of GBs would be memory-mapped instead (np.memmap), as nanoGPT does.
     try:
-        text, where = read_text(args.text)
-        train_text, val_text = split(text)
-        check_text(train_text, val_text, args.seq_len, args.val_windows)
-    except TextError as exc:
+        text, where = lm.read_text(args.text)
+        train_text, val_text = lm.split(text)
+        lm.check_text(train_text, val_text, args.seq_len, args.val_windows)
+    except lm.TextError as exc:
         harness.die(str(exc))
-    val_x, val_y = val_windows(val_text, args.seq_len, args.val_windows)
+    val_x, val_y = lm.val_windows(val_text, args.seq_len, args.val_windows)
     print0(f"data: {where} train={len(train_text)} val={len(val_text)} bytes, {len(val_x)} validation windows")
     # ----------------------------------------------------------------------------------- model
-    torch.manual_seed(args.seed)  # New: the same full model on every rank as lm_ddp.py builds, then cut
-    # YOUR MODEL goes here: an nn.Module from tokens (B, T) to logits (B, T, vocab), whose plan names its layers.
-    model = Transformer(args.n_layer, args.n_head, args.d_model, args.block_size).to(device)
-    # New: each rank keeps its slices; src_data_rank=0 scatters rank 0's weights (the norms, ones and zeros, are whole).
+    torch.manual_seed(args.seed)  # the same full model on every rank
+    # YOUR MODEL goes here: an nn.Module from tokens (B, T) to logits (B, T, vocab).
+    model = lm.Transformer(args.n_layer, args.n_head, args.d_model, args.block_size).to(device)
+    # New: cut by the plan, which names its layers; each rank keeps its slices of rank 0's (src_data_rank=0 scatters).
     model = parallelize_module(model, mesh, tp_plan(args.sequence_parallel), src_data_rank=0)
     if args.activation_checkpointing:  # New: after parallelize_module, whose plan names the unwrapped modules
-        for name, block in model.blocks.items():  # non-reentrant (checkpoint_wrapper's default)
+        for name, block in model.blocks.items():  # non-reentrant (checkpoint_wrapper's default): DDP-safe
             model.blocks[name] = checkpoint_wrapper(block)  # state_dict keys stay as without it
         wrapped = sum(isinstance(b, CheckpointWrapper) for b in model.blocks.values())
         print0(f"activation checkpointing: {wrapped} of {len(model.blocks)} blocks recompute their forward in backward")
@@ -329,48 +240,42 @@ def main():
     optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": args.weight_decay},
                                    {"params": others, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
     start_step = 0
-    checkpoints = os.path.join(args.out_dir, "checkpoint")  # New
-    latest = os.path.join(checkpoints, "latest.pt")  # New
     # New: shard folders step_N-RUN: no save overwrites the one latest.pt points at, so a failed save leaves it whole.
-    run_tag = [secrets.token_hex(3)]
+    run_tag = [os.urandom(3).hex()]
     dist.broadcast_object_list(run_tag, src=0)  # every rank writes into the same folder
-    run_tag = run_tag[0]
-    # New: --async-save's writer thread makes collectives (the plan, the results) while training makes its own: on a
-    # group of their own, so the two never interleave. A CPU backend: async_save refuses a group without one.
-    save_group, in_flight = (dist.new_group(backend="gloo", timeout=timeout) if args.async_save else None), None
+    saves = ShardFolders(args.out_dir, run_tag[0], "step")  # New: OUT_DIR/checkpoint/: shard folders, latest.pt
+    latest = saves.latest  # New: the resume point, naming the newest whole shard folder
+    # New: --async-save's thread makes its collectives on a group of its own (never among the step's); gloo: it must.
+    save_group = dist.new_group(backend="gloo", timeout=timeout) if args.async_save else None
     resume = find_resume(args.resume, latest) if args.resume else None
     if resume:  # New: every rank reads its own slices of the shards latest.pt names (any number of ranks wrote them)
-        flags = {k: getattr(args, k) for k in SAME_ON_RESUME}
+        flags = {k: getattr(args, k) for k in lm.SAME_ON_RESUME}
         ckpt = load_same_flags(resume, "cpu", flags, require=("shards",))  # one line if not, or other flags
-        load_shards(model, optimizer, os.path.join(os.path.dirname(resume), ckpt["shards"]))
+        load_shards(model, optimizer, os.path.join(os.path.dirname(resume), ckpt["shards"]), saves)
         start_step = ckpt["step"]
         print0(f"resume: {resume} at step {start_step}")
     # The rate per step: warm-up, then cosine over --steps; a resumed run takes up the schedule where it stopped.
     scheduler = warmup_cosine(optimizer, 1, args.steps, args.warmup_steps / args.steps, start_step=start_step)
     # New: state_bytes counts every slice (a DTensor's global size); every rank writes and loads there: shared.
     harness.broadcast_out_dir_check(args.out_dir, is_main, {"model.pt": harness.state_bytes(model),
-                                                            "checkpoint": 3 * harness.state_bytes(model)},
-                                    shared=True)
+                                                            "checkpoint": 3 * harness.state_bytes(model)}, shared=True)
     amp = args.amp_dtype == "bf16"
     # ----------------------------------------------------------------------------------- train
     last = min(args.steps, start_step + (args.max_steps or args.steps))  # --max-steps: this run's
-    step, speed = start_step, harness.Throughput(device)
-    prof = harness.Profiler(args.profile, args.out_dir, rank, device)  # --profile: steps 3-6
-    speed.watch(model)  # own_ms on the epoch line: waiting for data (its forward all-reduces)
-    diverged = harness.DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
-    loss_meter = AverageMeter()
-    val_loss = None
-    vote, ballot, stop = None, None, False  # the stop vote in flight, its tensor; True once SIGUSR1 is agreed
-    speed.start()
+    # The loss, the clock (tokens/s, own_ms: each rank's own work), the NaN watch, --profile; the clock starts.
+    meter = harness.StepMeter(model, device, args.profile, args.out_dir, rank)  # New: the data wait alone (forward: TP)
+    vote = harness.StopVote(preempt, stop_group)  # SIGUSR1: every rank stops after the same step
+    step, stop, train_loss, val_loss = start_step, False, None, None
     while step < last:
         # New: dp_rank 0 of 1: every rank takes the whole batch of (seed, step), the one lm_ddp.py splits.
         x, y = (t.to(device, non_blocking=True)
-                for t in train_batch(train_text, step, args.seed, args.batch_size, args.seq_len, 0, 1))
+                for t in lm.train_batch(train_text, step, args.seed, args.batch_size, args.seq_len, 0, 1))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-            logits = model(x)  # New: a DTensor (B, T, 256) cut by bytes: each rank holds (B, T, 256 / tp) of it
+            # New: the logits are a DTensor (B, T, 256) cut by bytes: each rank holds (B, T, 256 / tp) of it.
+            logits = model(x)
+        optimizer.zero_grad(set_to_none=True)
         with loss_parallel():  # New: around the loss and its backward: the softmax's max and sum all-reduced
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())  # fp32 softmax over the 256 bytes
-            optimizer.zero_grad(set_to_none=True)
             loss.backward()  # New: each collective's backward: all-reduces (SP: all-gathers, reduce-scatters)
         loss = loss.to_local()  # New: a Replicate DTensor: every rank's local value is the whole mean
         grads_as_params(model)  # New: the norms' Partial gradients all-reduced (SP), the embeddings' sliced
@@ -379,77 +284,52 @@ def main():
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)  # DTensors: the norm over every slice
             optimizer.step()
         scheduler.step()
-        loss_meter.update(loss, 1)  # a tensor: summed on the device, no sync per step
         step += 1
-        diverged.update(step, loss)
-        speed.step(args.batch_size * args.seq_len)  # tokens (bytes)
-        prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
-        if in_flight is not None and in_flight[0].done():  # New: written: latest.pt names it now, not a save later
-            finish_async_save(in_flight, checkpoints, latest)  # no collective: each rank at its own step
-            in_flight = None
-        # SIGUSR1 reaches the ranks at different times; they must stop after the same step. Each step starts
-        # an all-reduce (MAX) of its flag on the vote's own gloo group, and reads the last step's, which ran
-        # under this step: no step waits for it, and every rank reads the same vote at the same step.
-        stop = vote is not None and vote.wait() and ballot.item() > 0
-        ballot = torch.tensor([float(bool(preempt))])
-        vote = dist.all_reduce(ballot, dist.ReduceOp.MAX, group=stop_group, async_op=True)
+        meter.step(step, loss, args.batch_size * args.seq_len)  # tokens (bytes); no host sync
+        saves.finish_async(only_if_done=True)  # New: written? latest.pt names it now (each rank at its own step)
+        stop = vote.all_reduce_max()  # the vote started a step ago: every rank the same answer at the same step
         evaluating = step % args.eval_every == 0 or step == last
         if evaluating or stop or (args.save_every and step % args.save_every == 0):  # --save-every, SIGUSR1
-            diverged.all_reduce_and_check(None, step, model=model)  # before eval and any save
+            meter.all_reduce_and_check(step, model)  # a NaN/inf loss or weight stops the run before any save
             if evaluating:
                 # -------------------------------------------------------------------------------- eval
-                speed.stop()
-                loss_meter.all_reduce(device, ride=speed)  # with every rank's own_ms: one all-reduce
+                train_loss = meter.all_reduce_loss()  # the mean since the last eval; the clock stops
                 val_loss = evaluate(model, val_x, val_y, args.batch_size, device, amp)  # New: all windows, every rank
-                print0(f"step={step}/{args.steps} train_loss={loss_meter.avg:.4f} val_loss={val_loss:.4f} "
-                       f"val_bpb={bits_per_byte(val_loss):.4f} lr={scheduler.get_last_lr()[0]:.2e} "
-                       f"tok/s={speed.images_per_sec:.0f} eta={speed.eta(last - step)}{speed.spread}")
+                print0(f"step={step}/{args.steps} train_loss={train_loss:.4f} val_loss={val_loss:.4f} "
+                       f"val_bpb={lm.bits_per_byte(val_loss):.4f} lr={scheduler.get_last_lr()[0]:.2e} "
+                       f"{meter.fields(last - step)}")
             # -------------------------------------------------------------------------------- save
-            # New: every rank writes its slices (torch.save on rank 0 would write rank 0's alone), then rank 0 points
-            # latest.pt at them: weights, AdamW's moments, the step (the data follows from it).
-            shards, started = f"step_{step}-{run_tag}", time.perf_counter()
-            folder = os.path.join(checkpoints, shards)
+            # New: every rank writes its slices (DCP), then rank 0 points latest.pt at them: weights, moments, step.
+            folder, started = saves.folder(step), time.perf_counter()
             model_state, optim_state = get_state_dict(model, optimizer)  # DTensors: each rank's own slices
-            pointer = {"shards": shards, "step": step, "epoch": 0,  # what latest.pt will say
-                       "flags": {k: getattr(args, k) for k in SAME_ON_RESUME}}
-            if args.async_save:  # New: one save in flight: the last one ends, and latest.pt names it, before the next
-                if in_flight is not None:
-                    finish_async_save(in_flight, checkpoints, latest)
-                # Staged: copied to CPU memory now (the next step changes the weights), then written by a thread.
-                # As fsdp.py: no copy-ahead from a GPU in the writer; a DefaultStager named (the writer is a stager
-                # itself, whose staging copies each shard twice), closed once written.
-                stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                      use_async_staging=False, use_non_blocking_copy=False))
-                future = dcp.async_save({"model": model_state, "optimizer": optim_state}, async_stager=stager,
+            pointer = {"shards": os.path.basename(folder), "step": step, "epoch": 0,  # what latest.pt will say
+                       "flags": {k: getattr(args, k) for k in lm.SAME_ON_RESUME}}
+            if args.async_save:  # New: one save in flight, as fsdp.py: the last one ends and latest.pt names it first
+                saves.finish_async()
+                future = dcp.async_save({"model": model_state, "optimizer": optim_state}, async_stager=saves.stager(),
                                         storage_writer=dcp.FileSystemWriter(folder, per_thread_copy_ahead=0),
                                         process_group=save_group)
-                future.add_done_callback(lambda _, stager=stager: stager.close())  # its CPU copies go once written
-                in_flight = (future, pointer, folder)
+                saves.start_async(future, pointer, folder)
                 print0(f"saving: {folder} in the background; training waited {time.perf_counter() - started:.3f} s")
             else:
                 try:
                     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=folder)
                 except dcp.CheckpointException as exc:  # a full disk, on any rank: every rank gets it
-                    raise shard_failure(exc, folder, latest) from exc
+                    raise saves.failure(exc, folder) from exc
                 # New: the full weights, gathered slice by slice onto rank 0's CPU (a collective; the others get {}).
                 full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
                 if is_main:  # dcp.save returned on every rank: all shards are written. Now point latest.pt at them.
-                    point_latest(pointer, checkpoints, latest)
+                    saves.point_latest(pointer)
                     save_atomic(full, os.path.join(args.out_dir, "model.pt"))  # New: loads into Transformer(...)
                     print0(f"saved: {latest} and model.pt at step {step}; training waited "
                            f"{time.perf_counter() - started:.3f} s")
-            if evaluating:
-                train_loss, loss_meter = loss_meter.avg, AverageMeter()
-                speed.start()
+            meter.start()  # the clock again, after an evaluation stopped it
             if stop:  # saved; every rank leaves the loop at this step
                 break
-    speed.stop()
-    if vote is not None:  # the last vote; every rank started as many
-        vote.wait()
-    if in_flight is not None:  # New: the last save in flight ends (and latest.pt names it) before the job does
-        finish_async_save(in_flight, checkpoints, latest)
-    if args.async_save:  # New: the full weights once, at the end or the stop: gathering them (a collective) every
-        # save would be a wait for every rank
+    meter.stop()  # the clock; --profile writes its trace
+    vote.wait()  # the last vote; every rank started as many
+    saves.finish_async()  # New: the last save in flight ends (and latest.pt names it) before the job does
+    if args.async_save:  # New: the full weights once, at the end or a stop (gathered at every save: a wait for all)
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if is_main:
             save_atomic(full, os.path.join(args.out_dir, "model.pt"))  # loads into Transformer(...)
@@ -463,16 +343,12 @@ def main():
     # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
     if val_loss is None:  # resumed at or past --max-steps / --steps: nothing left to train
         val_loss = evaluate(model, val_x, val_y, args.batch_size, device, amp)  # New
-        train_loss = None
-    # New: state_bytes_per_rank counts each rank's slices (lm_ddp.py holds the whole model everywhere).
-    prof.stop()  # --profile: writes the steps it recorded
     if args.profile:  # a collective (all-gather): every rank's compute, communication, data, idle
-        print0(harness.gather_profile_table(prof, device))
-    print0(harness.gather_result_line(device, speed, model, optimizer, recipe="lm_tp", steps=step,
-                                      start_step=start_step, train_loss=train_loss, val_loss=val_loss,
-                                      val_bpb=bits_per_byte(val_loss), val_windows=len(val_x),
-                                      tp=args.tp, sequence_parallel=args.sequence_parallel,  # New
-                                      rate_key="tokens_per_sec"))
+        print0(meter.gather_profile_table())
+    # New: state_bytes_per_rank counts each rank's slices (lm_ddp.py holds the whole model everywhere).
+    print0(meter.gather_result_line(model, optimizer, recipe="lm_tp", steps=step, start_step=start_step,
+                                    train_loss=train_loss, val_loss=val_loss, val_bpb=lm.bits_per_byte(val_loss),
+                                    val_windows=len(val_x), tp=args.tp, sequence_parallel=args.sequence_parallel))
     dist.destroy_process_group()
 
 

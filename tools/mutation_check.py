@@ -35,6 +35,10 @@ class Edit:
     file: str = ""  # a file of common/ the edit goes into instead of the recipe (the recipe's tests guard it)
 
 
+# ShardFolders.start_async (fsdp.py and the sharded language models) pointing latest.pt at a save as it starts.
+NAMED_EARLY = ("        self.in_flight = (future, pointer, folder)\n",
+               "        self.in_flight = (future, pointer, folder)\n"
+               "        if torch.distributed.get_rank() == 0:\n            self.point_latest(pointer)\n")
 EDITS = [
     Edit("set_epoch", "no sampler.set_epoch(epoch): every epoch replays the same order",
          "train_sampler.set_epoch(epoch)", "pass"),
@@ -60,6 +64,8 @@ EDITS = [
          "model(empty)", "pass"),
     Edit("divergence_check", "no divergence check: a NaN run trains on, exits 0 and saves its NaN weights",
          "diverged.all_reduce_and_check(", "(lambda *args, **kwargs: None)("),
+    Edit("lm_divergence_check", "no divergence check: a NaN run trains on, exits 0 and saves its NaN weights",
+         "meter.all_reduce_and_check(", "(lambda *args, **kwargs: None)("),
     Edit("fused_sgd", "AMP with a for-each SGD: GradScaler reads the inf flag on the host every step (a GPU sync)",
          "weight_decay=5e-4, fused=", "weight_decay=5e-4, foreach="),
     Edit("bn_recompute", "eval with BatchNorm statistics that trail the weights (not recomputed from the last batches)",
@@ -151,7 +157,8 @@ EDITS = [
     Edit("preempt_vote", "each rank stops when SIGUSR1 reaches it, no vote: one saves while the others train",
          "stop = vote is not None and vote.wait() and ballot.item() > 0", "stop = bool(preempt)"),
     Edit("lm_preempt_vote", "each rank stops when SIGUSR1 reaches it, no vote: one saves while the others train",
-         "stop = vote is not None and vote.wait() and ballot.item() > 0", "stop = bool(preempt)"),
+         "agreed = self.work is not None and self.work.wait() and self.ballot.item() > 0",
+         "agreed = bool(self.flag)", file="common/harness.py"),
     Edit("resume_bucket_layout", "no backward before a resumed DDP run's first step: other buckets, other roundings",
          "model(torch.zeros(1, 3, args.image_size, args.image_size, device=device)).sum().backward()",
          "pass"),
@@ -169,18 +176,31 @@ EDITS = [
          "self._remaining_restarts = 0  # as torch does", "pass  # as torch does", file="tools/torchrun.py"),
     # Issue 43: --async-save (the crash while the thread writes: tests/test_fsdp.py, test_lm.py, test_lm_tp.py).
     Edit("async_named_early", "--async-save naming the shards in latest.pt as their write starts, not once written",
-         "            in_flight = (future, pointer, folder)\n",
-         "            in_flight = (future, pointer, folder)\n            if is_main:\n"
-         "                point_latest(pointer, checkpoints, latest)\n"),
+         *NAMED_EARLY, file="common/checkpoint.py"),
     Edit("lm_async_named_early", "--async-save naming the shards in latest.pt as their write starts, not once written",
-         "                in_flight = (future, pointer, folder)\n",
-         "                in_flight = (future, pointer, folder)\n                if is_main:\n"
-         "                    point_latest(pointer, checkpoints, latest)\n"),
+         *NAMED_EARLY, file="common/checkpoint.py"),
     Edit("lm_async_cpu_copy", "--async-save without the copy in CPU memory: the thread writes what later steps changed",
          "saver.submit(write_checkpoint, cpu_copy(state),", "saver.submit(write_checkpoint, state,"),
+    # Issue 58: what the language models teach (tests/test_lm*.py measure it in the recipes' own processes).
+    Edit("lm_model_pt_atomic", "same numbers, model.pt written in place: a kill mid-write leaves it truncated",
+         'save_atomic(state["model"], os.path.join(out_dir, "model.pt"))',
+         'torch.save(state["model"], os.path.join(out_dir, "model.pt"))'),
+    Edit("lm_model_pt_atomic_sharded", "same numbers, model.pt written in place: a kill mid-write leaves it truncated",
+         'save_atomic(full, os.path.join(args.out_dir, "model.pt"))',
+         'torch.save(full, os.path.join(args.out_dir, "model.pt"))'),
+    Edit("lm_fsdp_block_kept", "same numbers, FSDP2's blocks kept gathered from forward to backward: one all-gather a "
+         "block, a whole tp slice of every block held", '        fully_shard(block, mesh=mesh["dp"])',
+         '        fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)'),
+    Edit("lm_fsdp_root_resharded", "same numbers, the root resharded after forward: gathered again for backward",
+         '    fully_shard(model, mesh=mesh["dp"])',
+         '    fully_shard(model, mesh=mesh["dp"], reshard_after_forward=True)'),
+    Edit("lm_pp_1f1b_is_gpipe", "same numbers, --schedule 1f1b running GPipe: every microbatch's activations held",
+         'SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}',
+         'SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": ScheduleGPipe}'),
+    Edit("lm_tp_refuses_3", "lm_tp refusing --tp 3, which its docstring runs (256 bytes cut 86/86/84)",
+         "    if args.sequence_parallel and args.seq_len % args.tp:  # New",
+         "    if 256 % args.tp or args.sequence_parallel and args.seq_len % args.tp:  # New"),
 ]
-# Edits that mean something in the language models too; the others are the image recipes' lessons.
-LM_TOO = {"divergence_check"}
 # The recipes whose tests guard an edit of common/ (Edit.file): the heads per rank matter only where heads are cut.
 FILE_EDIT_RECIPES = {"lm_tp", "lm_fsdp_tp"}
 
@@ -205,6 +225,12 @@ ONE_RECIPE = {"async_named_early": ("fsdp", ["tests/test_fsdp.py", *ASYNC_CRASH]
               "lm_preempt_vote": ("lm_ddp", ["tests/test_lm.py", "-k", "sigusr1"]),
               "resume_bucket_layout": ("ddp_checkpoint", [PREEMPT, "-k", "3-self"]),
               "lm_resume_bucket_layout": ("lm_ddp", ["tests/test_lm.py", "-k", "sigusr1"]),
+              "lm_model_pt_atomic": ("lm_ddp", ["tests/test_lm.py", "-k", "model_pt"]),
+              "lm_model_pt_atomic_sharded": ("lm_tp", ["tests/test_lm_tp.py", "-k", "model_pt"]),
+              "lm_fsdp_block_kept": ("lm_fsdp_tp", ["tests/test_lm_fsdp_tp.py", "-k", "all_gathers"]),
+              "lm_fsdp_root_resharded": ("lm_fsdp_tp", ["tests/test_lm_fsdp_tp.py", "-k", "all_gathers"]),
+              "lm_pp_1f1b_is_gpipe": ("lm_pp", ["tests/test_lm_pp.py", "-k", "order"]),
+              "lm_tp_refuses_3": ("lm_tp", ["tests/test_lm_tp.py", "-k", "3_ranks"]),
               # In epoch 1 a fresh run's workers draw the same streams again: the stop in epoch 2 tells.
               "seeded_samples": ("ddp_checkpoint", [PREEMPT, "-k", "3-self"]),
               "skip_first": ("ddp_checkpoint", [PREEMPT, "-k", "2-launcher"]),
@@ -316,7 +342,7 @@ def main(argv=None):
                and (not e.file or e.name in ONE_RECIPE or r in FILE_EDIT_RECIPES)
                and (e.name not in ONE_RECIPE or r == ONE_RECIPE[e.name][0])
                and (e.name != "map_location" or r in RESUME_TESTS)
-               and (r.startswith("lm_") == e.name.startswith("lm_") or e.name in LM_TOO)]
+               and r.startswith("lm_") == e.name.startswith("lm_")]  # the language models' edits are lm_*
     print(f"{len(mutants)} mutants: each edit on each recipe that contains its text", flush=True)
     results = []
     for i, (recipe, edit) in enumerate(mutants, 1):
