@@ -1,6 +1,7 @@
 """Run as a script where `apex` imports (the real one, or tests/fake_apex on PYTHONPATH). Prints, as one JSON
 line, how that apex behaves where the recipes depend on it; tests/test_apex.py compares the double's answers
-with the real apex's. With --ddp, also what its DistributedDataParallel synchronizes, on 2 gloo CPU processes."""
+with the real apex's. With --ddp, also what its DistributedDataParallel synchronizes, on 2 gloo CPU processes forked
+from this one before it calls anything of apex's (nothing imported anew; one thread each, as torchrun's ranks)."""
 
 import contextlib
 import inspect
@@ -85,6 +86,7 @@ def make_rank_own(module, rank):
 
 def ddp_rank(rank, folder):
     """One of 2 ranks: parameters and buffers that differ per rank, wrapped, then a forward; what became rank 0's."""
+    torch.set_num_threads(1)  # as torchrun's ranks: two ranks of two threads each would spin against each other
     with contextlib.redirect_stdout(sys.stderr):  # this script's only stdout line is the report
         dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
         if not torch.cuda.is_available():
@@ -110,12 +112,13 @@ def ddp_rank(rank, folder):
 
 def ddp_report():
     with tempfile.TemporaryDirectory() as folder:
-        torch.multiprocessing.start_processes(ddp_rank, args=(folder,), nprocs=2, start_method="spawn")
+        torch.multiprocessing.start_processes(ddp_rank, args=(folder,), nprocs=2, start_method="fork")
         with open(os.path.join(folder, "report.json")) as f:
             return json.load(f)
 
 
 def main():
+    ddp = ddp_report() if "--ddp" in sys.argv else None  # first: its ranks fork from a process that called no apex
     net = model()
     loss = net(torch.ones(1, 3, 4, 4)).sum()
     runs_on_cpu = getattr(apex, "RUNS_ON_CPU", False)
@@ -140,8 +143,8 @@ def main():
         },
         "the optimizer initialize returns": {level: optimizer_report(level) for level in ("O0", "O1", "O2", "O3")},
     }
-    if "--ddp" in sys.argv:
-        report["DistributedDataParallel(model, delay_allreduce=True), 2 gloo CPU ranks"] = ddp_report()
+    if ddp is not None:
+        report["DistributedDataParallel(model, delay_allreduce=True), 2 gloo CPU ranks"] = ddp
     print(json.dumps(report))
 
 

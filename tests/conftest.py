@@ -64,13 +64,18 @@ FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torchvisio
 
 
 def warm_spawn(fn, args=(), nprocs=2):
-    """torch.multiprocessing.spawn(fn, args, nprocs) whose processes are forked from multiprocessing's fork server,
-    which imported torch once for this test process (FORKSERVER_PRELOAD), instead of each importing it anew: the
-    same fn(rank, *args) in a process of its own, its exceptions raised here as spawn's. Not for a test whose
-    processes need a sitecustomize (a new interpreter imports it; a forked one does not)."""
+    """torch.multiprocessing.spawn(fn, args, nprocs) whose processes are forked from this test process's warm server
+    (tests/warm.py's spawn(): the server that forks the jobs' ranks), or, where the warm path is off
+    (COOKBOOK_WARM=0, a variable read at start-up set differently), from multiprocessing's fork server, which imports
+    torch once for this test process (FORKSERVER_PRELOAD): the same fn(rank, *args) in a process of its own, its
+    exceptions raised here as spawn's, instead of each process importing torch anew. Not for a test whose processes
+    need a sitecustomize (a new interpreter imports it; a forked one does not)."""
     import multiprocessing
 
     import torch.multiprocessing as mp
+
+    if warm.reason_for_real_path(dict(os.environ)) is None:
+        return warm.spawn(fn, args, nprocs)
 
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(FORKSERVER_PRELOAD)  # read when the fork server starts: the first call
@@ -80,8 +85,9 @@ def warm_spawn(fn, args=(), nprocs=2):
 def spawn_gloo(worker, nprocs=2, results=None, inherit_output=False):
     """Run worker(rank, port, results) in `nprocs` processes (warm_spawn) that meet on a free local port; each puts
     what it saw in results[rank] (results: a Manager dict, a new one if None). Returns that dict. inherit_output:
-    new interpreters (mp.spawn), whose stdout and stderr are this process's now (capfd reads them); the fork
-    server's processes have the fork server's."""
+    new interpreters (mp.spawn), whose stdout and stderr are this process's as they print (capfd reads them); the
+    warm server's processes print into files, copied here when they end (multiprocessing's fork server's print where
+    the fork server does)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -132,6 +138,19 @@ def run_direct(recipe, *args, env=None, timeout=300):
     job = warm.direct_job(argv, env, REPO)
     if job is None:
         return run_group([sys.executable, *argv], env=env, cwd=REPO, timeout=timeout)
+    return job.wait(timeout)
+
+
+def run_script(argv, env=None, cwd=REPO, timeout=120):
+    """`python ARGV` (a script and its arguments) in environment `env` (os.environ if None): forked from the warm
+    server where it can be (tests/warm.py: torch and torchvision already imported, one thread unless OMP_NUM_THREADS
+    says more), else a new interpreter. Either is killed at the timeout (subprocess.TimeoutExpired)."""
+    env = dict(os.environ) if env is None else env
+    argv = list(map(str, argv))
+    job = warm.direct_job(argv, env, cwd)
+    if job is None:
+        return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=timeout)
     return job.wait(timeout)
 
 
@@ -201,6 +220,52 @@ def rng_streams(*folders):
                 entry = json.loads(line)
                 streams.setdefault((entry["world"], entry["rank"], entry["epoch"]), set()).add(entry["rng"])
     return streams
+
+
+def instrument_env(env=None, **folders):
+    """`env` for launch()/run_direct() with tests/instrument on PYTHONPATH and each of `folders` (a variable of
+    tests/instrument/sitecustomize.py: COUNT_DDP_DIR, LOG_SAMPLES_DIR, LOG_LAYERS_DIR, COUNT_FSDP_DIR, ...) made
+    and set."""
+    for folder in folders.values():
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    path = os.pathsep.join(filter(None, [str(REPO / "tests" / "instrument"), (env or {}).get("PYTHONPATH")]))
+    return {**(env or {}), "PYTHONPATH": path, **{name: str(folder) for name, folder in folders.items()}}
+
+
+def samples_seen(folder):
+    """{(kind, world, rank, pass): [the sample ids of each batch, in order]} from tests/instrument's LOG_SAMPLES_DIR
+    (kind "train" or "eval"; pass: the process's nth iteration of such a loader, from 0)."""
+    seen = {}
+    for log in sorted(Path(folder).glob("*.jsonl")):
+        for line in log.read_text().splitlines():
+            entry = json.loads(line)
+            seen.setdefault((entry["kind"], entry["world"], entry["rank"], entry["pass"]), []).append(entry["indices"])
+    return seen
+
+
+def layers_seen(folder):
+    """{rank: {(mode, layer, input format, weight format, output dtype), ...}} from tests/instrument's
+    LOG_LAYERS_DIR: what each rank's eager nn.Conv2d and nn.Linear modules met."""
+    seen = {}
+    for log in Path(folder).glob("*.json"):
+        entry = json.loads(log.read_text())
+        seen.setdefault(entry["rank"], set()).update(map(tuple, entry["seen"]))
+    return seen
+
+
+def fsdp_blocks(model):
+    """The modules recipes/fsdp.py's docstring says get a fully_shard each, by name: the members with parameters of
+    the model's Sequentials (for models without nested ones: the tiny models' layers)."""
+    import torch  # here: launch.sh tests need no torch
+
+    return [f"{name}.{child}" for name, module in model.named_modules() if isinstance(module, torch.nn.Sequential)
+            for child, block in module.named_children() if any(True for _ in block.parameters())]
+
+
+def fsdp_counts(folder, rank):
+    """Rank `rank`'s FSDP2 collectives from tests/instrument's COUNT_FSDP_DIR=folder: {"steps": [{group:
+    {"all_gather": n, "reduce_scatter": n}}, one per optimizer step], "eval_all_gathers": {group: n}, ...}."""
+    return json.loads((Path(folder) / f"rank{rank}.json").read_text())
 
 
 def replayed(streams):

@@ -156,7 +156,7 @@ def test_impl_apex_says_why_apex_is_unusable(tmp_path, recipe, situation, messag
 def probe(env, *args):
     """tests/apex_probe.py's report in a process of its own, forked from the warm server where it can be (apex is
     not among what the server imports: each probe imports the real one or the double anew); its --ddp ranks are
-    spawned, new interpreters."""
+    forked from the probe (tests/apex_probe.py)."""
     argv = [str(REPO / "tests" / "apex_probe.py"), *args]
     env = {**{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FAKE_APEX_ON_CPU")}, **env}
     job = warm.direct_job(argv, env, REPO)

@@ -8,12 +8,21 @@ training step) and checked against what each hook must send, computed here from 
 import math
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import REPO, as_if_saved_on_gpu, ddp_counts, launch, replayed, result_of, rng_env, rng_streams
+from conftest import (
+    REPO,
+    as_if_saved_on_gpu,
+    ddp_counts,
+    launch,
+    replayed,
+    result_of,
+    rng_env,
+    rng_streams,
+    run_script,
+)
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from common.models import build_model
@@ -202,10 +211,9 @@ def test_powersgd_resume_with_another_rank_is_one_line(runs, tmp_path):
 def test_powersgd_state_moves_between_bucket_layouts_parameter_by_parameter(world):
     # In a fresh process with a time limit. It hung 1 run in 7 (faulthandler: two gloo worker threads inside
     # powerSGD_hook's callbacks, each waiting for an all-reduce no thread was left to run) until PowerSGDByParameter
-    # waited for each CPU bucket in its hook; 30 runs since, none hung.
-    proc = subprocess.run([sys.executable, "-c", f"import test_comm_hooks as t; t.bucket_layouts_case({world})"],
-                          cwd=REPO / "tests", env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"},
-                          capture_output=True, text=True, timeout=120)
+    # waited for each CPU bucket in its hook; 30 runs since, none hung. Forked from the warm server (run_script).
+    proc = run_script([REPO / "tests" / "test_comm_hooks.py", world], cwd=REPO / "tests",
+                      env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("bitwise equal"), proc.stdout[-2000:]
 
@@ -265,3 +273,7 @@ def test_powersgd_state_of_another_rank_is_refused():
         other.load_state_dict(state)
     with pytest.raises(ValueError, match=r"parameters this model does not have: \['nope'\]"):
         saved.load_state_dict({**state, "error": {"nope": torch.zeros(1)}})
+
+
+if __name__ == "__main__":  # test_powersgd_state_moves_between_bucket_layouts_parameter_by_parameter's process
+    bucket_layouts_case(int(sys.argv[1]))

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torchvision
-from conftest import REPO, spawn_gloo
+from conftest import REPO, run_script, spawn_gloo
 from jobs import started_with
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
@@ -149,8 +149,7 @@ def test_a_pin_memory_thread_whose_worker_is_gone_dies_quietly_under_one_line_er
     # every rank. Reproduced here with torch's own thread function and a real worker process.
     script = tmp_path / "pin.py"
     script.write_text(PIN_THREAD_SCRIPT)
-    proc = subprocess.run([sys.executable, script], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                          capture_output=True, text=True, timeout=120)
+    proc = run_script([script], env={**os.environ, "PYTHONPATH": str(REPO)})  # forked from the warm server
     assert proc.returncode == 0, proc.stderr
     outside, rest = proc.stderr.split("== inside")
     inside, other = rest.split("== other")
@@ -201,6 +200,7 @@ def _meter_worker(rank, port, results):
     m.update(10.0 * (rank + 1), n=rank + 1)  # rank 0: 10 x1, rank 1: 20 x2
     m.all_reduce(torch.device("cpu"))
     left = []
+    gc.freeze()  # what exists now (every module's objects) out of gc.get_objects(): it then lists what came since
     for _ in range(5):  # without the wait inside, some tensors were still alive after 2 of 5 single calls
         before = _float64_scalars()
         values = gather_values(700.5 + rank, torch.device("cpu"))

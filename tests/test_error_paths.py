@@ -5,9 +5,11 @@ runs; these were CPU lines in that list."""
 
 import errno
 import importlib
+import os
 import struct
 import sys
 import time
+from functools import partial
 
 import pytest
 import torch
@@ -184,18 +186,20 @@ def test_result_line_writes_a_non_finite_value_as_null():
         'RESULT {"loss": null, "values": [1.0, null]}'
 
 
-def _die_worker(rank, port, results):
+def _die_worker(folder, rank, port, results):
+    err = os.open(f"{folder}/{rank}.err", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(err, 2)  # everything the rank prints on stderr from here on, its Python and C++ alike, into a file
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     dist.barrier()  # both reach die() together: rank 0 says it and exits, rank 1 waits its grace quietly
     utils.die("the same verdict on every rank")
 
 
-def test_die_says_a_shared_error_once_and_the_other_ranks_wait_quietly(capfd):
+def test_die_says_a_shared_error_once_and_the_other_ranks_wait_quietly(tmp_path):
     with pytest.raises(mp.ProcessExitedException) as ended:
-        spawn_gloo(_die_worker, inherit_output=True)  # capfd reads what the ranks print
+        spawn_gloo(partial(_die_worker, tmp_path))  # each rank's stderr into a file of its own
     assert ended.value.exit_code == 2 and ended.value.error_index == 0  # rank 0 left first; rank 1 was still waiting
-    err = capfd.readouterr().err
+    err = "".join(path.read_text() for path in sorted(tmp_path.glob("*.err")))
     assert err.count("error: the same verdict on every rank\n") == 1 and "[rank" not in err, err
 
 

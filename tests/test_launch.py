@@ -8,9 +8,10 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
-from conftest import LAUNCH, REPO, launch
+from conftest import LAUNCH, REPO, launch, run_script
 
 from tools.free_port import ephemeral_range
 
@@ -309,8 +310,9 @@ def test_the_gpu_tier_asked_for_without_cuda_fails_with_one_line():
 
     if torch.cuda.is_available():
         pytest.skip("CUDA runs here: the tier itself runs (python -m pytest -m gpu)")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                           "tests/test_gpu.py"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    # `python -m pytest ...`, forked from the warm server (run_script): torch is imported there already
+    proc = run_script([Path(pytest.__file__).parent / "__main__.py", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+                       "tests/test_gpu.py"], timeout=300)
     assert proc.returncode == 1, proc.stdout[-2000:]
     said = [line for line in proc.stdout.splitlines() if "the GPU tier needs CUDA" in line]
     assert len(said) == 1 and f"torch {torch.__version__} is built for CUDA {torch.version.cuda}" in said[0], said
@@ -408,9 +410,9 @@ def test_a_rank_aborted_by_a_watchdog_still_shows_where_the_others_are(tmp_path,
 def test_model_parallel_on_an_odd_gpu_count_is_refused(gpus):
     # 0,1,3 would make one worker of GPUs 0 and 1 and leave the third idle without a word. The count is a test
     # double (tests/fake_gpus): the recipe decides from it before it touches a GPU; the GPU tier runs the real one.
+    # Forked from the warm server (run_script), which imports the double's sitecustomize as a new interpreter would.
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests" / "fake_gpus"), "FAKE_CUDA_DEVICE_COUNT": str(gpus)}
-    proc = subprocess.run([sys.executable, "recipes/ddp_spawn.py", "--arch", "tiny", "--model-parallel"], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=60)
+    proc = run_script(["recipes/ddp_spawn.py", "--arch", "tiny", "--model-parallel"], env=env, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         f"error: --model-parallel needs 2 whole GPUs per worker, {gpus} visible: list an even number of GPUs"]

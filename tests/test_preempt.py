@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, launch, max_diff, params, result_of
+from conftest import REPO, launch, max_diff, params, result_of, run_script
 from torch.distributed import run as torch_run
 
 from common.checkpoint import EX_TEMPFAIL
@@ -171,7 +171,7 @@ def test_skip_first_leaves_out_a_resumed_epochs_start_once():
     assert list(sampler) == whole[4:] and list(sampler) == whole and len(sampler) == 10 and sampler.epoch == 1
 
 
-def test_signal_flag_counts_in_its_process_and_not_in_a_forked_child():
+def test_signal_flag_counts_in_its_process_and_not_in_a_forked_child(tmp_path):
     code = ("import os, signal, sys, time\n"
             "sys.path.insert(0, sys.argv[1])\n"
             "from common.checkpoint import SignalFlag\n"
@@ -182,7 +182,9 @@ def test_signal_flag_counts_in_its_process_and_not_in_a_forked_child():
             "_, status = os.waitpid(child, 0)\n"
             "os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.1)\n"
             "print(os.waitstatus_to_exitcode(status), flag.count)\n")
-    proc = subprocess.run([sys.executable, "-c", code, str(REPO)], capture_output=True, text=True, timeout=60)
+    script = tmp_path / "flag.py"
+    script.write_text(code)
+    proc = run_script([script, REPO], timeout=60)  # a process of its own, forked from the warm server
     assert proc.stdout.split() == ["10", "1"], proc.stderr  # the child survived it and counted nothing
 
 

@@ -4,6 +4,7 @@ where the tests look: fresh state in each rank, torchrun's environment and exit 
 when one fails, the real path wherever the warm one could differ."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -80,13 +81,20 @@ PROBE = textwrap.dedent("""\
     dist.init_process_group("gloo")
     dist.barrier()
     print("PROBE " + json.dumps(fresh), flush=True)
-    code = int(os.environ.get("PROBE_EXIT_RANK1", "0")) if os.environ.get("RANK") == "1" else 0
-    if code:
-        sys.exit(code)
-    if os.environ.get("PROBE_EXIT_RANK1"):
-        import time
-        time.sleep(60)  # the others wait: the launcher must stop them
     dist.destroy_process_group()
+    """)
+# A job whose rank 1 exits with code 3 once rank 0 is up; rank 0 waits to be stopped. No torch: a real-path run of it
+# costs torchrun's start, not two more imports of torch.
+FAILING = textwrap.dedent("""\
+    # launcher: torchrun
+    import os, sys, time
+    if os.environ["RANK"] == "0":
+        open("rank0_up", "w").close()
+        time.sleep(60)  # the launcher must stop it
+    deadline = time.monotonic() + 30
+    while not os.path.exists("rank0_up") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sys.exit(3)
     """)
 
 
@@ -133,15 +141,19 @@ def test_the_legacy_launcher_passes_local_rank_as_a_flag(probe, tmp_path):
     assert [p["argv"] for p in probes(proc)] == [["--local-rank=0"], ["--local-rank=1"]]
 
 
-def test_a_failed_rank_stops_the_others_and_the_job_exits_with_its_code(probe, tmp_path):
-    proc = launch(probe, "cpu:2", env={"PROBE_EXIT_RANK1": "3"}, cwd=tmp_path, timeout=50)
+def test_a_failed_rank_stops_the_others_and_the_job_exits_with_its_code(tmp_path):
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING)
+    (tmp_path / "warm").mkdir()
+    (tmp_path / "real").mkdir()
+    proc = launch(script, "cpu:2", cwd=tmp_path / "warm", timeout=50)
+    assert warm.last_real_path_reason is None  # it did run warm
     assert proc.returncode == 3
     last = proc.stderr.strip().splitlines()[-1]
     assert re.fullmatch(r"launch\.sh: job failed: rank 1 \(pid \d+\) exited with code 3; rank 0 \(pid \d+\) was "
                         r"stopped \(SIGTERM\) \(each rank's own output is above\)", last), last
     # the real path says the same
-    real = run_group([str(LAUNCH), probe, "cpu:2"], env=launch_env({"PROBE_EXIT_RANK1": "3"}), cwd=tmp_path,
-                     timeout=50)
+    real = run_group([str(LAUNCH), script, "cpu:2"], env=launch_env(), cwd=tmp_path / "real", timeout=50)
     assert real.returncode == 3
     assert re.sub(r"pid \d+", "", real.stderr.strip().splitlines()[-1]) == re.sub(r"pid \d+", "", last)
 
@@ -165,9 +177,12 @@ def test_what_the_warm_path_cannot_do_takes_the_real_path(env, why, probe, tmp_p
 
 
 @pytest.mark.real_path("checks the marker itself")
-def test_a_test_marked_real_path_gets_the_real_path(probe, tmp_path):
-    proc = launch(probe, "cpu:2", cwd=tmp_path)
-    assert proc.returncode == 0
+def test_a_test_marked_real_path_gets_the_real_path(tmp_path):
+    script = tmp_path / "hello.py"  # no torch in the ranks: the launcher is what runs differently here
+    script.write_text("# launcher: torchrun\nimport os\nprint('rank', os.environ['RANK'], flush=True)\n")
+    proc = launch(script, "cpu:2", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.split("\n")[:2]) == ["rank 0", "rank 1"], proc.stdout
     assert warm.last_real_path_reason.startswith("marked real_path: checks the marker itself")
 
 
@@ -178,7 +193,7 @@ def test_run_direct_is_one_warm_process_and_a_timeout_kills_it(tmp_path):
     script.write_text("import time\nprint('up', flush=True)\ntime.sleep(60)\n")
     job = warm.direct_job([script], launch_env(), tmp_path)
     with pytest.raises(subprocess.TimeoutExpired):
-        job.wait(3)
+        job.wait(1)
     assert all(job.server.poll(pid) is not None for pid in job.pids)  # killed, not left running
 
 
@@ -200,3 +215,39 @@ def test_an_uncaught_ctrl_c_ends_by_sigint_as_python_does(tmp_path):
     same = subprocess.run([sys.executable, script], capture_output=True, text=True)
     assert proc.returncode == same.returncode == -2
     assert proc.stderr.rstrip().endswith("KeyboardInterrupt") and same.stderr.rstrip().endswith("KeyboardInterrupt")
+
+
+def _spawned(rank, folder, fail):
+    import time
+
+    print(f"rank {rank} says", flush=True)
+    (folder / f"{rank}.pid").write_text(str(os.getpid()))
+    if fail == "raise" and rank == 1:
+        raise ValueError("boom in rank 1")
+    if fail == "exit" and rank == 1:
+        while not (folder / "0.pid").exists():
+            time.sleep(0.01)
+        sys.exit(3)
+    if fail == "exit":
+        time.sleep(60)  # stopped by the join, as spawn's
+
+
+def test_warm_spawn_joins_as_torch_multiprocessing_spawn_does(tmp_path, capfd):
+    # conftest.warm_spawn's processes: forked from the warm server, joined and reported as torch's spawn reports them
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+    warm.spawn(_spawned, args=(tmp_path, None), nprocs=2)
+    assert capfd.readouterr().out == "rank 0 says\nrank 1 says\n"  # what they printed, rank by rank
+    with pytest.raises(ProcessRaisedException) as raised:
+        warm.spawn(_spawned, args=(tmp_path, "raise"), nprocs=2)
+    assert raised.value.error_index == 1 and "ValueError: boom in rank 1" in str(raised.value)
+    assert "-- Process 1 terminated with the following error:\nTraceback" in str(raised.value)
+    for path in tmp_path.glob("*.pid"):
+        path.unlink()
+    with pytest.raises(ProcessExitedException) as ended:
+        warm.spawn(_spawned, args=(tmp_path, "exit"), nprocs=2)
+    assert (ended.value.error_index, ended.value.exit_code) == (1, 3)
+    assert str(ended.value) == "process 1 terminated with exit code 3"
+    rank0 = int((tmp_path / "0.pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(rank0, 0)  # stopped, not left sleeping

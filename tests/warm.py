@@ -36,6 +36,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SERVER = Path(__file__).resolve().parent / "warm_server.py"
+SPAWN_RANK = Path(__file__).resolve().parent / "warm_spawn_rank.py"
 # Variables Python or torch read once, at interpreter start or at `import torch`: a rank forked from the server would
 # keep the server's. A job that sets one differently takes the real path. Those read later (torch.distributed's
 # and the elastic agent's, the recipes' own, the tests' fault switches) are passed as they are. Not Intel OpenMP's
@@ -289,6 +290,74 @@ def torchrun_env(rank, local_rank, nprocs, nnodes, node, env):
             "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none",
             "TORCHELASTIC_USE_AGENT_STORE": "False",
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")}
+
+
+def spawn(fn, args=(), nprocs=2):
+    """torch.multiprocessing.spawn(fn, args, nprocs) with each process forked from the warm server
+    (tests/warm_spawn_rank.py runs fn(rank, *args) there): the same join as spawn's (every process ends with 0, or
+    the first to fail stops the others, SIGTERM then SIGKILL 30 s later, and its traceback or exit code is raised as
+    ProcessRaisedException or ProcessExitedException), the environment, working folder and sys.path of this
+    process, OMP_NUM_THREADS threads or as many as a new interpreter's (one per core). What the processes print is
+    printed here after they end, stdout then stderr, rank by rank."""
+    import multiprocessing
+    import pickle
+
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+    folder = Path(tempfile.mkdtemp(prefix="warm_spawn_"))
+    with open(folder / "payload", "wb") as f:
+        pickle.dump((bytes(multiprocessing.current_process().authkey), list(sys.path)), f)
+        pickle.dump((fn, tuple(args)), f)
+    env, srv = dict(os.environ), server()
+    threads = int(env.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+    pids = [srv.fork([SPAWN_RANK, folder / "payload", rank, folder / f"{rank}.error"], env, os.getcwd(),
+                     folder / f"{rank}.out", folder / f"{rank}.err", threads) for rank in range(nprocs)]
+    failed = None
+    try:
+        while failed is None:
+            codes = [srv.poll(pid) for pid in pids]
+            failed = next((rank for rank, code in enumerate(codes) if code not in (None, 0)), None)
+            if failed is None and all(code == 0 for code in codes):
+                return
+            if failed is None:
+                srv.wait_any([p for p, c in zip(pids, codes, strict=True) if c is None], timeout=0.5)
+        for pid in pids:  # spawn's terminate(): SIGTERM to each process still running, SIGKILL after 30 s
+            if srv.poll(pid) is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + TERM_GRACE
+        while any(srv.poll(pid) is None for pid in pids) and time.monotonic() < deadline:
+            srv.wait_any(pids, timeout=0.5)
+    finally:
+        for pid in pids:  # anything a process left behind (its DataLoader workers), and a process past its grace
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        while any(srv.poll(pid) is None for pid in pids):
+            srv.wait_any(pids, timeout=0.5)
+        codes = [srv.poll(pid) for pid in pids]
+        for pid in pids:
+            srv.forget(pid)
+        for rank in range(nprocs):
+            for kind, stream in (("out", sys.stdout), ("err", sys.stderr)):
+                text = (folder / f"{rank}.{kind}").read_text(errors="replace")
+                if text:
+                    stream.write(text)
+                    stream.flush()
+        error = folder / f"{failed}.error"
+        trace = pickle.loads(error.read_bytes()) if failed is not None and error.exists() else None
+        for path in folder.iterdir():
+            path.unlink()
+        folder.rmdir()
+    if trace is not None:
+        raise ProcessRaisedException(f"\n\n-- Process {failed:d} terminated with the following error:\n{trace}", failed,
+                                     pids[failed])
+    code = codes[failed]
+    if code < 0:
+        name = signal.Signals(-code).name
+        raise ProcessExitedException(f"process {failed:d} terminated with signal {name}", error_index=failed,
+                                     error_pid=pids[failed], exit_code=code, signal_name=name)
+    raise ProcessExitedException(f"process {failed:d} terminated with exit code {code:d}", error_index=failed,
+                                 error_pid=pids[failed], exit_code=code)
 
 
 def direct_job(argv, env, cwd):
