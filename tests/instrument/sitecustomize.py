@@ -43,6 +43,19 @@ calls it with backward off) appends {"rank", "stage", "stages", "schedule", "mic
 "eval", "actions": [["F" or "B", microbatch], ...]} to LOG_PP_DIR/rank<R>.jsonl: the forwards and backwards the
 stage ran (PipelineStage.forward_one_chunk, backward_one_chunk where the stage has a backward: eval() calls it too,
 and it returns at once), in the order it ran them.
+With LOG_SAMPLES_DIR set, each batch of indices a map-style DataLoader takes from its sampler (the batch it loads
+next: with workers, those dispatched ahead too) appends {"rank", "world", "kind", "pass", "indices"} to
+LOG_SAMPLES_DIR/<pid>.jsonl: "kind" "eval" for a loader over a SequentialSampler (the validation shards), "train"
+otherwise (DistributedSampler, RandomSampler, SkipFirst); "pass" counts that process's iterations of loaders of that
+kind (a training epoch, an evaluation) from 0; "indices" resolved through any Subset to the dataset beneath (the
+sample ids each rank computes). samples_seen() in conftest.py reads them back.
+With LOG_LAYERS_DIR set, each process records the distinct (mode, layer, input, weight, output) its nn.Conv2d and
+nn.Linear modules meet: mode "train" (autograd on), "train_no_grad" (a module in train mode, autograd off: the
+BatchNorm recompute before evaluating) or "eval"; layer "Conv2d" or "Linear" (FSDP's subclasses too); the memory
+format of the input and weight ("channels_last", "contiguous", or "either" where both hold, as for a 1 x 1 image);
+the output's dtype. It rewrites LOG_LAYERS_DIR/<pid>.json each time a new one appears (layers_seen() in
+conftest.py reads them). Code that torch.compile traces records nothing (what --channels-last and --amp-dtype change
+in the eager recipes).
 Processes that never import those modules (launch.sh's port picker) do not pay for importing torch.
 """
 
@@ -60,6 +73,8 @@ _RNG_DIR = os.environ.get("LOG_RNG_DIR")
 _LOADS_DIR = os.environ.get("LOG_LOADS_DIR")
 _FSDP_DIR = os.environ.get("COUNT_FSDP_DIR")
 _PP_DIR = os.environ.get("LOG_PP_DIR")
+_SAMPLES_DIR = os.environ.get("LOG_SAMPLES_DIR")
+_LAYERS_DIR = os.environ.get("LOG_LAYERS_DIR")
 
 
 def _rank():
@@ -186,6 +201,106 @@ def _patch_loader(loader_module):
         return start(self)
 
     loader.__iter__ = patched_iter
+
+
+def _patch_samples(loader_module):
+    """Each batch of indices a loader takes from its sampler, logged under the loader's kind and pass."""
+    loader, base = loader_module.DataLoader, loader_module._BaseDataLoaderIter
+    start, next_index, passes = loader.__iter__, base._next_index, {}
+
+    def patched_iter(self):
+        from torch.utils.data import SequentialSampler, Subset
+
+        kind = "eval" if isinstance(self.sampler, SequentialSampler) else "train"
+        passes[kind] = passes.get(kind, -1) + 1
+        dataset, maps = self.dataset, []
+        while isinstance(dataset, Subset):  # the ids of the dataset beneath every Subset
+            maps.append(dataset.indices)
+            dataset = dataset.dataset
+        # On the index sampler the iterator draws from, before it starts: persistent workers' iterators take their
+        # first batches' indices in _reset, inside __iter__.
+        sampler = self.batch_sampler if self.batch_sampler is not None else self.sampler
+        sampler._logged_pass = (kind, passes[kind], maps)
+        return start(self)
+
+    def logged_next_index(self):
+        import torch.distributed as dist
+
+        indices = next_index(self)
+        logged = getattr(self._index_sampler, "_logged_pass", None)
+        if logged is not None:
+            kind, n, maps = logged
+            ids = list(indices) if isinstance(indices, (list, tuple)) else [indices]
+            for indices_of in maps:
+                ids = [indices_of[i] for i in ids]
+            world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+            with open(os.path.join(_SAMPLES_DIR, f"{os.getpid()}.jsonl"), "a") as f:
+                f.write(json.dumps({"rank": rank, "world": world, "kind": kind, "pass": n,
+                                    "indices": [int(i) for i in ids]}) + "\n")
+        return indices
+
+    loader.__iter__, base._next_index = patched_iter, logged_next_index
+
+
+def _patch_dataloader(loader_module):
+    if _RNG_DIR:
+        _patch_loader(loader_module)
+    if _SAMPLES_DIR:
+        _patch_samples(loader_module)
+
+
+def _memory_format(tensor):
+    import torch
+
+    if tensor.dim() != 4:
+        return "contiguous" if tensor.is_contiguous() else "other"
+    last, plain = tensor.is_contiguous(memory_format=torch.channels_last), tensor.is_contiguous()
+    return "either" if last and plain else "channels_last" if last else "contiguous" if plain else "other"
+
+
+_LAYERS = set()
+
+
+def _record_layer(module, layer, input, weight, output):
+    import torch
+
+    mode = "train" if torch.is_grad_enabled() else "train_no_grad" if module.training else "eval"
+    seen = (mode, layer, _memory_format(input), _memory_format(weight),
+            str(output.dtype).removeprefix("torch."))
+    if seen not in _LAYERS:
+        _LAYERS.add(seen)
+        with open(os.path.join(_LAYERS_DIR, f"{os.getpid()}.json"), "w") as f:
+            json.dump({"rank": _rank(), "seen": sorted(_LAYERS)}, f)
+
+
+def _patch_conv(conv_module):
+    import torch
+
+    conv = conv_module.Conv2d
+    conv_forward = conv._conv_forward
+
+    def recorded(self, input, weight, bias):
+        output = conv_forward(self, input, weight, bias)
+        if not torch.compiler.is_compiling():  # traced by dynamo: nothing (a graph break otherwise)
+            _record_layer(self, "Conv2d", input, weight, output)
+        return output
+
+    conv._conv_forward = recorded
+
+
+def _patch_linear(linear_module):
+    import torch
+
+    linear = linear_module.Linear
+    forward = linear.forward
+
+    def recorded(self, input):
+        output = forward(self, input)
+        if not torch.compiler.is_compiling():
+            _record_layer(self, "Linear", input, self.weight, output)
+        return output
+
+    linear.forward = recorded
 
 
 def _patch_load(torch):
@@ -315,7 +430,9 @@ _COUNTS = {"grad_allreduces": 0, "eval_forwards": 0, "scaler_host_reads": 0, "bu
            "common_rank_agreements": 0, "zero_broadcasts_per_step": []}
 _PATCHES = {**({"torch.nn.parallel.distributed": _patch,
                 "torch.distributed.optim.zero_redundancy_optimizer": _patch_zero} if _DIR else {}),
-            **({"torch.utils.data.dataloader": _patch_loader} if _RNG_DIR else {}),
+            **({"torch.utils.data.dataloader": _patch_dataloader} if _RNG_DIR or _SAMPLES_DIR else {}),
+            **({"torch.nn.modules.conv": _patch_conv, "torch.nn.modules.linear": _patch_linear} if _LAYERS_DIR
+               else {}),
             **({"torch": _patch_load} if _LOADS_DIR else {}),
             **({"torch.distributed.fsdp._fully_shard._fsdp_param_group": _patch_fsdp} if _FSDP_DIR else {}),
             **({"torch.distributed.pipelining.schedules": _patch_pipelining} if _PP_DIR else {})}
@@ -323,3 +440,4 @@ for _name in [name for name in _PATCHES if name in sys.modules]:  # imported alr
     _PATCHES.pop(_name)(sys.modules[_name])  # tests/warm_server.py, which imported torch before this ran
 if _PATCHES:
     sys.meta_path.insert(0, _PatchOnImport(_PATCHES))
+import lm_claims  # noqa: E402, F401  (the language models: tests/instrument/lm_claims.py)
