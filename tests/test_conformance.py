@@ -19,7 +19,21 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from conftest import ddp_counts, epoch_losses, launch, load_recipe, replayed, result_of, rng_env, rng_streams
+from conftest import (
+    ddp_counts,
+    epoch_losses,
+    fsdp_blocks,
+    fsdp_counts,
+    instrument_env,
+    launch,
+    layers_seen,
+    load_recipe,
+    replayed,
+    result_of,
+    rng_env,
+    rng_streams,
+    samples_seen,
+)
 from PIL import Image
 from reference import ApexLevels, Autocast, Plain, evaluate, train
 
@@ -94,8 +108,11 @@ CASES = {
     # fp16 weights updated in fp16: the ranks' fp16 gradients add in another order, one fp16 step (2^-10) apart.
     # Its BatchNorm statistics, fp16 too, are recomputed at each epoch's end from activations through those weights.
     "apex_amp:O3": Case("apex_amp", ("--opt-level", "O3"), precision="O3", weights_atol=1e-3, stats_atol=4e-3),
-    "torch_amp:fp32": Case("torch_amp", ("--amp-dtype", "fp32", "--accum-steps", "4", "--clip-grad", "1.0"),
-                           accum=4, clip=1.0),
+    # --channels-last: NHWC inputs and weights, the same arithmetic in fp32 but for the order of the sums: weights
+    # 6e-8 from the reference, BatchNorm statistics 2.7e-6 (bf16 rounds a loss 1.7e-4 apart).
+    "torch_amp:fp32": Case("torch_amp", ("--amp-dtype", "fp32", "--accum-steps", "4", "--clip-grad", "1.0",
+                                         "--channels-last"),
+                           accum=4, clip=1.0, stats_atol=1e-5),
     # bf16 activations: a last-bit difference in an fp32 gradient can flip a bf16 rounding (2^-8) downstream.
     "torch_amp:bf16": Case("torch_amp", ("--amp-dtype", "bf16", "--accum-steps", "2", "--clip-grad", "1.0"),
                            precision="bf16", accum=2, clip=1.0, weights_atol=1e-5),
@@ -141,7 +158,9 @@ def run(request, tmp_path_factory):
     proc = launch(f"recipes/{case.recipe}.py", case.devices, *SMALL, "--batch-size", case.batch, *case.flags,
                   "--out-dir", out,
                   "--tb-dir", out / "tb", "--tb-every", TB_EVERY,
-                  env=rng_env(out / "rng", {"COUNT_DDP_DIR": str(counts)}))
+                  env=rng_env(out / "rng", instrument_env(COUNT_DDP_DIR=counts, LOG_SAMPLES_DIR=out / "samples",
+                                                          LOG_LAYERS_DIR=out / "layers",
+                                                          COUNT_FSDP_DIR=out / "fsdp_counts")))
     train_set, _ = datasets()
     rank0_losses = []
     losses, model = train(fresh_model(case), mixed_for(case), train_set, world=case.world, epochs=ARGS["epochs"],
@@ -223,6 +242,81 @@ def test_ddp_reduces_once_per_step_evaluates_outside_the_wrapper_and_never_reads
     assert counts == [{"grad_allreduces": steps * buckets, "eval_forwards": 0, "scaler_host_reads": 0,
                        "buffer_syncs": steps, "common_rank_agreements": 0,
                        "zero_broadcasts_per_step": zero}] * case.world, counts
+
+
+def test_each_rank_computes_a_disjoint_share_of_each_global_batch_and_of_the_validation_set(run):
+    # tests/instrument's LOG_SAMPLES_DIR: the sample ids of every batch each rank's loaders took, in its own process.
+    case, result = run["case"], result_of(run["proc"])
+    seen, world = samples_seen(run["out"] / "samples"), case.world
+    micro = case.batch // world // case.accum  # one forward's samples on one rank
+    # Each loader's iterations that took any batch, in order (ddp_checkpoint starts its validation loader once before
+    # training: an iteration without batches): one per epoch.
+    passes = {(kind, rank): sorted(n for k, w, r, n in seen if (k, w, r) == (kind, world, rank))
+              for kind in ("train", "eval") for rank in range(world)}
+    assert [len(n) for n in passes.values()] == [ARGS["epochs"]] * 2 * world, sorted(seen)
+    for epoch in range(ARGS["epochs"]):
+        ranks = [seen[("train", world, rank, passes["train", rank][epoch])] for rank in range(world)]
+        assert [[len(batch) for batch in batches] for batches in ranks] == [
+            [micro] * (case.steps_per_epoch * case.accum)] * world, ranks
+        for step in range(case.steps_per_epoch):  # each optimizer step: every rank its own share, together the batch
+            shares = [{i for batch in batches[step * case.accum:(step + 1) * case.accum] for i in batch}
+                      for batches in ranks]
+            assert len(set().union(*shares)) == sum(map(len, shares)) == case.batch, (epoch, step, shares)
+        # Evaluation: each rank a shard of about 1/N of the set (no rank idle, none scoring another's samples),
+        # together every sample once.
+        shards = [[i for batch in seen[("eval", world, rank, passes["eval", rank][epoch])] for i in batch]
+                  for rank in range(world)]
+        sizes = [len(shard) for shard in shards]
+        assert max(sizes) - min(sizes) <= 1 and sum(sizes) == result["val_samples"], sizes
+        assert len({i for shard in shards for i in shard}) == result["val_samples"], shards
+
+
+# The dtype each case's convolutions and matmuls compute in: autocast's (torch_amp's bf16, fp16; apex_amp O1), the
+# half model's (O2, O3), or fp32.
+OUTPUT_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "O0": "float32", "O1": "float16",
+                "O2": "float16", "O3": "float16"}
+
+
+def test_convolutions_meet_the_layout_and_compute_in_the_dtype_the_flags_name(run):
+    # tests/instrument's LOG_LAYERS_DIR: what every eager nn.Conv2d and nn.Linear met, in each rank's process.
+    case = run["case"]
+    seen = layers_seen(run["out"] / "layers")
+    # Modes: training forwards (autograd on), the BatchNorm recompute (train mode, autograd off), evaluation.
+    # ddp_compile: training and evaluation run compiled, so no eager layer meets them; the recompute runs eager on
+    # purpose (torch.compiler.set_stance("force_eager"): its few batches would each want graphs of their own).
+    modes = ("train_no_grad",) if case.recipe == "ddp_compile" else ("train", "train_no_grad", "eval")
+    layout = "channels_last" if "--channels-last" in case.flags else "contiguous"
+    dtype = OUTPUT_DTYPE[case.precision]
+    assert sorted(seen) == list(range(case.world)), seen
+    expected = {(mode, layout, layout, dtype) for mode in modes}
+    if layout == "channels_last":  # torch_amp's evaluate() moves the images without memory_format: its first
+        expected.add(("eval", "contiguous", layout, dtype))  # convolution gets NCHW, the later ones NHWC
+    for rank, layers in seen.items():
+        convs = {(mode, inputs, weights, out) for mode, layer, inputs, weights, out in layers if layer == "Conv2d"}
+        linears = {(mode, out) for mode, layer, _, _, out in layers if layer == "Linear"}
+        assert convs == expected, (rank, layers)
+        assert linears == {(mode, dtype) for mode in modes}, (rank, layers)
+
+
+@pytest.mark.parametrize("run", [pytest.param("fsdp", marks=pytest.mark.slow)], indirect=True)
+def test_fsdp_gathers_each_block_before_its_forward_and_backward_and_reduce_scatters_it_once_a_step(run):
+    # tests/instrument's COUNT_FSDP_DIR: FSDP2's collectives per fully_shard group and optimizer step, in each rank's
+    # own process. Resharded after its forward (the default), a block is all-gathered again for its backward; so is
+    # the root (stem and head), which the recipe passes the flag too (FSDP2's own default would keep the root
+    # gathered). Each group reduce-scatters its gradients once a step. With no block groups (fully_shard on the root
+    # alone) the numbers stay the same and the root gathers everything at once.
+    case = run["case"]
+    blocks = fsdp_blocks(fresh_model(case))  # tiny_bn: its 2 convolutions and 2 BatchNorm layers
+    assert len(blocks) == 4, blocks
+    steps = ARGS["epochs"] * case.steps_per_epoch
+    # Autograd off: the BatchNorm recompute's 4 batches and this rank's validation batches (19 and 18 of 16 each:
+    # 2), every epoch, a forward (one all-gather) of every group each.
+    forwards = ARGS["epochs"] * (4 + math.ceil(math.ceil(ARGS["val"] / case.world) / case.batch * case.world))
+    for rank in range(case.world):
+        counts = fsdp_counts(run["out"] / "fsdp_counts", rank)
+        assert counts["steps"] == [{group: {"all_gather": 2, "reduce_scatter": 1} for group in [*blocks, "root"]}
+                                   ] * steps, (rank, counts)
+        assert counts["eval_all_gathers"] == dict.fromkeys([*blocks, "root"], forwards), (rank, counts)
 
 
 def test_tensorboard_curves_match_the_printed_lines(run):

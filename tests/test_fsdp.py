@@ -13,6 +13,9 @@ from conftest import (
     REPO,
     epoch_lines,
     epoch_losses,
+    fsdp_blocks,
+    fsdp_counts,
+    instrument_env,
     launch,
     load_recipe,
     max_diff,
@@ -67,7 +70,8 @@ def runs(tmp_path_factory):
         shutil.copytree(tmp / "first", tmp / name)
     got["r2"] = launch("recipes/fsdp.py", "cpu:2", *ARGS, "--resume", "auto", "--out-dir", tmp / "r2")
     got["r3"] = launch("recipes/fsdp.py", "cpu:3", *ARGS, "--resume", "auto", "--no-reshard-after-forward",
-                       "--out-dir", tmp / "r3", env=rng_env(tmp / "rng_r3"))
+                       "--out-dir", tmp / "r3",
+                       env=rng_env(tmp / "rng_r3", instrument_env(COUNT_FSDP_DIR=tmp / "counts_r3")))
     got["r1"] = run_direct("fsdp", *ARGS, "--resume", "auto", "--out-dir", tmp / "r1", env=rng_env(tmp / "rng_r1"))
     return got
 
@@ -112,6 +116,18 @@ def test_a_checkpoint_from_two_ranks_resumes_on_another_world_size(runs, name, w
     assert re.fullmatch(r"epoch_3-[0-9a-f]{6}", shards) and shards != first_shards(runs)
     assert sorted(p.name for p in (out / "checkpoint").iterdir()) == sorted([shards, "latest.pt"])
     assert len(list((out / "checkpoint" / shards).glob("*.distcp"))) == world
+
+
+def test_no_reshard_after_forward_gathers_each_block_once_a_step(runs):
+    # r3 (--no-reshard-after-forward, resumed on 3 ranks for epochs 2 and 3), counted in its own processes
+    # (tests/instrument's COUNT_FSDP_DIR): a block stays gathered from its forward to its backward, one all-gather a
+    # step, where the default (resharded after the forward: tests/test_conformance.py's fsdp case) makes two.
+    blocks = fsdp_blocks(build_model("tiny", 10, 16))
+    assert len(blocks) == 2, blocks  # tiny: its 2 convolutions; the root keeps the classifier
+    for rank in range(3):
+        counts = fsdp_counts(runs["tmp"] / "counts_r3", rank)
+        assert counts["steps"] == [{group: {"all_gather": 1, "reduce_scatter": 1} for group in [*blocks, "root"]}
+                                   ] * (2 * PER_EPOCH), (rank, counts)
 
 
 def test_model_pt_loads_into_a_plain_model_and_scores_what_was_printed(runs):

@@ -13,7 +13,17 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, ddp_counts, epoch_losses, launch, load_recipe, result_of, rng_env
+from conftest import (
+    REPO,
+    ddp_counts,
+    epoch_losses,
+    instrument_env,
+    launch,
+    load_recipe,
+    result_of,
+    rng_env,
+    samples_seen,
+)
 from jobs import error_lines
 from reference import Plain, evaluate
 from torch.utils.data import DataLoader, Subset
@@ -76,7 +86,8 @@ def test_join_finishes_and_equals_the_reference_over_every_ranks_batches(tmp_pat
     counted = tmp_path / "counts"
     counted.mkdir()
     proc = launch("recipes/ddp_uneven.py", devices, *FLAGS, "--batch-size", batch, "--out-dir", tmp_path,
-                  env=rng_env(tmp_path / "rng", {"COUNT_DDP_DIR": str(counted)}))
+                  env=rng_env(tmp_path / "rng", instrument_env(COUNT_DDP_DIR=counted,
+                                                               LOG_SAMPLES_DIR=tmp_path / "samples")))
     losses, model, counts = reference(world, batch)
     # tests/instrument counts DDP's forwards with autograd off: evaluation goes around the wrapper (model.module).
     assert [count["eval_forwards"] for count in ddp_counts(counted)] == [0] * world
@@ -85,6 +96,20 @@ def test_join_finishes_and_equals_the_reference_over_every_ranks_batches(tmp_pat
     # the rank whose final weights every rank takes.
     assert [(c["buffer_syncs"], c["common_rank_agreements"]) for c in ddp_counts(counted)] == [(0, EPOCHS)] * world
     assert len(set(counts)) > 1, counts  # the ranks' batch counts do differ
+    # What each rank computed (tests/instrument's LOG_SAMPLES_DIR, in its own process): every epoch, exactly the
+    # samples of its own files (consecutive runs of --shard-size, dealt out in turn), each once, its last batch short;
+    # together every sample once. Evaluation: strided shards, together the whole set once.
+    seen = samples_seen(tmp_path / "samples")
+    files = [range(start, min(start + SHARD, TRAIN)) for start in range(0, TRAIN, SHARD)]
+    for epoch in range(EPOCHS):
+        for rank in range(world):
+            batches = seen[("train", world, rank, epoch)]
+            own = [i for k, file in enumerate(files) if k % world == rank for i in file]
+            assert sorted(i for batch in batches for i in batch) == own, (epoch, rank, batches)
+            assert [len(batch) for batch in batches][:-1] == [batch // world] * (len(batches) - 1), batches
+            assert len(batches) == counts[rank], (counts, batches)
+        shards = [sorted(i for batch in seen[("eval", world, rank, epoch)] for i in batch) for rank in range(world)]
+        assert shards == [list(range(rank, 37, world)) for rank in range(world)], shards
     assert f"steps_per_epoch={max(counts)} batches_per_rank={counts}" in proc.stdout, proc.stdout
     result = result_of(proc)
     assert (result["world_size"], result["steps"]) == (world, EPOCHS * max(counts)), result
