@@ -15,10 +15,10 @@ What it shows, against ddp_torchrun.py (diff them: the lesson is what a transfor
 - AdamW with weight decay on the matrices only (not on biases, norms or embeddings), gradient clipping by the global
   norm (after DDP's all-reduce every rank clips the same gradient), --amp-dtype bf16 (autocast; no loss scaler).
 - Validation on fixed windows, each scored once across ranks: loss in nats per byte and bits per byte (val_bpb).
-- Checkpoints: rank 0 writes OUT_DIR/latest.pt (the weights, AdamW's moments, the step) atomically at each
-  evaluation, every --save-every N steps, and on SIGUSR1 (a scheduler's warning: then exit 75, requeue; docs/
-  clusters.md). --async-save: a copy in CPU memory (training waits for that alone), written by a thread while
-  training goes on; one save in flight; a crash while it writes leaves the previous latest.pt.
+- Checkpoints: rank 0 writes OUT_DIR/latest.pt (the weights, AdamW's moments, the step), then model.pt (the weights),
+  each atomically, at each evaluation, every --save-every N steps, and on SIGUSR1 (a scheduler's warning: then exit
+  75, requeue; docs/clusters.md). --async-save: a copy in CPU memory (training waits for that alone), written by a
+  thread while training goes on; one save in flight; a crash while it writes leaves the previous files whole.
 - --activation-checkpointing: each block's activations are recomputed in backward instead of kept (the
   non-reentrant torch.utils.checkpoint: under DDP the reentrant one fails with "Expected to mark a variable ready
   only once" when a block is checkpointed twice or a parameter is unused; docs/lm.md).

@@ -20,8 +20,8 @@ What it shows, against lm_ddp.py (diff them: the lesson is what cutting the mode
   every stage takes the whole --batch-size; at most one stage per block.
 - --schedule: the order each stage runs its microbatches' forwards (F) and backwards (B) in. gpipe: every F, then
   every B; 1f1b: p - s forwards first (stage s of p), then one B and one F in turn (the oldest microbatch's backward
-  first, freeing its activations), then the last Bs. Both idle a share (p - 1) / (m + p - 1) of
-  the step (the bubble; m = --microbatches); 1F1B holds the activations of p - s microbatches at most, GPipe of all m
+  first, freeing its activations), then the last Bs. Both idle a share (p - 1) / (m + p - 1) of the step (the
+  bubble; m = --microbatches); 1F1B holds the activations of p - s microbatches at most, GPipe of all m
   (tools/pp_schedule.py measures both from torch's own schedules; docs/pp_timeline.png draws them). Interleaved
   schedules (several stages a rank, a smaller bubble) are not here. 1F1B on 2 stages x 4 microbatches (a forward
   takes 1 unit, a backward 2; the numbers are microbatches; . the stage waits):
