@@ -2,10 +2,12 @@
 evaluation lines, a model.pt scored in one process, a recipe's flag check failing with one line, and (test_lm.py too)
 the preemption drill, the crash during an --async-save, and the kill while model.pt is written."""
 
+import json
 import os
 import random
 import re
 import signal
+from collections import Counter
 
 import pytest
 import torch
@@ -114,3 +116,49 @@ def killed_while_writing_model_pt_leaves_the_last_one(recipe, devices, args, out
     Transformer(**model).load_state_dict(state, strict=True)
     step4 = params(step4_out / "model.pt")
     assert max_diff(state, step4) == 0, said
+
+
+# ------------------------------------------------------------------ what each rank computes and sends (issue 57)
+CLAIMS = ("LOG_TOKENS_DIR", "COUNT_BLOCKS_DIR", "COUNT_COMMS_DIR")  # tests/instrument/lm_claims.py's variables
+
+
+def claims_env(folder, env=None):
+    """env for launch(): tests/instrument on PYTHONPATH and lm_claims.py's three logs in folder/tokens, folder/blocks
+    and folder/comms (made here). `env`: more variables (its PYTHONPATH goes after tests/instrument)."""
+    env = dict(env or {})
+    path = os.pathsep.join(filter(None, [str(REPO / "tests" / "instrument"), env.pop("PYTHONPATH", None)]))
+    for name in CLAIMS:
+        (folder / name.split("_")[1].lower()).mkdir(parents=True, exist_ok=True)
+    return {**env, "PYTHONPATH": path, **{name: str(folder / name.split("_")[1].lower()) for name in CLAIMS}}
+
+
+def tokens_seen(folder, rank):
+    """Rank `rank`'s LOG_TOKENS_DIR lines (claims_env's folder): [{"where", "train", "step", "rows", "shape",
+    "dtype"}, ...] in the order it ran them."""
+    text = (folder / "tokens" / f"rank{rank}.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def blocks_per_step(folder, rank):
+    """Rank `rank`'s COUNT_BLOCKS_DIR steps: [{"forward": n, "recomputed": n}, one per optimizer step]."""
+    return json.loads((folder / "blocks" / f"rank{rank}.json").read_text())["steps"]
+
+
+def comms_per_step(folder, rank):
+    """Rank `rank`'s COUNT_COMMS_DIR steps, each a Counter {(op, phase, ranks, bytes): n}; host reads as ("item",
+    phase, caller, bytes). Step k (from 1) holds what ran after optimizer step k - 1 until step k's."""
+    steps = json.loads((folder / "comms" / f"rank{rank}.json").read_text())["steps"]
+    return [Counter((e[0], e[1], e[4] if e[0] == "item" else tuple(e[2]), e[3]) for e in step) for step in steps]
+
+
+def plain_steps(steps, eval_every, start=0):
+    """The steps (from 1) whose interval holds the training step alone: not the first two (setup before step 1; DDP
+    rebuilds its buckets at step 2, broadcasting rank 0's order, and the stop vote's first read), none right after an
+    evaluation or a save (which run between two steps)."""
+    return [k for k in range(start + 3, steps + 1) if (k - 1) % eval_every]
+
+
+def only(counter, phase=None, ops=None):
+    """The entries of a comms_per_step Counter in `phase` (and of `ops`), sorted: [((op, phase, ranks, bytes), n)]."""
+    return sorted((key, n) for key, n in counter.items()
+                  if (phase is None or key[1] == phase) and (ops is None or key[0] in ops))

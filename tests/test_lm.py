@@ -16,9 +16,15 @@ import torch.nn.functional as F
 from conftest import LM_RECIPES, launch, load_recipe, max_diff, params, result_of, run_direct
 from jobs import error_lines
 from lm_checks import (
+    blocks_per_step,
+    claims_env,
+    comms_per_step,
     killed_while_saving_resumes_bitwise,
     killed_while_writing_model_pt_leaves_the_last_one,
+    only,
+    plain_steps,
     stops_and_resumes_bitwise,
+    tokens_seen,
 )
 
 from common.lm import Transformer, read_text, split, train_batch, val_windows
@@ -73,9 +79,16 @@ def straight(tmp_path_factory):
         key = (world, *map(str, flags))
         if key not in done:
             out = tmp_path_factory.mktemp(f"straight{world}{''.join(key[1:])}")
-            done[key] = (launch("recipes/lm_ddp.py", f"cpu:{world}", *FLAGS, *flags, "--out-dir", out), out)
+            # What each rank computes and sends, logged by tests/instrument/lm_claims.py into claims(out).
+            done[key] = (launch("recipes/lm_ddp.py", f"cpu:{world}", *FLAGS, *flags, "--out-dir", out,
+                                env=claims_env(claims(out))), out)
         return done[key]
     return run
+
+
+def claims(out):
+    """Where straight() logs a run's tokens, block forwards and collectives (tests/lm_checks.py's claims_env)."""
+    return out.with_name(f"{out.name}_claims")
 
 
 @pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2,  # 2 in the quick tier: 12 s
@@ -98,6 +111,55 @@ def test_lm_ddp_equals_the_single_process_reference(straight, ref, world):
                                                                                                  "step=8/8"]
 
 
+def test_each_ddp_rank_computes_its_slice_and_sends_each_gradient_once_a_step(straight):
+    # docs/lm.md's table for lm_ddp (issue 57), measured in the quick tier's 2-process run above by
+    # tests/instrument/lm_claims.py, in the recipe's own processes: the token windows each rank's model received, the
+    # collectives and host reads of each step, by kind, group and bytes.
+    proc, out = straight(2)
+    train, val = split(read_text(None)[0])
+    seen = [tokens_seen(claims(out), rank) for rank in (0, 1)]
+    for step in range(TINY["steps"]):  # computes: rank r the r-th half of step k's batch: disjoint, all of it
+        whole = train_batch(train, step, TINY["seed"], TINY["batch_size"], TINY["seq_len"], 0, 1)[0].tolist()
+        mine = [[line["rows"] for line in lines if line["train"] and line["step"] == step] for lines in seen]
+        assert [len(forwards) for forwards in mine] == [1, 1], (step, mine)  # one forward a step
+        assert mine[0][0] + mine[1][0] == whole, step
+    windows = val_windows(val, TINY["seq_len"], TINY["val_windows"])[0]
+    for rank, lines in enumerate(seen):  # validation: rank r windows r, r + 2, ..., each scored once
+        assert [row for line in lines if not line["train"] and line["step"] == 4 for row in line["rows"]] == \
+            windows[rank::2].tolist()
+        assert {line["dtype"] for line in lines} == {"float32"}  # --amp-dtype fp32: fp32 logits
+    # holds: the whole model on every rank (parameters, gradients, AdamW's two moments, its step counters)
+    model = Transformer(**TINY_MODEL)
+    numel, tensors = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
+    assert result_of(proc)["state_bytes_per_rank"] == [16 * numel + 4 * tensors] * 2
+    for rank in (0, 1):
+        steps = comms_per_step(claims(out), rank)
+        assert len(steps) == TINY["steps"]
+        for k in plain_steps(TINY["steps"], 4):
+            # sends: DDP's all-reduce(s) of the gradients in backward, every gradient once (fp32), over both ranks
+            backward = only(steps[k - 1], "backward")
+            assert {key[:3] for key, _ in backward} == {("allreduce_", "backward", (0, 1))}, (k, backward)
+            assert sum(key[3] * n for key, n in backward) == 4 * numel, (k, backward)
+            assert only(steps[k - 1], "forward") == [], k  # no buffers to broadcast
+            # and nothing else but the stop vote (an all-reduce on its own group, its CPU ballot read a step later):
+            # the loss is summed on the device, no all-reduce and no host read of it per step
+            assert only(steps[k - 1], "step") == [(("allreduce_", "step", (0, 1), 4), 1),
+                                                  (("item", "step", "common/harness.py:all_reduce_max", 4), 1)], k
+        assert blocks_per_step(claims(out), rank) == [{"forward": TINY["n_layer"], "recomputed": 0}] * 8
+
+
+@pytest.mark.slow  # the resume test's run with --activation-checkpointing (alone: 10-15 s)
+def test_activation_checkpointing_runs_each_block_forward_again_in_backward(straight):
+    # --activation-checkpointing, counted in the recipe's processes (tests/instrument/lm_claims.py: common.lm.Block's
+    # forwards, those inside autograd's backward apart): each step every block's forward once, then once more in
+    # backward, rebuilding what its backward needs. The weights are bitwise those of the run without it (the resume
+    # test above).
+    _, out = straight(2, "--activation-checkpointing")
+    for rank in (0, 1):
+        assert blocks_per_step(claims(out), rank) == [{"forward": TINY["n_layer"],
+                                                       "recomputed": TINY["n_layer"]}] * TINY["steps"]
+
+
 @pytest.mark.slow  # real multi-process launches: 10-60 s
 def test_lm_ddp_resumes_exactly_and_activation_checkpointing_changes_nothing(straight, tmp_path):
     # 2 processes: 4 steps, stop, --resume auto to 8, equal to the straight run bitwise (the data follow from the
@@ -111,12 +173,12 @@ def test_lm_ddp_resumes_exactly_and_activation_checkpointing_changes_nothing(str
                     "--out-dir", tmp_path / "pieced")
     assert (result_of(middle)["start_step"], result_of(middle)["steps"]) == (4, 6)
     resumed = launch("recipes/lm_ddp.py", "cpu:2", *FLAGS, "--resume", "auto", "--out-dir", tmp_path / "pieced")
-    ac = launch("recipes/lm_ddp.py", "cpu:2", *FLAGS, "--activation-checkpointing", "--out-dir", tmp_path / "ac")
+    ac, ac_out = straight(2, "--activation-checkpointing")  # shared with the recomputation's count below
     assert (result_of(first)["steps"], result_of(resumed)["start_step"], result_of(resumed)["steps"]) == (4, 6, 8)
     assert f"resume: {tmp_path / 'pieced/latest.pt'} at step 6" in resumed.stdout
     want = params(unstopped_out / "model.pt")
     assert max_diff(params(tmp_path / "pieced/model.pt"), want) == 0
-    assert max_diff(params(tmp_path / "ac/model.pt"), want) == 0
+    assert max_diff(params(ac_out / "model.pt"), want) == 0
     assert "activation checkpointing: 2 of 2 blocks recompute their forward in backward" in ac.stdout
     assert result_of(ac)["val_loss"] == result_of(unstopped)["val_loss"]
     # A resume with another schedule is refused: the steps it saved would mean another rate.
