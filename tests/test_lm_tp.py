@@ -31,15 +31,21 @@ import torch.nn.functional as F
 from conftest import launch, load_recipe, max_diff, params, result_of, spawn_gloo
 from jobs import error_lines
 from lm_checks import (
+    blocks_per_step,
     check_args_refuses,
+    claims_env,
+    comms_per_step,
     killed_while_saving_resumes_bitwise,
     killed_while_writing_model_pt_leaves_the_last_one,
     one_process_val_loss,
+    only,
+    plain_steps,
     step_lines,
     stops_and_resumes_bitwise,
+    tokens_seen,
 )
 
-from common.lm import Transformer
+from common.lm import Transformer, read_text, split, train_batch, val_windows
 from tools.lm_bench import comm_table
 
 MODEL = {"n_layer": 2, "n_head": 4, "d_model": 32, "block_size": 32}
@@ -91,10 +97,17 @@ def runs(tmp_path_factory):
         key = (recipe, devices, *map(str, flags))
         if key not in done:
             out = tmp_path_factory.mktemp(re.sub(r"\W+", "_", "-".join(key)))
-            done[key] = (launch(f"recipes/{recipe}.py", devices, *ARGS, *flags, "--out-dir", out), out)
+            # What each rank computes and sends, logged by tests/instrument/lm_claims.py into claims(out).
+            done[key] = (launch(f"recipes/{recipe}.py", devices, *ARGS, *flags, "--out-dir", out,
+                                env=claims_env(claims(out))), out)
         return done[key]
 
     return run
+
+
+def claims(out):
+    """Where runs() logs a run's tokens, block forwards and collectives (tests/lm_checks.py's claims_env)."""
+    return out.with_name(f"{out.name}_claims")
 
 
 @pytest.fixture(scope="module")
@@ -219,6 +232,52 @@ def test_resume_is_exact_and_dcp_reshards_onto_another_tp(runs, reference, tmp_p
 
 
 # ------------------------------------------------------------------------------- the collectives
+@pytest.mark.parametrize("sp", [False, pytest.param(True, marks=SLOW)])
+def test_every_rank_computes_the_whole_batch_and_each_step_sends_what_the_docstring_draws(runs, sp):
+    # docs/lm.md's table for lm_tp (issue 57), measured in the recipe's own processes on the conformance runs above
+    # (tests/instrument/lm_claims.py): the token windows each rank's model received, and each step's collectives by
+    # kind, group, phase and bytes (DTensor's, as they run).
+    proc, out = runs("lm_tp", "cpu:2", *(["--sequence-parallel"] if sp else []))
+    n_layer, seq_len, batch, d = MODEL["n_layer"], 16, 8, MODEL["d_model"]
+    train, val = split(read_text()[0])
+    windows = val_windows(val, seq_len, 8)[0].tolist()
+    for rank in (0, 1):
+        lines = tokens_seen(claims(out), rank)
+        for step in range(8):  # computes: every rank the whole batch of step k (no data parallelism)
+            whole = train_batch(train, step, 0, batch, seq_len, 0, 1)[0].tolist()
+            assert [line["rows"] for line in lines if line["train"] and line["step"] == step] == [whole], step
+        assert [row for line in lines if not line["train"] and line["step"] == 4 for row in line["rows"]] == windows
+    activation, positions = 4 * batch * seq_len * d, 4 * seq_len * d  # fp32 (B, T, D) and (T, D)
+    cut = len(Transformer(**MODEL).blocks) * 2 + 1  # wo and proj per block, the token embedding (or the head's input)
+    params = len(list(Transformer(**MODEL).parameters()))
+    for rank in (0, 1):
+        steps = comms_per_step(claims(out), rank)
+        for k in plain_steps(8, 4):
+            step = steps[k - 1]
+            if not sp:  # per block 2 all-reduces forward (wo, proj), 2 in backward (attention's and the MLP's input)
+                assert only(step, "forward") == [(("all_reduce", "forward", (0, 1), positions), 1),
+                                                 (("all_reduce", "forward", (0, 1), activation), cut)], (k, step)
+                assert only(step, "backward") == [(("all_reduce", "backward", (0, 1), activation), cut)], (k, step)
+            else:  # each all-reduce a reduce-scatter of the same bytes, then an all-gather of a rank's positions
+                assert only(step, "forward") == [
+                    (("all_gather_into_tensor", "forward", (0, 1), activation // 2), cut),
+                    (("reduce_scatter_tensor", "forward", (0, 1), positions), 1),
+                    (("reduce_scatter_tensor", "forward", (0, 1), activation), cut)], (k, step)
+                assert only(step, "backward") == [
+                    (("all_gather_into_tensor", "backward", (0, 1), positions // 2), 1),
+                    (("all_gather_into_tensor", "backward", (0, 1), activation // 2), cut),
+                    (("reduce_scatter_tensor", "backward", (0, 1), activation), cut)], (k, step)
+            # the loss inside loss_parallel(): 3 all-reduces of a float per position (no rank holds all 256 logits);
+            # the clip: one all-reduce of each parameter's local norm; with SP each norm's gain and bias gradient
+            # all-reduced once (grads_as_params); the stop vote; no host read but its ballot
+            norms = [(("all_reduce", "step", (0, 1), 4 * d), 2 * (2 * n_layer + 1))] if sp else []
+            assert only(step, "step") == sorted([
+                (("all_reduce", "step", (0, 1), 4 * batch * seq_len), 3),
+                (("all_reduce", "step", (0, 1), 4 * params), 1), *norms, (("allreduce_", "step", (0, 1), 4), 1),
+                (("item", "step", "common/harness.py:all_reduce_max", 4), 1)]), (k, step)
+        assert blocks_per_step(claims(out), rank) == [{"forward": n_layer, "recomputed": 0}] * 8
+
+
 def _count_collectives(rank, port, results):
     import os
 
