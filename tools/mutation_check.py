@@ -5,11 +5,11 @@
     python tools/mutation_check.py --out bench/mutation.json     # also write the results as JSON
 
 For each recipe and each edit whose text the recipe contains, it copies the working tree to a scratch folder,
-applies the edit there (never to this tree), and runs the tests that guard that recipe: its cases of
-tests/test_conformance.py; for the map_location edit its resume test, for resume_reseed in ddp_checkpoint and
-fsdp their resume on another world size, for fsdp's eval_lockstep tests/test_fsdp.py, for the comm hook edits
-tests/test_comm_hooks.py, and for divergence_check
-the recipe's cases of tests/test_divergence.py. An edit is "noticed"
+applies the edit there (never to this tree), and runs the tests that guard that recipe: one mapping, GUARDS, names
+the recipes each edit is tried on and their tests (by default each recipe of the edit's family that holds its text,
+and that recipe's conformance cases). Edits whose description starts "same numbers, ..." keep every number and break
+what a rank computes, holds or sends (docs/recipes.md's table): the tests that notice them measure it inside the
+recipes' own processes (tests/instrument). An edit is "noticed"
 when they fail, "MISSED" when they pass. Exit 0 when every edit was noticed, 1 otherwise.
 """
 
@@ -200,91 +200,129 @@ EDITS = [
     Edit("lm_tp_refuses_3", "lm_tp refusing --tp 3, which its docstring runs (256 bytes cut 86/86/84)",
          "    if args.sequence_parallel and args.seq_len % args.tp:  # New",
          "    if 256 % args.tp or args.sequence_parallel and args.seq_len % args.tp:  # New"),
+    # Issue 57: what each image recipe's rank computes, holds and sends (docs/recipes.md's table), measured in the
+    # recipes' own processes by tests/instrument.
+    Edit("eval_rank0_alone", "same numbers, evaluation on rank 0 alone: it scores every sample while the others idle",
+         "Subset(val_set, range(rank, len(val_set), world_size))",
+         "Subset(val_set, range(len(val_set)) if rank == 0 else [])"),
+    Edit("channels_last_inputs", "same numbers, --channels-last on the model alone: the first convolution gets NCHW",
+         "images = images.to(device, non_blocking=True, memory_format=memory_format)",
+         "images = images.to(device, non_blocking=True)"),
+    Edit("channels_last_model", "same numbers, --channels-last on the inputs alone: every weight stays NCHW",
+         "build_model(args.arch, num_classes, args.image_size).to(device, memory_format=memory_format)",
+         "build_model(args.arch, num_classes, args.image_size).to(device)"),
+    Edit("fsdp_root_only", "same numbers, fully_shard on the root alone: one group, the whole model gathered at once",
+         "    for block in blocks(model):\n        if not isinstance(block, FSDPModule):",
+         "    for block in []:\n        if not isinstance(block, FSDPModule):"),
+    Edit("fsdp_reshard_ignored", "same numbers, --no-reshard-after-forward ignored: each block gathered twice a step",
+         "args.amp_dtype, args.reshard_after_forward)", "args.amp_dtype, True)"),
 ]
-# The recipes whose tests guard an edit of common/ (Edit.file): the heads per rank matter only where heads are cut.
-FILE_EDIT_RECIPES = {"lm_tp", "lm_fsdp_tp"}
-
-# The tests that guard a recipe: its conformance cases (a -k expression), and for the edits they cannot see on the
-# CPU, the test that can (a checkpoint tagged as saved on cuda:1 must be loaded with map_location).
+# The tests that guard a recipe by default: its conformance cases (a -k expression); ddp_uneven's own reference loop
+# (every rank's batches); a language model's own file (test_lm.py guards the base, test_lm_tp.py its sibling).
 CONFORMANCE = "tests/test_conformance.py"
 PREEMPT = "tests/test_preempt.py"
-# Edits that one recipe's test guards for all (the drills run ddp_torchrun; the conformance case with
-# --debug-collectives is ddp_launch's on 3 processes), and that test.
-ASYNC_CRASH = ["-k", "crash_while_an_async_save"]
-ONE_RECIPE = {"async_named_early": ("fsdp", ["tests/test_fsdp.py", *ASYNC_CRASH]),
-              "lm_async_named_early": ("lm_tp", ["tests/test_lm_tp.py", *ASYNC_CRASH]),
-              "lm_async_cpu_copy": ("lm_ddp", ["tests/test_lm.py", *ASYNC_CRASH]),
-              "hang_stacks": ("ddp_torchrun", ["tests/test_failures.py", "-k", "diverging_ranks"]),
-              "debug_level": ("ddp_torchrun", ["tests/test_failures.py", "-k", "debug_collectives"]),
-              "ddp_checked_group": ("ddp_launch", [CONFORMANCE, "-k", "[ddp_launch:3]"]),
-              "profile_gloo_comm": ("ddp_torchrun", ["tests/test_profile.py", "-k", "cpu_step"]),
-              "profile_waits_compute": ("ddp_torchrun", ["tests/test_profile.py", "-k", "cpu_step"]),
-              "profile_zero_wait": ("ddp_torchrun", ["tests/test_profile.py", "-k", "cpu_step"]),
-              "own_ms_forward": ("ddp_torchrun", ["tests/test_common.py", "-k", "own_ms"]),
-              "preempt_vote": ("ddp_checkpoint", [PREEMPT, "-k", "3-self"]),
-              "lm_preempt_vote": ("lm_ddp", ["tests/test_lm.py", "-k", "sigusr1"]),
-              "resume_bucket_layout": ("ddp_checkpoint", [PREEMPT, "-k", "3-self"]),
-              "lm_resume_bucket_layout": ("lm_ddp", ["tests/test_lm.py", "-k", "sigusr1"]),
-              "lm_model_pt_atomic": ("lm_ddp", ["tests/test_lm.py", "-k", "model_pt"]),
-              "lm_model_pt_atomic_sharded": ("lm_tp", ["tests/test_lm_tp.py", "-k", "model_pt"]),
-              "lm_fsdp_block_kept": ("lm_fsdp_tp", ["tests/test_lm_fsdp_tp.py", "-k", "all_gathers"]),
-              "lm_fsdp_root_resharded": ("lm_fsdp_tp", ["tests/test_lm_fsdp_tp.py", "-k", "all_gathers"]),
-              "lm_pp_1f1b_is_gpipe": ("lm_pp", ["tests/test_lm_pp.py", "-k", "order"]),
-              "lm_tp_refuses_3": ("lm_tp", ["tests/test_lm_tp.py", "-k", "3_ranks"]),
-              # In epoch 1 a fresh run's workers draw the same streams again: the stop in epoch 2 tells.
-              "seeded_samples": ("ddp_checkpoint", [PREEMPT, "-k", "3-self"]),
-              "skip_first": ("ddp_checkpoint", [PREEMPT, "-k", "2-launcher"]),
-              "restart_after_save": ("ddp_checkpoint", [PREEMPT, "-k", "2-launcher"])}
-RESUME_TESTS = {
-    "ddp_checkpoint": "tests/test_recipe_variants.py::test_resume_reproduces_the_uninterrupted_run_bitwise",
-    "torch_amp": "tests/test_recipe_variants.py::test_fp16_trains_and_the_scaler_state_survives_resume",
-    "apex_amp": "tests/test_apex.py::test_torch_mode_checkpoint_restores_the_scaler_and_refuses_another_impl",
-    "ddp_zero": "tests/test_recipe_variants.py::"
-                "test_zero_checkpoint_from_two_ranks_resumes_on_three_as_plain_ddp_resumes_it",
-    "ddp_comm_hooks": "tests/test_comm_hooks.py::test_powersgd_resumes_on_another_world_size",
-}
-
-# ddp_checkpoint and fsdp restore the RNG state on the same world size (the conformance resume): only a resume on
-# another world size reaches the reseed.
-RESEED_TESTS = {
-    "ddp_checkpoint": "tests/test_recipe_variants.py::"
-                      "test_resumed_random_streams_continue_on_the_same_world_size_and_replay_no_epoch_on_another",
-    "fsdp": "tests/test_fsdp.py::test_a_checkpoint_from_two_ranks_resumes_on_another_world_size",
-    "ddp_zero": "tests/test_recipe_variants.py::"
-                "test_zero_checkpoint_from_two_ranks_resumes_on_three_as_plain_ddp_resumes_it",
-    "ddp_comm_hooks": "tests/test_comm_hooks.py::test_powersgd_resumes_on_another_world_size",
-}
-
-# The broadcasts ZeRO's step makes are counted (tests/instrument) by its test on resnet18's 62 parameter tensors.
-ZERO_TESTS = {"zero_bucket_view": "tests/test_recipe_variants.py::"
-                                  "test_zero_gives_each_of_three_ranks_about_a_third_of_the_optimizer_state"}
-# In the conformance run every rank has as many validation batches as the others; tests/test_fsdp.py's runs do not.
-FSDP_TESTS = {"eval_lockstep"}
-# ddp_comm_hooks' conformance runs --comm-hook none (DDP's own all-reduce): the hooks are in tests/test_comm_hooks.py.
-HOOK_TESTS = {"comm_hook", "powersgd_state", "powersgd_mean_error"}
 
 
-def tests_for(recipe, edit):
-    if edit.name in ONE_RECIPE:
-        return ONE_RECIPE[edit.name][1]
-    if recipe.startswith("lm_"):  # the family's own tests (test_lm.py guards the base, test_lm_tp.py its sibling)
+def own_tests(recipe):
+    if recipe.startswith("lm_"):
         return [f"tests/test_{recipe.replace('_ddp', '')}.py"]
-    if edit.name == "divergence_check":
-        return ["tests/test_divergence.py", "-k", f"[{recipe}] or [{recipe}:"]
-    if edit.name == "map_location":
-        return [RESUME_TESTS[recipe]]
-    if edit.name == "resume_reseed" and recipe in RESEED_TESTS:
-        return [RESEED_TESTS[recipe]]
-    if edit.name in ZERO_TESTS:
-        return [ZERO_TESTS[edit.name]]
-    if edit.name in FSDP_TESTS:
-        return ["tests/test_fsdp.py"]
-    if edit.name in HOOK_TESTS:
-        return ["tests/test_comm_hooks.py"]
-    if recipe == "ddp_uneven":  # its own reference loop (every rank's batches), not the conformance suite's
+    if recipe == "ddp_uneven":
         return ["tests/test_uneven.py", "-k", "equals_the_reference"]
-    # The recipe's own cases: "[dp]" but not "[apex_ddp]", "[apex_amp:O0]" to "[apex_amp:O3]".
+    # "[dp]" but not "[apex_ddp]", "[apex_amp:O0]" to "[apex_amp:O3]".
     return [CONFORMANCE, "-k", f"[{recipe}] or [{recipe}:"]
+
+
+def cases(recipe, test):
+    """One test of a recipe's conformance cases (a -k expression)."""
+    return [CONFORMANCE, "-k", f"{test} and ([{recipe}] or [{recipe}:)"]
+
+
+# Which recipes each edit is tried on, and the tests that guard it there: one mapping. An edit named here is tried on
+# the recipes it names (each guarded by the tests given: a list, or a function of the recipe) and, under ANY, on
+# every other recipe of its family whose file holds its text; an edit not named here is tried on every such recipe,
+# guarded by own_tests(). The family: lm_* edits on the language models, the others on the image recipes. An edit of
+# a file of common/ or tools/ (Edit.file) is tried on the recipes it names only.
+ANY = "*"
+ASYNC_CRASH = ["-k", "crash_while_an_async_save"]
+DIVERGENCE = "tests/test_divergence.py"
+ZERO_THIRD = "tests/test_recipe_variants.py::test_zero_gives_each_of_three_ranks_about_a_third_of_the_optimizer_state"
+ZERO_RESUME = ("tests/test_recipe_variants.py::"
+               "test_zero_checkpoint_from_two_ranks_resumes_on_three_as_plain_ddp_resumes_it")
+POWERSGD_RESUME = "tests/test_comm_hooks.py::test_powersgd_resumes_on_another_world_size"
+GUARDS = {
+    # Edits that one recipe's test guards for all (the drills run ddp_torchrun; the conformance case with
+    # --debug-collectives is ddp_launch's on 3 processes), and that test.
+    "async_named_early": {"fsdp": ["tests/test_fsdp.py", *ASYNC_CRASH]},
+    "lm_async_named_early": {"lm_tp": ["tests/test_lm_tp.py", *ASYNC_CRASH]},
+    "lm_async_cpu_copy": {"lm_ddp": ["tests/test_lm.py", *ASYNC_CRASH]},
+    "hang_stacks": {"ddp_torchrun": ["tests/test_failures.py", "-k", "diverging_ranks"]},
+    "debug_level": {"ddp_torchrun": ["tests/test_failures.py", "-k", "debug_collectives"]},
+    "ddp_checked_group": {"ddp_launch": [CONFORMANCE, "-k", "[ddp_launch:3]"]},
+    "profile_gloo_comm": {"ddp_torchrun": ["tests/test_profile.py", "-k", "cpu_step"]},
+    "profile_waits_compute": {"ddp_torchrun": ["tests/test_profile.py", "-k", "cpu_step"]},
+    "profile_zero_wait": {"ddp_torchrun": ["tests/test_profile.py", "-k", "cpu_step"]},
+    "own_ms_forward": {"ddp_torchrun": ["tests/test_common.py", "-k", "own_ms"]},
+    "preempt_vote": {"ddp_checkpoint": [PREEMPT, "-k", "3-self"]},
+    "lm_preempt_vote": {"lm_ddp": ["tests/test_lm.py", "-k", "sigusr1"]},
+    "resume_bucket_layout": {"ddp_checkpoint": [PREEMPT, "-k", "3-self"]},
+    "lm_resume_bucket_layout": {"lm_ddp": ["tests/test_lm.py", "-k", "sigusr1"]},
+    "lm_model_pt_atomic": {"lm_ddp": ["tests/test_lm.py", "-k", "model_pt"]},
+    "lm_model_pt_atomic_sharded": {"lm_tp": ["tests/test_lm_tp.py", "-k", "model_pt"]},
+    "lm_fsdp_block_kept": {"lm_fsdp_tp": ["tests/test_lm_fsdp_tp.py", "-k", "all_gathers"]},
+    "lm_fsdp_root_resharded": {"lm_fsdp_tp": ["tests/test_lm_fsdp_tp.py", "-k", "all_gathers"]},
+    "lm_pp_1f1b_is_gpipe": {"lm_pp": ["tests/test_lm_pp.py", "-k", "order"]},
+    "lm_tp_refuses_3": {"lm_tp": ["tests/test_lm_tp.py", "-k", "3_ranks"]},
+    # In epoch 1 a fresh run's workers draw the same streams again: the stop in epoch 2 tells.
+    "seeded_samples": {"ddp_checkpoint": [PREEMPT, "-k", "3-self"]},
+    "skip_first": {"ddp_checkpoint": [PREEMPT, "-k", "2-launcher"]},
+    "restart_after_save": {"ddp_checkpoint": [PREEMPT, "-k", "2-launcher"]},
+    # The heads per rank matter only where heads are cut (common/lm.py).
+    "lm_heads_per_rank": {"lm_tp": own_tests, "lm_fsdp_tp": own_tests},
+    # What the CPU cannot see in a conformance run: a checkpoint tagged as saved on cuda:1 must be loaded with
+    # map_location, by each recipe's resume test.
+    "map_location": {
+        "ddp_checkpoint": ["tests/test_recipe_variants.py::test_resume_reproduces_the_uninterrupted_run_bitwise"],
+        "torch_amp": ["tests/test_recipe_variants.py::test_fp16_trains_and_the_scaler_state_survives_resume"],
+        "apex_amp": ["tests/test_apex.py::test_torch_mode_checkpoint_restores_the_scaler_and_refuses_another_impl"],
+        "ddp_zero": [ZERO_RESUME],
+        "ddp_comm_hooks": [POWERSGD_RESUME]},
+    # ddp_checkpoint and fsdp restore the RNG state on the same world size (the conformance resume): only a resume on
+    # another world size reaches the reseed.
+    "resume_reseed": {
+        "ddp_checkpoint": ["tests/test_recipe_variants.py::"
+                           "test_resumed_random_streams_continue_on_the_same_world_size_and_replay_no_epoch_on_another"],
+        "fsdp": ["tests/test_fsdp.py::test_a_checkpoint_from_two_ranks_resumes_on_another_world_size"],
+        "ddp_zero": [ZERO_RESUME], "ddp_comm_hooks": [POWERSGD_RESUME], ANY: own_tests},
+    "divergence_check": {ANY: lambda recipe: [DIVERGENCE, "-k", f"[{recipe}] or [{recipe}:"]},
+    # The broadcasts ZeRO's step makes are counted (tests/instrument) by its test on resnet18's 62 parameter tensors.
+    "zero_bucket_view": {ANY: [ZERO_THIRD]},
+    # In the conformance run every rank has as many validation batches as the others; tests/test_fsdp.py's runs do not.
+    "eval_lockstep": {ANY: ["tests/test_fsdp.py"]},
+    # ddp_comm_hooks' conformance runs --comm-hook none (DDP's own all-reduce): tests/test_comm_hooks.py the hooks.
+    "comm_hook": {ANY: ["tests/test_comm_hooks.py"]},
+    "powersgd_state": {ANY: ["tests/test_comm_hooks.py"]},
+    "powersgd_mean_error": {ANY: ["tests/test_comm_hooks.py"]},
+    # Issue 57: the measurements in the recipes' own processes (tests/instrument).
+    "eval_rank0_alone": {"ddp_uneven": ["tests/test_uneven.py", "-k", "equals_the_reference and cpu:2"],
+                         ANY: lambda recipe: cases(recipe, "disjoint_share")},
+    "channels_last_inputs": {"torch_amp": cases("torch_amp", "layout")},
+    "channels_last_model": {"torch_amp": cases("torch_amp", "layout")},
+    "fsdp_root_only": {"fsdp": cases("fsdp", "gathers_each_block")},
+    "fsdp_reshard_ignored": {"fsdp": ["tests/test_fsdp.py", "-k", "no_reshard_after_forward"]},
+}
+
+
+def plan(recipes, edits):
+    """[(recipe, edit, the tests that guard it there)]: each edit on each recipe GUARDS gives it, in that order."""
+    mutants = []
+    for recipe in recipes:
+        for edit in edits:
+            guards = GUARDS.get(edit.name, {ANY: own_tests})
+            family = recipe.startswith("lm_") == edit.name.startswith("lm_")
+            tests = guards.get(recipe, guards.get(ANY) if family and not edit.file else None)
+            if tests is not None and edit.old in (REPO / (edit.file or f"recipes/{recipe}.py")).read_text():
+                mutants.append((recipe, edit, tests(recipe) if callable(tests) else tests))
+    return mutants
 
 
 def scratch_copy(into):
@@ -298,7 +336,7 @@ def scratch_copy(into):
             shutil.copy2(source, into / name)
 
 
-def check(recipe, edit, timeout):
+def check(recipe, edit, tests, timeout):
     with tempfile.TemporaryDirectory(prefix=f"mutant_{recipe}_{edit.name}_") as tmp:
         tree = Path(tmp)
         scratch_copy(tree)
@@ -314,7 +352,7 @@ def check(recipe, edit, timeout):
         start = time.monotonic()
         try:
             proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                                   *tests_for(recipe, edit)], cwd=tree, capture_output=True, text=True,
+                                   *tests], cwd=tree, capture_output=True, text=True,
                                   timeout=timeout)
             outcome = "noticed" if proc.returncode == 1 else "MISSED" if proc.returncode == 0 else (
                 f"error (pytest exit {proc.returncode})")
@@ -338,15 +376,11 @@ def main(argv=None):
         e for e in (args.edits.split(",") if args.edits else []) if e not in {x.name for x in EDITS}]
     if unknown:
         p.error(f"unknown recipe or edit: {', '.join(unknown)}")
-    mutants = [(r, e) for r in recipes for e in edits if e.old in (REPO / (e.file or f"recipes/{r}.py")).read_text()
-               and (not e.file or e.name in ONE_RECIPE or r in FILE_EDIT_RECIPES)
-               and (e.name not in ONE_RECIPE or r == ONE_RECIPE[e.name][0])
-               and (e.name != "map_location" or r in RESUME_TESTS)
-               and r.startswith("lm_") == e.name.startswith("lm_")]  # the language models' edits are lm_*
+    mutants = plan(recipes, edits)
     print(f"{len(mutants)} mutants: each edit on each recipe that contains its text", flush=True)
     results = []
-    for i, (recipe, edit) in enumerate(mutants, 1):
-        results.append(check(recipe, edit, args.timeout))
+    for i, (recipe, edit, tests) in enumerate(mutants, 1):
+        results.append(check(recipe, edit, tests, args.timeout))
         r = results[-1]
         print(f"[{i}/{len(mutants)}] {r['outcome']:8} {recipe:17} {edit.name:14} {r['seconds']:6.1f} s  {r['tests']}",
               flush=True)
