@@ -29,9 +29,19 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import REPO, launch, load_recipe, max_diff, params, result_of, spawn_gloo
+from conftest import launch, load_recipe, max_diff, params, result_of, spawn_gloo
 from jobs import error_lines
-from lm_checks import check_args_refuses, one_process_val_loss, step_lines
+from lm_checks import (
+    blocks_per_step,
+    check_args_refuses,
+    claims_env,
+    comms_per_step,
+    one_process_val_loss,
+    only,
+    plain_steps,
+    step_lines,
+    tokens_seen,
+)
 
 from common.lm import Transformer, read_text, split, train_batch
 
@@ -55,10 +65,10 @@ def runs(tmp_path_factory):
         key = (recipe, devices, *map(str, flags))
         if key not in done:
             out = tmp_path_factory.mktemp(re.sub(r"\W+", "_", "-".join(key)))
-            env = None
+            env = claims_env(claims(out))  # what each rank computes and sends: tests/instrument/lm_claims.py
             if recipe == "lm_pp":
                 schedule_log(out).mkdir()
-                env = {"PYTHONPATH": str(REPO / "tests" / "instrument"), "LOG_PP_DIR": str(schedule_log(out))}
+                env = {**env, "LOG_PP_DIR": str(schedule_log(out))}
             done[key] = (launch(f"recipes/{recipe}.py", devices, *ARGS, *flags, "--out-dir", out, env=env), out)
         return done[key]
 
@@ -68,6 +78,11 @@ def runs(tmp_path_factory):
 def schedule_log(out):
     """Where runs() logs an lm_pp run's schedule calls: beside its --out-dir."""
     return out.with_name(f"{out.name}_schedule")
+
+
+def claims(out):
+    """Where runs() logs a run's tokens, block forwards and collectives (tests/lm_checks.py's claims_env)."""
+    return out.with_name(f"{out.name}_claims")
 
 
 def schedule_calls(out, world):
@@ -165,6 +180,55 @@ def test_each_stage_runs_its_microbatches_in_the_docstring_s_order(runs, devices
             "backward first") in doc
 
 
+@pytest.mark.slow  # the runs above, shared (alone: 6-20 s each)
+@pytest.mark.parametrize("devices", ["cpu:2", "cpu:4"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_each_stage_runs_its_blocks_on_every_microbatch_and_sends_only_to_its_neighbours(runs, devices, schedule):
+    # docs/lm.md's table for lm_pp (issue 57), measured in the recipe's own processes on the runs above
+    # (tests/instrument/lm_claims.py): the first stage takes step k's whole batch of bytes in m microbatches, in
+    # order, the last stage scores their targets, the others receive activations alone; each stage runs its own
+    # blocks once per microbatch; per step a stage sends each microbatch's activations (B / m, T, D) to the next
+    # stage and receives their gradients back (the same with the one before), and the clip's all-reduce of one
+    # number is its only collective (with the stop vote's).
+    proc, out = runs("lm_pp", devices, "--schedule", schedule)
+    assert result_of(proc)["steps"] == 8
+    p = int(devices.split(":")[1])
+    m, batch, seq_len, d = 2 * p, 8, 16, MODEL["d_model"]
+    train = split(read_text()[0])[0]
+    activation = 4 * batch // m * seq_len * d  # a microbatch's (B / m, T, D), fp32
+    blocks = load_recipe("lm_pp").stage_blocks(MODEL["n_layer"], p)
+    for rank in range(p):
+        lines = tokens_seen(claims(out), rank)
+        for step in range(8):
+            x, y = (t.tolist() for t in train_batch(train, step, 0, batch, seq_len, 0, 1))
+            fed, scored = ([line["rows"] for line in lines if line["train"] and line["step"] == step
+                            and line["where"] == where] for where in ("stage", "targets"))
+            assert len(fed) == m, (rank, step, len(fed))  # one forward per microbatch
+            if rank == 0:  # the bytes, in microbatch order: the whole batch
+                assert [row for rows in fed for row in rows] == x, step
+            else:  # activations from the stage before
+                assert fed == [None] * m, (rank, step)
+            assert [row for rows in scored for row in rows] == (y if rank == p - 1 else []), (rank, step)
+        first, end = blocks[rank]
+        per_step = blocks_per_step(claims(out), rank)
+        steps = comms_per_step(claims(out), rank)
+        for k in plain_steps(8, 4):
+            assert per_step[k - 1] == {"forward": (end - first) * m, "recomputed": 0}, (rank, k, per_step)
+            p2p = sorted(((op, ranks, size), n) for (op, _, ranks, size), n in steps[k - 1].items()
+                         if op in ("send", "recv_"))
+            want = sorted([*([(("send", (rank, rank + 1), activation), m), (("recv_", (rank, rank + 1), activation), m)]
+                             if rank < p - 1 else []),
+                           *([(("send", (rank, rank - 1), activation), m), (("recv_", (rank, rank - 1), activation), m)]
+                             if rank > 0 else [])])
+            assert p2p == want, (rank, k, steps[k - 1])
+            world = tuple(range(p))
+            assert only(steps[k - 1], ops={"allreduce_", "all_reduce", "broadcast_", "_allgather_base_",
+                                           "_reduce_scatter_base_", "allgather_"}) == [
+                (("allreduce_", "step", world, 4), 2)], (rank, k, steps[k - 1])  # the clip's norm, the stop vote
+            assert only(steps[k - 1], ops={"item"}) == [
+                (("item", "step", "common/harness.py:all_reduce_max", 4), 1)], (rank, k, steps[k - 1])
+
+
 @pytest.mark.slow  # two 2-process launches and one of 1: 20-50 s
 def test_resume_is_exact_and_goes_on_with_another_number_of_stages(runs, reference, tmp_path):
     ref, _, ref_out = reference
@@ -186,10 +250,16 @@ def test_resume_is_exact_and_goes_on_with_another_number_of_stages(runs, referen
     # accumulation), another schedule and microbatch count, and blocks that are checkpoint-wrapped (parameter names
     # with _checkpoint_wrapped_module., which the state_dict helpers drop).
     other = launch("recipes/lm_pp.py", "cpu:1", *ARGS, "--activation-checkpointing", "--resume", "auto",
-                   "--out-dir", tmp_path / "other")
+                   "--out-dir", tmp_path / "other", env=claims_env(tmp_path / "claims"))
     result = result_of(other)
     assert (result["start_step"], result["pp"], result["schedule"], result["microbatches"]) == (4, 1, "gpipe", 2)
     assert "activation checkpointing: 4 of 4 blocks recompute their forward in backward" in other.stdout
+    # ... and they do (tests/instrument/lm_claims.py, in the run): each block's forward again in backward, for each of
+    # the 2 microbatches, in each of steps 5-8 (the first step's count also holds the stage's shape inference; before
+    # them, the resume's get_state_dict stepped the fresh optimizer once, with no gradients and no forward).
+    per_step = blocks_per_step(tmp_path / "claims", 0)[-4:]
+    assert [s["recomputed"] for s in per_step] == [MODEL["n_layer"] * 2] * 4, per_step
+    assert per_step[1:] == [{"forward": MODEL["n_layer"] * 2, "recomputed": MODEL["n_layer"] * 2}] * 3, per_step
     assert abs(result["val_loss"] - ref["val_loss"]) <= VAL_RTOL * ref["val_loss"]
     assert max_diff(params(tmp_path / "other" / "model.pt"), params(ref_out / "model.pt")) <= WEIGHTS_ATOL
 
