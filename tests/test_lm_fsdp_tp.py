@@ -33,10 +33,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from conftest import REPO, launch, load_recipe, max_diff, params, result_of, spawn_gloo
 from jobs import error_lines
-from lm_checks import check_args_refuses, one_process_val_loss, step_lines
+from lm_checks import (
+    check_args_refuses,
+    claims_env,
+    comms_per_step,
+    one_process_val_loss,
+    only,
+    plain_steps,
+    step_lines,
+    tokens_seen,
+)
 
 from common.checkpoint import CheckpointError, load_same_flags
-from common.lm import Transformer
+from common.lm import Transformer, read_text, split, train_batch
 
 MODEL = {"n_layer": 2, "n_head": 4, "d_model": 32, "block_size": 32}
 ARGS = ["--n-layer", 2, "--n-head", 4, "--d-model", 32, "--block-size", 32, "--seq-len", 16, "--batch-size", 8,
@@ -100,11 +109,17 @@ def runs(tmp_path_factory, counted):
         if key not in done:
             out = tmp_path_factory.mktemp(re.sub(r"\W+", "_", "-".join(key)))
             env, counts = counted()
+            env = claims_env(claims(out), env)  # what each rank computes and sends: tests/instrument/lm_claims.py
             done[key] = (launch(f"recipes/{recipe}.py", devices, *ARGS, *flags, "--out-dir", out, env=env), out,
                          counts)
         return done[key]
 
     return run
+
+
+def claims(out):
+    """Where runs() logs a run's tokens, block forwards and collectives (tests/lm_checks.py's claims_env)."""
+    return out.with_name(f"{out.name}_claims")
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +216,49 @@ def test_fsdp2_all_gathers_each_block_twice_a_step_and_reduce_scatters_it_once(r
                                   "root": {"all_gather": k, "reduce_scatter": 1}}, (step, said)
             assert counts["eval_all_gathers"] == dict.fromkeys(("blocks.0", "blocks.1", "root"), evaluations), said
             assert counts["after_last_step"] == {}, said  # model.pt's gathering is not FSDP2's: DTensor's
+
+
+@SLOW  # the module's two 2 x 2 runs, shared
+def test_a_tp_group_shares_its_dp_share_of_the_batch_and_each_dimension_sends_its_own(runs):
+    # docs/lm.md's table for lm_fsdp_tp (issue 57), measured in the recipe's own processes on the module's two 2 x 2
+    # runs (tests/instrument/lm_claims.py): the token windows each rank's model received, each step's collectives by
+    # kind, group, phase and bytes. Rank r is (dp r // 2, tp r % 2): its tp group [2 (r // 2), 2 (r // 2) + 1], its
+    # dp group [r % 2, r % 2 + 2].
+    n_layer, seq_len, batch, d = MODEL["n_layer"], 16, 8, MODEL["d_model"]
+    train = split(read_text()[0])[0]
+    cut = 2 * n_layer + 1  # TP's all-reduces of the residual stream a forward: wo and proj per block, the bytes' rows
+    for flags, k, steps in ((["--max-steps", 4, "--async-save"], 1, 4), (["--accum-steps", 2], 2, 8)):
+        _, out, _ = runs("lm_fsdp_tp", "cpu:4", *flags)
+        micro = batch // 2 // k  # sequences a micro-step: the dp rank's half of the batch, in k pieces
+        for rank in range(4):
+            dp_rank, tp_group, dp_group = rank // 2, (rank // 2 * 2, rank // 2 * 2 + 1), (rank % 2, rank % 2 + 2)
+            lines = tokens_seen(claims(out), rank)
+            for step in range(steps):  # its dp rank's half of step k's batch, in k micro-batches, in order
+                whole = train_batch(train, step, 0, batch, seq_len, 0, 1)[0].tolist()
+                mine = [line["rows"] for line in lines if line["train"] and line["step"] == step]
+                assert [len(rows) for rows in mine] == [micro] * k, (flags, rank, step)
+                assert [row for rows in mine for row in rows] == whole[dp_rank * 4:dp_rank * 4 + 4], (flags, rank)
+            per_step = comms_per_step(claims(out), rank)
+            for s in plain_steps(steps, 4):
+                step = per_step[s - 1]
+                # TP's collectives on the tp group alone, the micro-batch's activations: per micro-step 2L + 1
+                # all-reduces forward (and the positions'), 2L + 1 backward
+                activation = 4 * micro * seq_len * d
+                assert only(step, "forward", {"all_reduce"}) == [
+                    (("all_reduce", "forward", tp_group, 4 * seq_len * d), k),
+                    (("all_reduce", "forward", tp_group, activation), cut * k)], (flags, rank, s, step)
+                assert only(step, "backward", {"all_reduce"}) == [
+                    (("all_reduce", "backward", tp_group, activation), cut * k)], (flags, rank, s, step)
+                # FSDP2's on the dp group alone (their counts per block: test_fsdp2_all_gathers_... above)
+                fsdp = {key[2] for key in step if key[0] in ("_allgather_base_", "_reduce_scatter_base_")}
+                assert fsdp == {dp_group}, (flags, rank, s, step)
+                # loss_parallel's 3 all-reduces a micro-step on the tp group; the clip across meshes; the stop vote,
+                # the one collective over all four ranks; no host read but its ballot
+                assert step["all_reduce", "step", tp_group, 4 * micro * seq_len] == 3 * k, (flags, rank, s, step)
+                assert [(key, n) for key, n in step.items() if len(key[2]) == 4 and key[0] != "item"] == [
+                    (("allreduce_", "step", (0, 1, 2, 3), 4), 1)], (flags, rank, s, step)
+                assert only(step, ops={"item"}) == [
+                    (("item", "step", "common/harness.py:all_reduce_max", 4), 1)], (flags, rank, s, step)
 
 
 @SLOW
