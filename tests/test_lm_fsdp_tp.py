@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from conftest import REPO, launch, load_recipe, max_diff, params, result_of, spawn_gloo
 from jobs import error_lines
 from lm_checks import (
+    blocks_per_step,
     check_args_refuses,
     claims_env,
     comms_per_step,
@@ -284,8 +285,14 @@ def test_a_2x2_checkpoint_goes_on_at_1x2_4x1_and_2x1(runs, reference, tmp_path):
                                  ("cpu:2", ["--tp", 1], (2, 1))]:
         out = tmp_path / f"{mesh[0]}x{mesh[1]}"
         shutil.copytree(half_out, out)  # the same step-4 checkpoint
-        proc = launch("recipes/lm_fsdp_tp.py", devices, *ARGS, *flags, "--resume", "auto", "--out-dir", out)
+        proc = launch("recipes/lm_fsdp_tp.py", devices, *ARGS, *flags, "--resume", "auto", "--out-dir", out,
+                      env=claims_env(tmp_path / f"{out.name}_claims"))
         result = result_of(proc)
+        # Each block's forward once a step, and with --activation-checkpointing once more in backward (counted in the
+        # run: tests/instrument/lm_claims.py; before steps 5-8, the resume's get_state_dict steps the fresh optimizer).
+        recomputed = MODEL["n_layer"] if "--activation-checkpointing" in flags else 0
+        assert blocks_per_step(tmp_path / f"{out.name}_claims", 0)[-4:] == [
+            {"forward": MODEL["n_layer"], "recomputed": recomputed}] * 4, mesh
         assert (result["start_step"], result["steps"], result["dp"], result["tp"]) == (4, 8, *mesh), mesh
         assert f"at step 4 (saved on a 2 x 2 mesh, now {mesh[0]} x {mesh[1]})" in proc.stdout
         grid = [list(range(r, r + mesh[1])) for r in range(0, mesh[0] * mesh[1], mesh[1])]  # rows: the tp groups

@@ -223,10 +223,15 @@ def test_resume_is_exact_and_dcp_reshards_onto_another_tp(runs, reference, tmp_p
     # 2 ranks' slices (norms Replicate DTensors) loaded by 4 ranks whose norms are plain tensors, and whose blocks
     # are checkpoint-wrapped (parameter names with _checkpoint_wrapped_module., which the state_dict helpers drop).
     other = launch("recipes/lm_tp.py", "cpu:4", *ARGS, "--activation-checkpointing", "--resume", "auto",
-                   "--out-dir", tmp_path / "other")
+                   "--out-dir", tmp_path / "other", env=claims_env(tmp_path / "claims"))
     result = result_of(other)
     assert (result["start_step"], result["tp"], result["sequence_parallel"]) == (4, 4, False)
     assert "activation checkpointing: 2 of 2 blocks recompute their forward in backward" in other.stdout
+    # ... and they do (tests/instrument/lm_claims.py, in the run): each block's forward again in backward, in each of
+    # steps 5-8 (before them, the resume's get_state_dict stepped the fresh optimizer once, with no forward).
+    for rank in range(4):
+        assert blocks_per_step(tmp_path / "claims", rank)[-4:] == [
+            {"forward": MODEL["n_layer"], "recomputed": MODEL["n_layer"]}] * 4, rank
     assert abs(result["val_loss"] - ref["val_loss"]) <= VAL_RTOL * ref["val_loss"]
     assert max_diff(params(tmp_path / "other" / "model.pt"), params(ref_out / "model.pt")) <= WEIGHTS_ATOL
 
