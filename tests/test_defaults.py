@@ -20,7 +20,7 @@ from conftest import IMAGE_RECIPES, launch, load_recipe, result_of
 
 from common import harness
 from common.data import transforms
-from common.models import build_model
+from common.models import _parameters_on_meta, build_model
 from common.schedule import default_lr, warmup_cosine, warmup_steps
 from tools.real_data import export
 
@@ -109,17 +109,19 @@ def test_the_defaults_resolve_by_world_size_and_image_size():
 
 
 def test_small_images_get_the_small_image_stem():
-    for size, kernel, stride, pooled in [(32, 3, 1, False), (63, 3, 1, False), (64, 7, 2, True), (224, 7, 2, True)]:
-        model = build_model("resnet18", 10, size)
-        assert model.conv1.kernel_size == (kernel, kernel) and model.conv1.stride == (stride, stride), size
-        assert isinstance(model.maxpool, torch.nn.MaxPool2d) == pooled, size
-    small = build_model("resnet50", 10, 32)
-    assert small.conv1.out_channels == 64 and isinstance(small.maxpool, torch.nn.Identity)
+    with _parameters_on_meta():  # the layers' shapes, not their values: no memory, no initialization (vgg11: 1.7 s)
+        for size, kernel, stride, pooled in [(32, 3, 1, False), (63, 3, 1, False), (64, 7, 2, True),
+                                             (224, 7, 2, True)]:
+            model = build_model("resnet18", 10, size)
+            assert model.conv1.kernel_size == (kernel, kernel) and model.conv1.stride == (stride, stride), size
+            assert isinstance(model.maxpool, torch.nn.MaxPool2d) == pooled, size
+        small = build_model("resnet50", 10, 32)
+        assert small.conv1.out_channels == 64 and isinstance(small.maxpool, torch.nn.Identity)
+        assert build_model("vgg11", 10, 32).features[0].kernel_size == (3, 3)  # only the ResNet family is changed
+        assert build_model("tiny", 10, 32).features[0].kernel_size == (3, 3)
     # A 32 px image keeps 4 x 4 px at the last block instead of 1 x 1.
     features = torch.nn.Sequential(*list(build_model("resnet18", 10, 32).children())[:-2]).eval()
     assert features(torch.zeros(1, 3, 32, 32)).shape[-2:] == (4, 4)
-    assert build_model("vgg11", 10, 32).features[0].kernel_size == (3, 3)  # only the ResNet family is changed
-    assert build_model("tiny", 10, 32).features[0].kernel_size == (3, 3)
 
 
 def test_the_transforms_follow_the_image_size_and_the_flip_switch():
