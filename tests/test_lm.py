@@ -148,6 +148,17 @@ def test_each_ddp_rank_computes_its_slice_and_sends_each_gradient_once_a_step(st
         assert blocks_per_step(claims(out), rank) == [{"forward": TINY["n_layer"], "recomputed": 0}] * 8
 
 
+@pytest.mark.slow  # a 2-step run on one process: 5-10 s
+def test_bf16_autocast_gives_bf16_logits_and_a_fp32_loss(straight):
+    # --amp-dtype bf16, in the recipe's process (tests/instrument/lm_claims.py: the dtype of each forward's output):
+    # the matrix products under autocast, so the head's logits come out bf16, in training and in evaluation; the
+    # loss is the recipe's, in fp32 (.float() before the cross-entropy): the RESULT line's train_loss is a number.
+    proc, out = straight(1, "--amp-dtype", "bf16", "--max-steps", "2")
+    assert result_of(proc)["steps"] == 2
+    lines = tokens_seen(claims(out), 0)
+    assert [(line["train"], line["dtype"]) for line in lines] == [(True, "bfloat16")] * 2 + [(False, "bfloat16")]
+
+
 @pytest.mark.slow  # the resume test's run with --activation-checkpointing (alone: 10-15 s)
 def test_activation_checkpointing_runs_each_block_forward_again_in_backward(straight):
     # --activation-checkpointing, counted in the recipe's processes (tests/instrument/lm_claims.py: common.lm.Block's

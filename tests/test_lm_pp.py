@@ -229,6 +229,16 @@ def test_each_stage_runs_its_blocks_on_every_microbatch_and_sends_only_to_its_ne
                 (("item", "step", "common/harness.py:all_reduce_max", 4), 1)], (rank, k, steps[k - 1])
 
 
+@pytest.mark.slow  # a 2-step run on 2 stages: 6-10 s
+def test_bf16_autocast_runs_inside_each_stage(runs):
+    # --amp-dtype bf16, in the recipe's processes (tests/instrument/lm_claims.py: the dtype of each microbatch's
+    # output): Stage.forward's own autocast, so the last stage's logits come out bf16; in an fp32 run, fp32.
+    for flags, dtype in ((["--amp-dtype", "bf16", "--max-steps", 2], "bfloat16"), (["--schedule", "gpipe"], "float32")):
+        _, out = runs("lm_pp", "cpu:2", *flags)
+        scored = {line["dtype"] for line in tokens_seen(claims(out), 1) if line["where"] == "targets"}
+        assert scored == {dtype}, (flags, scored)
+
+
 @pytest.mark.slow  # two 2-process launches and one of 1: 20-50 s
 def test_resume_is_exact_and_goes_on_with_another_number_of_stages(runs, reference, tmp_path):
     ref, _, ref_out = reference
