@@ -27,6 +27,7 @@ others); O2's fp32 masters are re-made from the loaded model, as in apex. apex n
 10-50x slower, the default level is O0: give O1-O3 with --arch tiny / tiny_bn.
 
 `harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
+What each rank computes, holds and sends, each claim with the test that measures it: docs/recipes.md.
 """
 # launcher: torchrun
 

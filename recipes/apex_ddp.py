@@ -13,6 +13,7 @@ unused parameters), but nothing overlaps backward. torch's DDP all-reduces ~25 M
 backward: usually as fast or faster (write-up 000: 8.7 s vs apex's 10.3 s per 100 iterations), no extra package.
 
 `harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
+What each rank computes, holds and sends, each claim with the test that measures it: docs/recipes.md.
 """
 # launcher: torchrun
 

@@ -34,6 +34,7 @@ What it shows (the rest is recipes/ddp_torchrun.py):
   others, waiting at the barrier, never join (write-up 000). For rank-0-only inference, call model.module(x).
 
 `harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
+What each rank computes, holds and sends, each claim with the test that measures it: docs/recipes.md.
 """
 # launcher: torchrun
 

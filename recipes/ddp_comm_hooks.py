@@ -37,6 +37,7 @@ What it shows (the rest is recipes/ddp_checkpoint.py, whose checkpoints it keeps
   workspaces) grew it by 8 MB a step.
 
 `harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
+What each rank computes, holds and sends, each claim with the test that measures it: docs/recipes.md.
 """
 # launcher: torchrun
 

@@ -23,6 +23,7 @@ A SyncBatchNorm inside torch's own containers (nn.Sequential) takes the whole co
 its fc. Evaluation (no sync in eval mode) compiles whole.
 
 `harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
+What each rank computes, holds and sends, each claim with the test that measures it: docs/recipes.md.
 """
 # launcher: torchrun
 

@@ -14,6 +14,7 @@ knows only `--local_rank` dies on torch 2.x with `error: unrecognized arguments:
 most common copy-paste failure. This one accepts all three. Everything else is recipes/ddp_torchrun.py.
 
 `harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
+What each rank computes, holds and sends, each claim with the test that measures it: docs/recipes.md.
 """
 # launcher: torch.distributed.launch
 

@@ -19,6 +19,7 @@ convolutions on cuda:2r and the classifier on cuda:2r+1 (both "cpu" on CPU), and
 without device_ids, which is how DDP takes a module that spans devices.
 
 `harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
+What each rank computes, holds and sends, each claim with the test that measures it: docs/recipes.md.
 """
 # launcher: python
 

@@ -12,6 +12,7 @@ before the process group; DistributedSampler with set_epoch; a GLOBAL --batch-si
 that counts every sample exactly once; rank 0 alone prints and saves model.module.state_dict(); and
 --find-unused-parameters, for parameters that get no gradient (try --arch tiny_unused without it).
 `harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
+What each rank computes, holds and sends, each claim with the test that measures it: docs/recipes.md.
 """
 # launcher: torchrun
 

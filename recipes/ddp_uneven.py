@@ -16,6 +16,7 @@ sync every step; BatchNorm's statistics are recomputed and broadcast at each epo
 --sync-bn is not offered: SyncBatchNorm's collectives are not ones Join shadows.
 
 `harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
+What each rank computes, holds and sends, each claim with the test that measures it: docs/recipes.md.
 """
 # launcher: torchrun
 

@@ -20,6 +20,7 @@ What it shows (the rest is recipes/ddp_checkpoint.py, whose checkpoints it keeps
 - state_bytes_per_rank in the RESULT line is each rank's parameters, gradients and optimizer shard.
 
 `harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
+What each rank computes, holds and sends, each claim with the test that measures it: docs/recipes.md.
 """
 # launcher: torchrun
 

@@ -13,6 +13,7 @@ DDP runs one process per GPU and only all-reduces gradients. --batch-size is the
 split across the GPUs; --workers all belong to the one process.
 
 `harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
+What each rank computes, holds and sends, each claim with the test that measures it: docs/recipes.md.
 """
 # launcher: python
 

@@ -40,6 +40,7 @@ What it shows (the rest is recipes/ddp_checkpoint.py):
   buffers are neither sharded nor synchronized: rank 0's are broadcast before evaluating, as in ddp_checkpoint.py.
 
 `harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
+What each rank computes, holds and sends, each claim with the test that measures it: docs/recipes.md.
 """
 # launcher: torchrun
 
@@ -150,9 +151,10 @@ def shard(model, mesh, amp_dtype, reshard_after_forward):
     for block in blocks(model):
         if not isinstance(block, FSDPModule):  # a BatchNorm layer grouped above
             fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-    # The root returns the logits in fp32, so the loss and the accuracy are computed in full precision.
+    # The root returns the logits in fp32, so the loss and the accuracy are computed in full precision. Its
+    # parameters (stem, head) are kept gathered from forward to backward, which needs them first (torch's advice).
     fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(mp_policy.param_dtype, torch.float32, torch.float32),
-                reshard_after_forward=reshard_after_forward)
+                reshard_after_forward=False)
 
 
 # ------------------------------------------------------------------------------------ checkpoints

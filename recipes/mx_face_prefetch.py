@@ -18,6 +18,7 @@ What it shows (the rest is recipes/ddp_torchrun.py):
   scores held-out images of the same identities (every 10th image) by plain cosine logits.
 
 `harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
+What each rank computes, holds and sends, each claim with the test that measures it: docs/recipes.md.
 """
 # launcher: torchrun
 

@@ -14,6 +14,7 @@ batch per optimizer step); --channels-last (NHWC, which tensor cores prefer); an
 which --resume restores (with the same --amp-dtype and --epochs only).
 
 `harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
+What each rank computes, holds and sends, each claim with the test that measures it: docs/recipes.md.
 """
 # launcher: torchrun
 
@@ -85,12 +86,13 @@ def check_args(args, world_size):
 
 # ------------------------------------------------------------------------------------------- eval
 @torch.no_grad()
-def evaluate(model, loader, criterion, device):
+def evaluate(model, loader, criterion, device, memory_format):  # New: memory_format
     """Each rank scores its own shard; the sums are all-reduced, as if one process scored all (every rank calls it)."""
     model.eval()
     loss, top1, top5 = AverageMeter(), AverageMeter(), AverageMeter()
     for images, targets in loader:
-        images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        images = images.to(device, non_blocking=True, memory_format=memory_format)  # New: as in training
+        targets = targets.to(device, non_blocking=True)
         output = model(images)
         acc1, acc5 = accuracy(output, targets, topk=(1, 5))
         loss.update(criterion(output, targets), images.size(0))
@@ -270,7 +272,8 @@ def main():
             dist.broadcast(buffer, 0)
         # model.module: DDP's forward broadcasts buffers, a collective that hangs on an empty shard or a lone rank 0.
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):  # New
-            val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device)
+            val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device,
+                                                                 memory_format)
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
                f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
                f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={speed.eta(total_steps - step)}"

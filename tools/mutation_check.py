@@ -216,6 +216,12 @@ EDITS = [
          "    for block in []:\n        if not isinstance(block, FSDPModule):"),
     Edit("fsdp_reshard_ignored", "same numbers, --no-reshard-after-forward ignored: each block gathered twice a step",
          "args.amp_dtype, args.reshard_after_forward)", "args.amp_dtype, True)"),
+    Edit("fsdp_root_resharded", "same numbers, the root resharded after its forward: gathered again for backward",
+         "                reshard_after_forward=False)",
+         "                reshard_after_forward=reshard_after_forward)"),
+    Edit("channels_last_eval", "same numbers, --channels-last in training alone: evaluation's convolutions get NCHW",
+         "images = images.to(device, non_blocking=True, memory_format=memory_format)  # New: as in training",
+         "images = images.to(device, non_blocking=True)  # New: as in training"),
 ]
 # The tests that guard a recipe by default: its conformance cases (a -k expression); ddp_uneven's own reference loop
 # (every rank's batches); a language model's own file (test_lm.py guards the base, test_lm_tp.py its sibling).
@@ -309,6 +315,8 @@ GUARDS = {
     "channels_last_model": {"torch_amp": cases("torch_amp", "layout")},
     "fsdp_root_only": {"fsdp": cases("fsdp", "gathers_each_block")},
     "fsdp_reshard_ignored": {"fsdp": ["tests/test_fsdp.py", "-k", "no_reshard_after_forward"]},
+    "fsdp_root_resharded": {"fsdp": cases("fsdp", "gathers_each_block")},
+    "channels_last_eval": {"torch_amp": cases("torch_amp", "layout")},
 }
 
 
