@@ -122,14 +122,17 @@ def killed_while_writing_model_pt_leaves_the_last_one(recipe, devices, args, out
 CLAIMS = ("LOG_TOKENS_DIR", "COUNT_BLOCKS_DIR", "COUNT_COMMS_DIR")  # tests/instrument/lm_claims.py's variables
 
 
-def claims_env(folder, env=None):
-    """env for launch(): tests/instrument on PYTHONPATH and lm_claims.py's three logs in folder/tokens, folder/blocks
-    and folder/comms (made here). `env`: more variables (its PYTHONPATH goes after tests/instrument)."""
+def claims_env(folder, env=None, comms=True):
+    """env for launch(): tests/instrument on PYTHONPATH and lm_claims.py's logs in folder/tokens, folder/blocks and
+    (if `comms`) folder/comms, made here. The collectives' count costs the most (every operator of the run passes
+    through its dispatch mode: 10-30% more CPU on lm_fsdp_tp's runs): only the runs a test reads it from take it.
+    `env`: more variables (its PYTHONPATH goes after tests/instrument)."""
     env = dict(env or {})
     path = os.pathsep.join(filter(None, [str(REPO / "tests" / "instrument"), env.pop("PYTHONPATH", None)]))
-    for name in CLAIMS:
-        (folder / name.split("_")[1].lower()).mkdir(parents=True, exist_ok=True)
-    return {**env, "PYTHONPATH": path, **{name: str(folder / name.split("_")[1].lower()) for name in CLAIMS}}
+    logs = {name: folder / name.split("_")[1].lower() for name in CLAIMS if comms or name != "COUNT_COMMS_DIR"}
+    for log in logs.values():
+        log.mkdir(parents=True, exist_ok=True)
+    return {**env, "PYTHONPATH": path, **{name: str(log) for name, log in logs.items()}}
 
 
 def tokens_seen(folder, rank):

@@ -81,7 +81,7 @@ def straight(tmp_path_factory):
             out = tmp_path_factory.mktemp(f"straight{world}{''.join(key[1:])}")
             # What each rank computes and sends, logged by tests/instrument/lm_claims.py into claims(out).
             done[key] = (launch("recipes/lm_ddp.py", f"cpu:{world}", *FLAGS, *flags, "--out-dir", out,
-                                env=claims_env(claims(out))), out)
+                                env=claims_env(claims(out), comms=key == (2,))), out)
         return done[key]
     return run
 

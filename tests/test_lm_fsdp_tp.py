@@ -110,7 +110,8 @@ def runs(tmp_path_factory, counted):
         if key not in done:
             out = tmp_path_factory.mktemp(re.sub(r"\W+", "_", "-".join(key)))
             env, counts = counted()
-            env = claims_env(claims(out), env)  # what each rank computes and sends: tests/instrument/lm_claims.py
+            # What each rank computes and sends: tests/instrument/lm_claims.py (the collectives: lm_fsdp_tp's runs).
+            env = claims_env(claims(out), env, comms=recipe == "lm_fsdp_tp")
             done[key] = (launch(f"recipes/{recipe}.py", devices, *ARGS, *flags, "--out-dir", out, env=env), out,
                          counts)
         return done[key]
@@ -286,7 +287,7 @@ def test_a_2x2_checkpoint_goes_on_at_1x2_4x1_and_2x1(runs, reference, tmp_path):
         out = tmp_path / f"{mesh[0]}x{mesh[1]}"
         shutil.copytree(half_out, out)  # the same step-4 checkpoint
         proc = launch("recipes/lm_fsdp_tp.py", devices, *ARGS, *flags, "--resume", "auto", "--out-dir", out,
-                      env=claims_env(tmp_path / f"{out.name}_claims"))
+                      env=claims_env(tmp_path / f"{out.name}_claims", comms=False))
         result = result_of(proc)
         # Each block's forward once a step, and with --activation-checkpointing once more in backward (counted in the
         # run: tests/instrument/lm_claims.py; before steps 5-8, the resume's get_state_dict steps the fresh optimizer).

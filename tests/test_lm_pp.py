@@ -65,7 +65,8 @@ def runs(tmp_path_factory):
         key = (recipe, devices, *map(str, flags))
         if key not in done:
             out = tmp_path_factory.mktemp(re.sub(r"\W+", "_", "-".join(key)))
-            env = claims_env(claims(out))  # what each rank computes and sends: tests/instrument/lm_claims.py
+            # What each rank computes and sends: tests/instrument/lm_claims.py (the collectives: lm_pp's fp32 runs).
+            env = claims_env(claims(out), comms=recipe == "lm_pp" and "--amp-dtype" not in flags)
             if recipe == "lm_pp":
                 schedule_log(out).mkdir()
                 env = {**env, "LOG_PP_DIR": str(schedule_log(out))}
@@ -260,7 +261,7 @@ def test_resume_is_exact_and_goes_on_with_another_number_of_stages(runs, referen
     # accumulation), another schedule and microbatch count, and blocks that are checkpoint-wrapped (parameter names
     # with _checkpoint_wrapped_module., which the state_dict helpers drop).
     other = launch("recipes/lm_pp.py", "cpu:1", *ARGS, "--activation-checkpointing", "--resume", "auto",
-                   "--out-dir", tmp_path / "other", env=claims_env(tmp_path / "claims"))
+                   "--out-dir", tmp_path / "other", env=claims_env(tmp_path / "claims", comms=False))
     result = result_of(other)
     assert (result["start_step"], result["pp"], result["schedule"], result["microbatches"]) == (4, 1, "gpipe", 2)
     assert "activation checkpointing: 4 of 4 blocks recompute their forward in backward" in other.stdout

@@ -88,6 +88,9 @@ def expected_state_bytes(tp, model=MODEL):
     return per_rank
 
 
+COUNTED = {("lm_tp", "cpu:2"), ("lm_tp", "cpu:2", "--sequence-parallel")}  # the runs whose collectives a test reads
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """launch(devices, *flags) once per (devices, flags) in this module: (the CompletedProcess, its --out-dir)."""
@@ -99,7 +102,7 @@ def runs(tmp_path_factory):
             out = tmp_path_factory.mktemp(re.sub(r"\W+", "_", "-".join(key)))
             # What each rank computes and sends, logged by tests/instrument/lm_claims.py into claims(out).
             done[key] = (launch(f"recipes/{recipe}.py", devices, *ARGS, *flags, "--out-dir", out,
-                                env=claims_env(claims(out))), out)
+                                env=claims_env(claims(out), comms=key in COUNTED)), out)
         return done[key]
 
     return run
@@ -223,7 +226,7 @@ def test_resume_is_exact_and_dcp_reshards_onto_another_tp(runs, reference, tmp_p
     # 2 ranks' slices (norms Replicate DTensors) loaded by 4 ranks whose norms are plain tensors, and whose blocks
     # are checkpoint-wrapped (parameter names with _checkpoint_wrapped_module., which the state_dict helpers drop).
     other = launch("recipes/lm_tp.py", "cpu:4", *ARGS, "--activation-checkpointing", "--resume", "auto",
-                   "--out-dir", tmp_path / "other", env=claims_env(tmp_path / "claims"))
+                   "--out-dir", tmp_path / "other", env=claims_env(tmp_path / "claims", comms=False))
     result = result_of(other)
     assert (result["start_step"], result["tp"], result["sequence_parallel"]) == (4, 4, False)
     assert "activation checkpointing: 2 of 2 blocks recompute their forward in backward" in other.stdout
