@@ -441,4 +441,3 @@ for _name in [name for name in _PATCHES if name in sys.modules]:  # imported alr
 if _PATCHES:
     sys.meta_path.insert(0, _PatchOnImport(_PATCHES))
 import lm_claims  # noqa: E402, F401  (the language models: tests/instrument/lm_claims.py)
-import lm_claims  # noqa: E402, F401  (the language models: tests/instrument/lm_claims.py)
