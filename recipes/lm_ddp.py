@@ -24,6 +24,7 @@ What it shows, against ddp_torchrun.py (diff them: the lesson is what a transfor
   only once" when a block is checkpointed twice or a parameter is unused; docs/lm.md).
 Plumbing, not the lesson: `harness.` lines and the two harness objects `meter` (the loss, the clock, the NaN watch,
 --profile) and `vote` (SIGUSR1's stop vote); common/harness.py. The siblings of lm_ddp.py mark theirs `# New:`.
+What each rank computes, holds and sends, each claim with the test that measures it: docs/lm.md.
 """
 # launcher: torchrun
 

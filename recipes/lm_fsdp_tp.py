@@ -51,8 +51,8 @@ One weight on a 2 x 2 mesh: wq.weight (D, D), cut by rows: ColwiseParallel acros
     after, and reduce-scatters their gradients (the mean over the dp ranks' batches) onto the shards.
     Placements (_StridedShard(0, split_factor=2), Shard(0)): dp cuts each tp slice, not the whole weight. The norms
     without --sequence-parallel (plain until fully_shard): cut across dp only, ranks 0 and 1 holding the same half.
-Plumbing, not the lesson: `harness.` lines and the objects `meter` (the loss, the clock, the NaN watch, --profile),
-`vote` (SIGUSR1's stop vote) and `saves` (common/checkpoint.py's shard folders). Changes to lm_tp.py: `# New:`.
+Plumbing, not the lesson: `harness.` lines, `meter`, `vote` and `saves`, as in lm_tp.py. Changes to lm_tp.py: `# New:`.
+What each rank computes, holds and sends, each claim with the test that measures it: docs/lm.md.
 """
 # launcher: torchrun
 

@@ -44,6 +44,7 @@ What it shows, against lm_ddp.py (diff them: the lesson is what cutting the mode
   one rank per GPU (NCCL), or cpu:N.
 Plumbing, not the lesson: `harness.` lines and the two harness objects `meter` (the loss, the clock, the NaN watch,
 --profile) and `vote` (SIGUSR1's stop vote); common/harness.py. The siblings of lm_ddp.py mark theirs `# New:`.
+What each rank computes, holds and sends, each claim with the test that measures it: docs/lm.md.
 """
 # launcher: torchrun
 

@@ -39,6 +39,7 @@ One block on 2 ranks (D = --d-model, H = --n-head; nn.Linear weights are (out, i
   looks up its rows, zeros elsewhere, then all-reduce [SP: reduce-scatter]. Head: bytes 0..128 | 128..256.
 Plumbing, not the lesson: `harness.` lines and the two harness objects `meter` (the loss, the clock, the NaN watch,
 --profile) and `vote` (SIGUSR1's stop vote); common/harness.py. The siblings of lm_ddp.py mark theirs `# New:`.
+What each rank computes, holds and sends, each claim with the test that measures it: docs/lm.md.
 """
 # launcher: torchrun
 
