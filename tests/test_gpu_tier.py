@@ -406,9 +406,11 @@ def result_keys():
     keys = {}
     for path in (REPO / "recipes").glob("*.py"):
         calls = [node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)
-                 and ast.unparse(node.func) == "harness.gather_result_line"]
+                 and ast.unparse(node.func) in ("harness.gather_result_line", "meter.gather_result_line")]
         assert len(calls) == 1, path
         keys[path.stem] = common | {kw.arg for kw in calls[0].keywords if kw.arg and kw.arg != "peaks"}
+        if ast.unparse(calls[0].func) == "meter.gather_result_line":  # the language models' StepMeter: tokens
+            keys[path.stem] |= {"tokens_per_sec"}
     return keys
 
 
@@ -480,6 +482,8 @@ def test_every_file_the_tier_reads_is_one_its_recipes_write():
                  if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.endswith(".pt")}
         for recipe in recipes:
             source = (REPO / "recipes" / f"{recipe}.py").read_text()
+            if "ShardFolders(" in source:  # the sharded recipes' checkpoint/latest.pt: common/checkpoint.py names it
+                source += (REPO / "common" / "checkpoint.py").read_text()
             assert all(f'"{name}"' in source for name in names), (function.name, recipe, names)
 
 
