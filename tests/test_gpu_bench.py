@@ -5,11 +5,10 @@ recorded steps, the table's rows; bad flags fail in one line; the MFU arithmetic
 import json
 import math
 import statistics
-import sys
 
 import pytest
 import torch
-from conftest import REPO, run_group
+from conftest import REPO, run_script
 
 from common.lm import Transformer
 from tools import gpu_bench
@@ -20,8 +19,8 @@ TIMED = {"throughput": [()], "overhead": [("recipe",), ("bare",)], "compile": [(
 
 
 def gpu_bench_cli(*args, timeout=240):
-    return run_group([sys.executable, str(REPO / "tools" / "gpu_bench.py"), *map(str, args)], env=None, cwd=REPO,
-                     timeout=timeout)
+    """The tool's command line, forked from the warm server (tests/warm.py: torch already imported)."""
+    return run_script([REPO / "tools" / "gpu_bench.py", *args], timeout=timeout)
 
 
 @pytest.fixture(scope="module")
