@@ -194,7 +194,10 @@ def test_run_direct_is_one_warm_process_and_a_timeout_kills_it(tmp_path):
     job = warm.direct_job([script], launch_env(), tmp_path)
     with pytest.raises(subprocess.TimeoutExpired):
         job.wait(1)
-    assert all(job.server.poll(pid) is not None for pid in job.pids)  # killed, not left running
+    for pid in job.pids:  # killed and reaped, not left running
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not job.folder.exists()  # nor its output files
 
 
 def test_an_uncaught_exception_prints_its_traceback_and_exits_1(tmp_path):

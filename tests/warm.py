@@ -164,7 +164,9 @@ class Job:
             now = time.monotonic()
             if now > deadline:
                 self.kill()
-                raise subprocess.TimeoutExpired(self.argv, timeout, self._read("out"), self._read("err"))
+                expired = subprocess.TimeoutExpired(self.argv, timeout, self._read("out"), self._read("err"))
+                self._clean_up()
+                raise expired
             if failures and self.torchrun and stopping is None:  # torchrun stops the others
                 stopping = now
                 self._signal(signal.SIGTERM, only_running=True)
@@ -172,8 +174,6 @@ class Job:
                 self._signal(signal.SIGKILL, only_running=True)
             self.server.wait_any([p for p, c in zip(self.pids, codes, strict=True) if c is None], timeout=0.5)
         self._signal(signal.SIGKILL)  # DataLoader workers a rank left behind (they hold no pipe here, but CPU)
-        for pid in self.pids:
-            self.server.forget(pid)
         stdout, stderr = self._read("out"), self.head + self._read("err")
         code = codes[0]
         if self.torchrun:
@@ -182,11 +182,17 @@ class Job:
                 stderr += self._report(failures)
                 rank, first, _ = failures[0]
                 code = 75 if self._saved_and_left(failures) else 128 - first if first < 0 else first
+        self._clean_up()
+        return subprocess.CompletedProcess(self.argv, code, stdout, stderr)
+
+    def _clean_up(self):
+        """The ranks forgotten by the server, their output files and folder removed (after a timeout too)."""
+        for pid in self.pids:
+            self.server.forget(pid)
         with contextlib.suppress(OSError):
             for path in self.folder.iterdir():
                 path.unlink()
             self.folder.rmdir()
-        return subprocess.CompletedProcess(self.argv, code, stdout, stderr)
 
     def kill(self):
         self._signal(signal.SIGKILL)
