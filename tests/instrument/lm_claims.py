@@ -29,8 +29,6 @@ With COUNT_COMMS_DIR set, each rank records every collective and point-to-point 
 None of it changes what the recipe computes: the hooks read tensors and call through.
 """
 
-import importlib.abc
-import importlib.util
 import json
 import os
 import sys
@@ -249,26 +247,5 @@ def _on_lm(lm):
         _start_counting_comms()
 
 
-class _OnImport(importlib.abc.MetaPathFinder):
-    """Finds common.lm as usual and runs _on_lm on it once it has run (the recipe imports torch before it)."""
-
-    def find_spec(self, name, path, target=None):
-        if name != "common.lm":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            _on_lm(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-if _TOKENS_DIR or _BLOCKS_DIR or _COMMS_DIR:
-    if "common.lm" in sys.modules:
-        _on_lm(sys.modules["common.lm"])
-    else:
-        sys.meta_path.insert(0, _OnImport())
+# What sitecustomize.py's import hook patches for this module, once it has run (the recipe imports torch before it).
+PATCHES = {"common.lm": _on_lm} if _TOKENS_DIR or _BLOCKS_DIR or _COMMS_DIR else {}

@@ -68,6 +68,8 @@ import sys
 import threading
 import weakref
 
+import lm_claims  # the language models' measurements (tests/instrument/lm_claims.py): their PATCHES below
+
 _DIR = os.environ.get("COUNT_DDP_DIR")
 _RNG_DIR = os.environ.get("LOG_RNG_DIR")
 _LOADS_DIR = os.environ.get("LOG_LOADS_DIR")
@@ -435,9 +437,9 @@ _PATCHES = {**({"torch.nn.parallel.distributed": _patch,
                else {}),
             **({"torch": _patch_load} if _LOADS_DIR else {}),
             **({"torch.distributed.fsdp._fully_shard._fsdp_param_group": _patch_fsdp} if _FSDP_DIR else {}),
-            **({"torch.distributed.pipelining.schedules": _patch_pipelining} if _PP_DIR else {})}
+            **({"torch.distributed.pipelining.schedules": _patch_pipelining} if _PP_DIR else {}),
+            **lm_claims.PATCHES}  # the language models' (tests/instrument/lm_claims.py)
 for _name in [name for name in _PATCHES if name in sys.modules]:  # imported already: a rank forked from
     _PATCHES.pop(_name)(sys.modules[_name])  # tests/warm_server.py, which imported torch before this ran
 if _PATCHES:
     sys.meta_path.insert(0, _PatchOnImport(_PATCHES))
-import lm_claims  # noqa: E402, F401  (the language models: tests/instrument/lm_claims.py)
