@@ -21,6 +21,19 @@ import sys
 import time
 
 
+class _WrappedFile:
+    """A file opened for writing, its write() the fault's (a subclass's); everything else the file's own."""
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
 def _on_write_open(name, act):
     """open(), and io.open() as pathlib and torch.distributed.checkpoint's writer use it, call act(file, n) as a file
     named `name` (or any of a tuple of names, counted together) is opened for writing the n-th time, before it opens;
@@ -99,7 +112,7 @@ if os.environ.get("FAULT_DISK_FULL") and os.environ.get("RANK", "0") == "0":
 
     _name, _nth, _room = os.environ["FAULT_DISK_FULL"].split(":")
 
-    class _FillingFile:
+    class _FillingFile(_WrappedFile):
         def __init__(self, f, room):
             self._f, self._room = f, room
 
@@ -110,15 +123,6 @@ if os.environ.get("FAULT_DISK_FULL") and os.environ.get("RANK", "0") == "0":
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             self._room -= len(data)
             return self._f.write(data)
-
-        def __getattr__(self, name):
-            return getattr(self._f, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self._f.close()
 
     def _fill(file, n):
         if n == int(_nth):
@@ -266,7 +270,7 @@ if os.environ.get("FAULT_KILL_MID_WRITE") and os.environ.get("RANK", "0") == "0"
     _mid_name, _mid_nth = os.environ["FAULT_KILL_MID_WRITE"].split(":")
     _mid_names = (_mid_name, f"{_mid_name}.tmp")
 
-    class _KilledAfterTheFirstWrite:
+    class _KilledAfterTheFirstWrite(_WrappedFile):
         def __init__(self, f, file):
             self._f, self._file = f, file
 
@@ -275,15 +279,6 @@ if os.environ.get("FAULT_KILL_MID_WRITE") and os.environ.get("RANK", "0") == "0"
             self._f.flush()
             _sigkill_the_job(f"after the first write to {self._file} ({written} bytes)")
             return written
-
-        def __getattr__(self, name):
-            return getattr(self._f, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self._f.close()
 
     def _kill_mid_write(file, n):
         if n == int(_mid_nth):
