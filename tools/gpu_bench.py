@@ -458,20 +458,22 @@ def lm_step(args, device, tp, stop_group):
     optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1}, {"params": others, "weight_decay": 0.0}],
                                   lr=3e-3, betas=(0.9, 0.95))
     scheduler = warmup_cosine(optimizer, 1, 10_000, 0.05)
-    h = Harness(device, model, forward=None if tp else model.module)
+    # The recipes' own plumbing objects: the loss, the clock, the NaN watch, --profile (off); SIGUSR1's vote.
+    meter = harness.StepMeter(model, device, False, "runs/gpu_bench", 0, forward=None if tp else model.module)
+    vote = harness.StopVote(False, stop_group)  # no SIGUSR1 here: every vote says go on, as in a normal run
     g = torch.Generator().manual_seed(0)
     train_text = torch.randint(0, 256, (max(1 << 20, 8 * args.lm_seq_len),), generator=g, dtype=torch.uint8)
-    vote = {"work": None, "ballot": None}
+    steps = [0]
 
     def step():
         x, y = (t.to(device, non_blocking=True)
-                for t in train_batch(train_text, h.step, 0, args.lm_batch_size, args.lm_seq_len, 0, 1))
+                for t in train_batch(train_text, steps[0], 0, args.lm_batch_size, args.lm_seq_len, 0, 1))
         with torch.autocast(device.type, dtype=torch.bfloat16):
             logits = model(x)
         if tp:
+            optimizer.zero_grad(set_to_none=True)
             with loss_parallel():
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-                optimizer.zero_grad(set_to_none=True)
                 loss.backward()
             loss = loss.to_local()
             lm_tp.grads_as_params(model)
@@ -485,17 +487,9 @@ def lm_step(args, device, tp, stop_group):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
         scheduler.step()
-        h.loss_meter.update(loss, 1)
-        h.step += 1
-        h.diverged.update(h.step, loss)
-        h.speed.step(args.lm_batch_size * args.lm_seq_len)
-        h.prof.step()
-        # The recipes' SIGUSR1 vote: read the last step's all-reduce, start this step's (gloo, beside the step).
-        if vote["work"] is not None:
-            vote["work"].wait()
-            vote["ballot"].item()
-        vote["ballot"] = torch.tensor([0.0])
-        vote["work"] = dist.all_reduce(vote["ballot"], dist.ReduceOp.MAX, group=stop_group, async_op=True)
+        steps[0] += 1
+        meter.step(steps[0], loss, args.lm_batch_size * args.lm_seq_len)  # tokens (bytes); no host sync
+        vote.all_reduce_max()  # the last step's vote read, this step's started (gloo, beside the step)
 
     return step, n_matmul
 
