@@ -254,7 +254,7 @@ class StepMeter:
         self.speed.start()
 
     def start(self):
-        if self.speed._epoch_start is None:  # stopped (or never started): a save between evaluations stays timed
+        if not self.speed.running:  # stopped by an evaluation: a save between evaluations stays timed
             self.speed.start()
 
     def step(self, step, loss, tokens):

@@ -472,6 +472,11 @@ class Throughput:
         return f" own_ms={min(ranks):.1f}-{max(ranks):.1f}(max/min {ratio}, rank {slowest})"
 
     @property
+    def running(self):
+        """Between start() and stop()."""
+        return self._epoch_start is not None
+
+    @property
     def images_per_sec(self):
         return self.images / self.seconds if self.seconds else 0.0
 
