@@ -3,7 +3,8 @@
     python tools/gpu_only_lines.py           # the whole suite under coverage, subprocesses included (~45 min)
 
 It runs `python -m pytest` (or --pytest-args) under coverage.py, every recipe process, torchrun rank and spawned
-worker included (`[run] patch = subprocess, _exit`: the recipes leave with os._exit after an error), and writes
+worker included, and the warm path's forked ranks (`[run] patch = subprocess, _exit, fork`: the recipes leave
+with os._exit after an error), and writes
 docs/gpu_only_lines.md: each line that never ran, grouped by file, under the closest enclosing guard that only a GPU
 or a real apex passes (an `if` / ternary / `while` whose condition names CUDA, NCCL, GPUs, pinned memory or apex,
 or a function or class of a file named in GPU_ONLY_DEFS). A line that never ran and has no such guard is listed
@@ -80,8 +81,9 @@ def measure(pytest_args, data_dir):
     import coverage
 
     rc = data_dir / "coveragerc"
-    # sigterm: a rank the launcher stops (SIGTERM) once another has exited still saves what it ran.
-    rc.write_text("[run]\npatch = subprocess\n    _exit\nparallel = true\nsigterm = true\n"
+    # sigterm: a rank the launcher stops (SIGTERM) once another has exited still saves what it ran. fork: the warm
+    # path's ranks (tests/warm.py) are forked from a server that imported torch, not started as new interpreters.
+    rc.write_text("[run]\npatch = subprocess\n    _exit\n    fork\nparallel = true\nsigterm = true\n"
                   f"source =\n    {REPO / 'recipes'}\n    {REPO / 'common'}\ndata_file = {data_dir / '.coverage'}\n")
     code = subprocess.call([sys.executable, "-m", "coverage", "run", f"--rcfile={rc}", "-m", "pytest",
                             "-p", "no:cacheprovider", *pytest_args], cwd=REPO)

@@ -1,6 +1,7 @@
 """Delete the cookbook's lessons from the recipes, one at a time, and report which deletions the tests miss.
 
     python tools/mutation_check.py                               # every edit on every recipe: 209, ~1.5 h on 2 cores
+    python tools/mutation_check.py --jobs 2                      # two mutants at a time (their tests mostly wait)
     python tools/mutation_check.py --recipes torch_amp --edits unscale,no_sync
     python tools/mutation_check.py --out bench/mutation.json     # also write the results as JSON
 
@@ -14,6 +15,7 @@ when they fail, "MISSED" when they pass. Exit 0 when every edit was noticed, 1 o
 """
 
 import argparse
+import concurrent.futures
 import json
 import shutil
 import subprocess
@@ -410,6 +412,7 @@ def main(argv=None):
     p.add_argument("--edits", help=f"comma-separated edits (default: all: {', '.join(e.name for e in EDITS)})")
     p.add_argument("--timeout", type=float, default=600, help="seconds one mutant's tests may take")
     p.add_argument("--out", help="also write the results here as JSON")
+    p.add_argument("--jobs", type=int, default=1, help="mutants whose tests run at once (each in its own scratch tree)")
     args = p.parse_args(argv)
     recipes = args.recipes.split(",") if args.recipes else sorted(f.stem for f in (REPO / "recipes").glob("*.py"))
     edits = EDITS if not args.edits else [e for e in EDITS if e.name in args.edits.split(",")]
@@ -420,11 +423,12 @@ def main(argv=None):
     mutants = plan(recipes, edits)
     print(f"{len(mutants)} mutants: each edit on each recipe that contains its text", flush=True)
     results = []
-    for i, (recipe, edit, tests) in enumerate(mutants, 1):
-        results.append(check(recipe, edit, tests, args.timeout))
-        r = results[-1]
-        print(f"[{i}/{len(mutants)}] {r['outcome']:8} {recipe:17} {edit.name:14} {r['seconds']:6.1f} s  {r['tests']}",
-              flush=True)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        running = [pool.submit(check, recipe, edit, tests, args.timeout) for recipe, edit, tests in mutants]
+        for i, future in enumerate(concurrent.futures.as_completed(running), 1):
+            results.append(r := future.result())
+            print(f"[{i}/{len(mutants)}] {r['outcome']:8} {r['recipe']:17} {r['edit']:14} {r['seconds']:6.1f} s  "
+                  f"{r['tests']}", flush=True)
     missed = [r for r in results if r["outcome"] != "noticed"]
     print(f"\n{len(results) - len(missed)} of {len(results)} edits noticed"
           + (f"; missed: {', '.join(r['recipe'] + ':' + r['edit'] for r in missed)}" if missed else ""))
