@@ -22,6 +22,7 @@ path: the suite as it was).
 """
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -136,6 +137,17 @@ def server_env():
     return _server.env if _server is not None else {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
+@dataclasses.dataclass
+class _Failure:
+    """What tools/torchrun.py's job_failed reads of torch's ProcessFailure for a rank that failed."""
+    pid: int
+    exitcode: int
+    timestamp: int  # whole seconds, as torchrun's
+
+    def signal_name(self):
+        return signal.Signals(-self.exitcode).name
+
+
 class Job:
     """The ranks of one job, forked from the server; wait() gives what subprocess.run would have."""
 
@@ -178,10 +190,12 @@ class Job:
         code = codes[0]
         if self.torchrun:
             code = 0
-            if failures:
-                stderr += self._report(failures)
-                rank, first, _ = failures[0]
-                code = 75 if self._saved_and_left(failures) else 128 - first if first < 0 else first
+            if failures:  # torchrun's verdict, as tools/torchrun.py words it
+                from tools.torchrun import job_failed
+
+                code, line = job_failed({rank: _Failure(self.pids[rank], exitcode, int(when - self.started))
+                                         for rank, exitcode, when in failures})
+                stderr += line + "\n"
         self._clean_up()
         return subprocess.CompletedProcess(self.argv, code, stdout, stderr)
 
@@ -210,36 +224,6 @@ class Job:
     def _read(self, kind):
         return "".join(p.read_text(errors="replace") for p in sorted(self.folder.glob(f"*.{kind}"),
                                                                      key=lambda p: int(p.stem)))
-
-    @staticmethod
-    def _saved_and_left(failures):
-        codes = {code for _, code, _ in failures}
-        return 75 in codes and codes <= {75, -signal.SIGTERM}
-
-    def _report(self, failures):
-        """tools/torchrun.py's last line for a failed job (its describe() and root_cause(), by exit time)."""
-        if self._saved_and_left(failures):
-            return ("launch.sh: the ranks saved and exited 75 (SIGUSR1): requeue the job; with --resume auto it goes "
-                    "on from the save\n")
-
-        def describe(rank, code):
-            if code == -signal.SIGTERM:
-                how = "was stopped (SIGTERM)"
-            elif code < 0:
-                how = f"was killed by {signal.Signals(-code).name}"
-            else:
-                how = f"exited with code {code}"
-            return f"rank {rank} (pid {self.pids[rank]}) {how}"
-
-        def order(failure):
-            rank, code, when = failure
-            kind = 0 if code == -signal.SIGKILL else 1 if code < 0 and code != -signal.SIGTERM else 2 if code > 0 else 3
-            return int(when - self.started), kind, rank
-
-        failures.sort(key=order)
-        return (f"launch.sh: job failed: {'; '.join(describe(rank, code) for rank, code, _ in failures)} "
-                "(each rank's own output is above)\n")
-
 
 def dry_run(args, env, cwd):
     """`./launch.sh --dry-run ARGS`: (the CompletedProcess, its stderr line, the environment, the command)."""

@@ -295,6 +295,19 @@ def root_cause(failures):
     return sorted(failures.items(), key=order)
 
 
+def job_failed(failures):
+    """launch.sh's exit code and last line for a job whose ranks failed ({rank: ProcessFailure}): 75 and "requeue"
+    when they saved and left (SIGUSR1), else the first failure's code and every failure, the first one first."""
+    if saved_and_left(failures):
+        return EX_TEMPFAIL, (f"launch.sh: the ranks saved and exited {EX_TEMPFAIL} (SIGUSR1): requeue the job; with "
+                             "--resume auto it goes on from the save")
+    ranked = root_cause(failures)
+    first = ranked[0][1]
+    return (128 - first.exitcode if first.exitcode < 0 else first.exitcode,
+            f"launch.sh: job failed: {'; '.join(describe(rank, f) for rank, f in ranked)} "
+            "(each rank's own output is above)")
+
+
 def main(argv):
     legacy = argv[:1] == ["--legacy-launch"]
     if legacy:
@@ -323,15 +336,9 @@ def run(legacy, argv):
             # its DataLoader workers behind, holding the output pipe open until they notice, up to 5 s later.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(failure.pid, signal.SIGKILL)  # each rank leads its own group (start_new_session)
-        if saved_and_left(exc.failures):
-            print(f"launch.sh: the ranks saved and exited {EX_TEMPFAIL} (SIGUSR1): requeue the job; with --resume "
-                  "auto it goes on from the save", file=sys.stderr, flush=True)
-            return EX_TEMPFAIL
-        ranked = root_cause(exc.failures)
-        first = ranked[0][1]
-        print(f"launch.sh: job failed: {'; '.join(describe(rank, f) for rank, f in ranked)} "
-              "(each rank's own output is above)", file=sys.stderr, flush=True)
-        return 128 - first.exitcode if first.exitcode < 0 else first.exitcode
+        code, line = job_failed(exc.failures)
+        print(line, file=sys.stderr, flush=True)
+        return code
     except SignalException as exc:  # torchrun has already stopped every rank with the same signal
         print(f"launch.sh: {exc.sigval.name} received: all ranks were stopped", file=sys.stderr, flush=True)
         return 128 + exc.sigval
