@@ -7,6 +7,7 @@ equals the whole batch's mean gradient up to the order of float additions (1e-6 
 missing all-reduce or a rank that drew other windows moves weights by 1e-3 and more).
 """
 
+import json
 import math
 import shutil
 
@@ -80,15 +81,22 @@ def straight(tmp_path_factory):
         if key not in done:
             out = tmp_path_factory.mktemp(f"straight{world}{''.join(key[1:])}")
             # What each rank computes and sends, logged by tests/instrument/lm_claims.py into claims(out).
-            done[key] = (launch("recipes/lm_ddp.py", f"cpu:{world}", *FLAGS, *flags, "--out-dir", out,
-                                env=claims_env(claims(out), comms=key == (2,))), out)
+            env = claims_env(claims(out), {"COUNT_SAVED_DIR": str(claims(out) / "saved")}, comms=key == (2,))
+            done[key] = (launch("recipes/lm_ddp.py", f"cpu:{world}", *FLAGS, *flags, "--out-dir", out, env=env), out)
         return done[key]
     return run
 
 
 def claims(out):
-    """Where straight() logs a run's tokens, block forwards and collectives (tests/lm_checks.py's claims_env)."""
+    """Where straight() logs a run's tokens, block forwards, collectives (tests/lm_checks.py's claims_env) and what
+    autograd saves (COUNT_SAVED_DIR: saved_per_step)."""
     return out.with_name(f"{out.name}_claims")
+
+
+def saved_per_step(folder, rank):
+    """Rank `rank`'s COUNT_SAVED_DIR steps (tests/instrument/lm_claims.py): [[{"saved", "saved_in_blocks",
+    "grads"}, one per backward], one per optimizer step]."""
+    return json.loads((folder / "saved" / f"rank{rank}.json").read_text())["steps"]
 
 
 @pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2,  # 2 in the quick tier: 12 s
@@ -169,6 +177,30 @@ def test_activation_checkpointing_runs_each_block_forward_again_in_backward(stra
     for rank in (0, 1):
         assert blocks_per_step(claims(out), rank) == [{"forward": TINY["n_layer"],
                                                        "recomputed": TINY["n_layer"]}] * TINY["steps"]
+
+
+@pytest.mark.slow  # the runs above, shared
+def test_activation_checkpointing_keeps_each_block_s_input_alone_for_backward(straight):
+    # docs/lm.md's table (issue 57), counted in the recipe's own processes (tests/instrument/lm_claims.py's
+    # COUNT_SAVED_DIR: what autograd saves between each training forward's start and its backward, each storage
+    # once, parameters left out), on the 2-process runs with and without --activation-checkpointing: the same model
+    # and batches. Without it each block keeps what its backward needs; with it nothing inside a block's forward is
+    # kept, and the bytes kept are those outside the blocks (the embeddings' indices, the final norm, the head, the
+    # loss) plus each block's input: one (B / N, T, D) fp32 tensor a block.
+    _, plain_out = straight(2)
+    _, ac_out = straight(2, "--activation-checkpointing")
+    block_input = 4 * TINY["batch_size"] // 2 * TINY["seq_len"] * TINY["d_model"]
+    numel = sum(p.numel() for p in Transformer(**TINY_MODEL).parameters())
+    for rank in (0, 1):
+        plain, ac = saved_per_step(claims(plain_out), rank), saved_per_step(claims(ac_out), rank)
+        assert len(plain) == len(ac) == TINY["steps"]
+        for k, ([p], [a]) in enumerate(zip(plain, ac, strict=True), 1):  # one backward a step
+            assert p["saved_in_blocks"] > 0 and a["saved_in_blocks"] == 0, (rank, k, p, a)
+            assert a["saved"] == p["saved"] - p["saved_in_blocks"] + TINY["n_layer"] * block_input, (rank, k, p, a)
+            assert a["saved"] < p["saved"] / 2, (rank, k, p, a)
+            assert a["grads"] == p["grads"] == 4 * numel, (rank, k, p, a)  # the whole model's gradients, either way
+    print(f"lm_ddp on 2 ranks: {p['saved']} bytes saved for backward a rank, {a['saved']} with "
+          "--activation-checkpointing")
 
 
 @pytest.mark.slow  # real multi-process launches: 10-60 s

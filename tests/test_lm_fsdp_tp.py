@@ -19,7 +19,12 @@ fp32, 8 steps of a 2-layer model) on 2 x 2, 1 x 4, 4 x 1, 3 x 1, 2 x 1, 1 x 2 an
   3580180 on 2 x 2, 3566868 on 4 x 1, against lm_tp's 3606804 on 4 and lm_ddp's 14266644.
 - resume: the 2 x 2 run stopped at step 4 goes on at 1 x 2 (with --sequence-parallel), 4 x 1 (with
   --activation-checkpointing) and 2 x 1 to the reference's numbers (DCP reshards the 2-D shards).
-The slow tier here: 7 launches and 2 spawned processes, 181 s on 2 busy cores (load 7-8; 143 s of CPU).
+- what autograd saves and the gradients held (tests/instrument/lm_claims.py's COUNT_SAVED_DIR, in the runs): between
+  --accum-steps 2's micro-steps 105088 bytes of gradients a rank (dp times the 43328-byte shard, and the embeddings'
+  whole), the shard after the last; --activation-checkpointing (a 1-step 2 x 2 run) saves 67236 bytes a rank for
+  backward against 217764.
+The slow tier here: 8 launches and 2 spawned processes, 51 s on 2 cores (load 4); 7 of them took 181 s on 2 busy
+cores (load 7-8; 143 s of CPU).
 """
 
 import json
@@ -75,6 +80,16 @@ def expected_state_bytes(dp, tp):
     return 16 * (cut // (dp * tp) + whole // dp) + 4 * len(list(model.parameters()))
 
 
+def shard_grad_bytes(dp, tp):
+    """The fp32 gradients of each rank's shards, what its optimizer steps: the cut layers over dp x tp ranks, the
+    norms and the row-parallel biases over dp (dp 1: a tp slice of every layer)."""
+    model = Transformer(**MODEL)
+    whole = sum(p.numel() for n, p in model.named_parameters() if ".ln" in n or n.startswith("ln_f")
+                or n.endswith(("wo.bias", "proj.bias")))
+    cut = sum(p.numel() for p in model.parameters()) - whole
+    return 4 * (cut // (dp * tp) + whole // dp)
+
+
 def fsdp_counts(folder, world):
     """Each rank's FSDP2 collectives in a run launched with counted() (tests/instrument's COUNT_FSDP_DIR): per
     training step, {group: {"all_gather": n, "reduce_scatter": n}}, the groups "blocks.0", "blocks.1" and "root"."""
@@ -110,8 +125,10 @@ def runs(tmp_path_factory, counted):
         if key not in done:
             out = tmp_path_factory.mktemp(re.sub(r"\W+", "_", "-".join(key)))
             env, counts = counted()
-            # What each rank computes and sends: tests/instrument/lm_claims.py (the collectives: lm_fsdp_tp's runs).
-            env = claims_env(claims(out), env, comms=recipe == "lm_fsdp_tp")
+            # What each rank computes and sends, what autograd saves and the gradients held:
+            # tests/instrument/lm_claims.py (the collectives: lm_fsdp_tp's runs, but the checkpointed one).
+            env = claims_env(claims(out), {**env, "COUNT_SAVED_DIR": str(claims(out) / "saved")},
+                             comms=recipe == "lm_fsdp_tp" and "--activation-checkpointing" not in flags)
             done[key] = (launch(f"recipes/{recipe}.py", devices, *ARGS, *flags, "--out-dir", out, env=env), out,
                          counts)
         return done[key]
@@ -120,8 +137,16 @@ def runs(tmp_path_factory, counted):
 
 
 def claims(out):
-    """Where runs() logs a run's tokens, block forwards and collectives (tests/lm_checks.py's claims_env)."""
+    """Where runs() logs a run's tokens, block forwards, collectives (tests/lm_checks.py's claims_env) and what
+    autograd saves (COUNT_SAVED_DIR: saved_per_step)."""
     return out.with_name(f"{out.name}_claims")
+
+
+def saved_per_step(folder, rank):
+    """Rank `rank`'s COUNT_SAVED_DIR steps (tests/instrument/lm_claims.py): [[{"saved", "saved_in_blocks",
+    "grads"}, one per backward: a micro-step's], one per optimizer step]; "grads": the bytes of gradients the rank
+    holds just after that backward (FSDP2's post-backward included), a DTensor's local shard."""
+    return json.loads((folder / "saved" / f"rank{rank}.json").read_text())["steps"]
 
 
 @pytest.fixture(scope="module")
@@ -261,6 +286,53 @@ def test_a_tp_group_shares_its_dp_share_of_the_batch_and_each_dimension_sends_it
                     (("allreduce_", "step", (0, 1, 2, 3), 4), 1)], (flags, rank, s, step)
                 assert only(step, ops={"item"}) == [
                     (("item", "step", "common/harness.py:all_reduce_max", 4), 1)], (flags, rank, s, step)
+
+
+@SLOW  # the module's two 2 x 2 runs, shared
+def test_between_micro_steps_each_rank_holds_its_gradients_unsharded_across_dp(runs):
+    # docs/lm.md's table for lm_fsdp_tp --accum-steps K and the docstring's cost (issue 57): "between micro-steps
+    # each rank keeps its gradients UNSHARDED across dp (its tp slice of every layer: dp times the shard it steps)".
+    # Measured in the recipe's own processes (tests/instrument/lm_claims.py's COUNT_SAVED_DIR: the bytes of .grad
+    # each rank holds just after each backward, FSDP2's unsharded parameters' and the model's own, a DTensor's local
+    # shard) on the module's two 2 x 2 runs: with --accum-steps 2, after the first micro-step dp = 2 times the shard
+    # (FSDP2 keeps the unsharded gradients, the reduce-scatter switched off) and more: the embeddings' gradients come
+    # back from DTensor's embedding backward whole, not cut across tp as their weights are (lm_tp.py's
+    # grads_as_params cuts them again; here FSDP2 does, before its reduce-scatter), so a rank holds both tp halves of
+    # those; after the last micro-step the shard alone (the reduce-scatter's); with --accum-steps 1, the shard after
+    # every step's one backward. Measured: 105088 bytes a rank between micro-steps, 43328 after the last.
+    model = Transformer(**MODEL)
+    embeddings = 4 * sum(p.numel() for n, p in model.named_parameters() if "emb" in n)
+    shard = shard_grad_bytes(2, 2)
+    unsharded = shard_grad_bytes(1, 2) + embeddings // 2  # the tp slices, not cut across dp; the embeddings' whole
+    assert unsharded == 2 * shard + embeddings // 2
+    for flags, k, steps in ((["--max-steps", 4, "--async-save"], 1, 4), (["--accum-steps", 2], 2, 8)):
+        _, out, _ = runs("lm_fsdp_tp", "cpu:4", *flags)
+        for rank in range(4):
+            held = [[backward["grads"] for backward in backwards] for backwards in saved_per_step(claims(out), rank)]
+            assert held == [[unsharded] * (k - 1) + [shard]] * steps, (flags, rank, held)
+    print(f"lm_fsdp_tp on 2 x 2, --accum-steps 2: {unsharded} bytes of gradients a rank between micro-steps, {shard} "
+          "after the step's last")
+
+
+@SLOW  # a 1-step 2 x 2 run (10-15 s), and the module's 2 x 2 run without checkpointing
+def test_activation_checkpointing_keeps_each_block_s_input_alone_on_a_2x2_mesh(runs):
+    # docs/lm.md's table (issue 57), counted in the recipe's own processes (tests/instrument/lm_claims.py's
+    # COUNT_SAVED_DIR: what autograd saves from the training forward's start to its backward, each storage once, a
+    # DTensor's local shard, parameters left out: FSDP2's all-gathered ones too) on 2 x 2, step 1 with and without
+    # --activation-checkpointing (the same batch): nothing inside a block's forward is kept, only what lies outside
+    # the blocks and each block's input, a dp rank's (B / dp, T, D), whole on each rank of its tp group.
+    _, plain_out, _ = runs("lm_fsdp_tp", "cpu:4", "--max-steps", 4, "--async-save")
+    proc, ac_out, _ = runs("lm_fsdp_tp", "cpu:4", "--activation-checkpointing", "--max-steps", 1)
+    assert "activation checkpointing: 2 of 2 blocks recompute their forward in backward" in proc.stdout
+    block_input = 4 * 8 // 2 * 16 * MODEL["d_model"]
+    for rank in range(4):
+        [p], [a] = saved_per_step(claims(plain_out), rank)[0], saved_per_step(claims(ac_out), rank)[0]
+        assert p["saved_in_blocks"] > 0 and a["saved_in_blocks"] == 0, (rank, p, a)
+        assert a["saved"] == p["saved"] - p["saved_in_blocks"] + MODEL["n_layer"] * block_input, (rank, p, a)
+        assert a["saved"] < p["saved"] / 2, (rank, p, a)
+        assert a["grads"] == p["grads"] == shard_grad_bytes(2, 2), (rank, p, a)
+    print(f"lm_fsdp_tp on 2 x 2: {p['saved']} bytes saved for backward a rank, {a['saved']} with "
+          "--activation-checkpointing")
 
 
 @SLOW

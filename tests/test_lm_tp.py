@@ -19,8 +19,12 @@ recipes/lm_ddp.py on 1 process is the reference, launched once. On 2 and 4 ranks
 - resume: --max-steps 4, then --resume auto on the same ranks gives the uninterrupted run's model.pt bitwise; the same
   checkpoint resumed on 4 ranks without --sequence-parallel, with --activation-checkpointing (DCP reshards), gives
   the reference's weights to 1e-5 (measured 1.5e-7).
+- what each rank saves for backward a step (tests/instrument/lm_claims.py's COUNT_SAVED_DIR, in the runs): 435396
+  bytes on 2 ranks, 391876 with --sequence-parallel (43520 fewer: each norm's input, mean and rstd cut in half by
+  the sequence); on 4 ranks 303300, and 101572 with --activation-checkpointing (the resume's steps 5-8).
 """
 
+import json
 import re
 import shutil
 
@@ -102,15 +106,28 @@ def runs(tmp_path_factory):
             out = tmp_path_factory.mktemp(re.sub(r"\W+", "_", "-".join(key)))
             # What each rank computes and sends, logged by tests/instrument/lm_claims.py into claims(out).
             done[key] = (launch(f"recipes/{recipe}.py", devices, *ARGS, *flags, "--out-dir", out,
-                                env=claims_env(claims(out), comms=key in COUNTED)), out)
+                                env=claims_env(claims(out), saved_env(claims(out)), comms=key in COUNTED)), out)
         return done[key]
 
     return run
 
 
 def claims(out):
-    """Where runs() logs a run's tokens, block forwards and collectives (tests/lm_checks.py's claims_env)."""
+    """Where runs() logs a run's tokens, block forwards, collectives (tests/lm_checks.py's claims_env) and what
+    autograd saves (saved_env)."""
     return out.with_name(f"{out.name}_claims")
+
+
+def saved_env(folder):
+    """tests/instrument/lm_claims.py's COUNT_SAVED_DIR, in folder/saved: for claims_env's `env`."""
+    return {"COUNT_SAVED_DIR": str(folder / "saved")}
+
+
+def saved_per_step(folder, rank):
+    """Rank `rank`'s COUNT_SAVED_DIR steps: [[{"saved", "saved_in_blocks", "grads"}, one per backward], one per
+    optimizer step]: the bytes autograd saved for that backward (those inside common.lm.Block's forwards), the bytes
+    of gradients held after it."""
+    return json.loads((folder / "saved" / f"rank{rank}.json").read_text())["steps"]
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +243,8 @@ def test_resume_is_exact_and_dcp_reshards_onto_another_tp(runs, reference, tmp_p
     # 2 ranks' slices (norms Replicate DTensors) loaded by 4 ranks whose norms are plain tensors, and whose blocks
     # are checkpoint-wrapped (parameter names with _checkpoint_wrapped_module., which the state_dict helpers drop).
     other = launch("recipes/lm_tp.py", "cpu:4", *ARGS, "--activation-checkpointing", "--resume", "auto",
-                   "--out-dir", tmp_path / "other", env=claims_env(tmp_path / "claims", comms=False))
+                   "--out-dir", tmp_path / "other",
+                   env=claims_env(tmp_path / "claims", saved_env(tmp_path / "claims"), comms=False))
     result = result_of(other)
     assert (result["start_step"], result["tp"], result["sequence_parallel"]) == (4, 4, False)
     assert "activation checkpointing: 2 of 2 blocks recompute their forward in backward" in other.stdout
@@ -235,6 +253,20 @@ def test_resume_is_exact_and_dcp_reshards_onto_another_tp(runs, reference, tmp_p
     for rank in range(4):
         assert blocks_per_step(tmp_path / "claims", rank)[-4:] == [
             {"forward": MODEL["n_layer"], "recomputed": MODEL["n_layer"]}] * 4, rank
+    # What autograd keeps for backward in steps 5-8 (lm_claims.py's COUNT_SAVED_DIR, each rank), against the straight
+    # run on 4 ranks without checkpointing (the same batches): nothing inside a block's forward, only what lies
+    # outside the blocks and each block's input, a Replicate (B, T, D) whole on every rank: under half the bytes.
+    _, plain_out = runs("lm_tp", "cpu:4")
+    block_input = 4 * 8 * 16 * MODEL["d_model"]
+    for rank in range(4):
+        plain = saved_per_step(claims(plain_out), rank)[4:8]
+        ac = saved_per_step(tmp_path / "claims", rank)[-4:]
+        for k, ([p], [a]) in enumerate(zip(plain, ac, strict=True), 5):  # one backward a step
+            assert p["saved_in_blocks"] > 0 and a["saved_in_blocks"] == 0, (rank, k, p, a)
+            assert a["saved"] == p["saved"] - p["saved_in_blocks"] + MODEL["n_layer"] * block_input, (rank, k, p, a)
+            assert a["saved"] < p["saved"] / 2, (rank, k, p, a)
+    print(f"lm_tp on 4 ranks: {p['saved']} bytes saved for backward a rank, {a['saved']} with "
+          "--activation-checkpointing")
     assert abs(result["val_loss"] - ref["val_loss"]) <= VAL_RTOL * ref["val_loss"]
     assert max_diff(params(tmp_path / "other" / "model.pt"), params(ref_out / "model.pt")) <= WEIGHTS_ATOL
 
@@ -284,6 +316,30 @@ def test_every_rank_computes_the_whole_batch_and_each_step_sends_what_the_docstr
                 (("all_reduce", "step", (0, 1), 4 * params), 1), *norms, (("allreduce_", "step", (0, 1), 4), 1),
                 (("item", "step", "common/harness.py:all_reduce_max", 4), 1)]), (k, step)
         assert blocks_per_step(claims(out), rank) == [{"forward": n_layer, "recomputed": 0}] * 8
+
+
+@SLOW  # the conformance runs above, shared
+def test_sequence_parallel_cuts_the_norms_activations_each_rank_saves_for_backward(runs):
+    # docs/lm.md's table for lm_tp --sequence-parallel (issue 57), counted in the recipe's own processes
+    # (tests/instrument/lm_claims.py's COUNT_SAVED_DIR: what autograd saves from each training forward's start to its
+    # backward, each storage once, a DTensor's local shard, parameters left out) on the 2-rank runs with and without
+    # it: the same model and batches. Sequence parallelism cuts what lies between the cut layers along the sequence:
+    # each LayerNorm (2 a block, and the final one) keeps its (B, T / tp, D) input and its mean and rstd (B, T / tp)
+    # instead of (B, T, D) and (B, T); the cut layers' inputs are all-gathered whole, and kept so, as without it.
+    _, plain_out = runs("lm_tp", "cpu:2")
+    _, sp_out = runs("lm_tp", "cpu:2", "--sequence-parallel")
+    batch, seq_len, d, tp = 8, 16, MODEL["d_model"], 2
+    norms = 2 * MODEL["n_layer"] + 1
+    fall = norms * 4 * batch * (seq_len - seq_len // tp) * (d + 2)  # fp32: the input's D floats, mean and rstd
+    for rank in (0, 1):
+        plain, sp = saved_per_step(claims(plain_out), rank), saved_per_step(claims(sp_out), rank)
+        assert len(plain) == len(sp) == 8
+        for k, ([p], [s]) in enumerate(zip(plain, sp, strict=True), 1):  # one backward a step
+            assert s["saved"] < p["saved"], (rank, k, p, s)
+            assert p["saved"] - s["saved"] == fall, (rank, k, p, s)
+            assert s["grads"] == p["grads"], (rank, k, p, s)  # the same slices' gradients (grads_as_params after)
+    print(f"lm_tp on 2 ranks: {plain[-1][0]['saved']} bytes saved for backward a rank, {sp[-1][0]['saved']} with "
+          "--sequence-parallel")
 
 
 def _count_collectives(rank, port, results):

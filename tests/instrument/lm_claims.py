@@ -26,18 +26,34 @@ With COUNT_COMMS_DIR set, each rank records every collective and point-to-point 
   float(): aten._local_scalar_dense, where a CPU waits for its GPU) outside optimizer.step() go into the same lists
   as ["item", phase, [], bytes, "file:function"], the caller the innermost frame outside torch ("common/harness.py:
   all_reduce_max": the stop vote's ballot, a CPU tensor).
-None of it changes what the recipe computes: the hooks read tensors and call through.
+With COUNT_SAVED_DIR set, each rank records, per backward (torch.autograd.backward: a tensor's .backward(), a
+  pipeline stage's backward of a microbatch; none inside another backward), {"saved": bytes, "saved_in_blocks":
+  bytes, "grads": bytes}, and rewrites COUNT_SAVED_DIR/rank<R>.json at each step: {"steps": [[one per backward] per
+  step]}. "saved": the bytes autograd saved for backward since the last backward, in training forwards (from the
+  call of a common.lm.Transformer, or a stage's forward_one_chunk, autograd on, to the backward: the loss included),
+  counted as tools/lm_bench.py's activation_bytes counts them (torch.autograd.graph.saved_tensors_hooks, each
+  storage once, a DTensor's local shard, parameters left out: an nn.Parameter or a view of one, FSDP2's unsharded
+  ones too, or a storage of the model's parameters); "saved_in_blocks": those first saved inside a
+  common.lm.Block's forward (under --activation-checkpointing none: the checkpoint saves each block's input before
+  the block runs, outside it). "grads": the bytes of .grad the rank holds just after that backward (FSDP2's
+  post-backward included: it runs inside), each tensor once, a DTensor's local shard: of the parameters the
+  backward accumulated into (its graph's leaves: FSDP2's unsharded parameters between --accum-steps' micro-steps)
+  and of the model's own parameters (FSDP2's shards, where its reduce-scatter put the gradients).
+None of it changes what the recipe computes: the hooks read tensors and call through (the saved-tensor hooks keep
+what autograd saves as it is).
 """
 
 import json
 import os
 import sys
 import threading
+import weakref
 
 _TOKENS_DIR = os.environ.get("LOG_TOKENS_DIR")
 _BLOCKS_DIR = os.environ.get("COUNT_BLOCKS_DIR")
 _COMMS_DIR = os.environ.get("COUNT_COMMS_DIR")
-_STATE = {"step": 0, "blocks": [], "comms": [], "in_optimizer": False}
+_SAVED_DIR = os.environ.get("COUNT_SAVED_DIR")
+_STATE = {"step": 0, "blocks": [], "comms": [], "saved": [], "in_optimizer": False}
 _LOCAL = threading.local()  # .forward: inside a Transformer's call or a stage's forward
 
 
@@ -86,6 +102,11 @@ def _step_ends(*args):
     if _COMMS_DIR:
         _STATE["comms"].append([])
         _write(_COMMS_DIR, {"steps": _STATE["comms"][:-1]})
+    if _SAVED_DIR:
+        _SAVING.stop()  # a training forward without a backward (none in the recipes): its bytes go with nothing
+        _STATE["saved"].append([])
+        os.makedirs(_SAVED_DIR, exist_ok=True)
+        _write(_SAVED_DIR, {"steps": _STATE["saved"][:-1]})
 
 
 def _within_forward(call):
@@ -126,6 +147,21 @@ def _patch_lm(lm):
             return block_forward(self, x)
 
         block.forward = counted_forward
+    if _SAVED_DIR:
+        call, inner_forward = transformer.__call__, block.forward
+
+        def saving_call(self, *args, **kwargs):
+            _SAVING.start(self)
+            return call(self, *args, **kwargs)
+
+        def forward_in_block(self, x):
+            _SAVING.in_block += 1
+            try:
+                return inner_forward(self, x)
+            finally:
+                _SAVING.in_block -= 1
+
+        transformer.__call__, block.forward = saving_call, forward_in_block
 
 
 def _patch_pipelining(stage_module, schedules):
@@ -148,6 +184,14 @@ def _patch_pipelining(stage_module, schedules):
         run_forward = logged_forward
     if _COMMS_DIR:
         run_forward = _within_forward(run_forward)
+    if _SAVED_DIR:
+        chunk_forward = run_forward
+
+        def saving_forward(self, *args, **kwargs):
+            _SAVING.start(self.submod)  # on until the stage's next backward: the last stage's loss_fn too
+            return chunk_forward(self, *args, **kwargs)
+
+        run_forward = saving_forward
     stage_base.forward_one_chunk = run_forward
 
 
@@ -229,6 +273,116 @@ def _start_counting_comms():
         _start_counting_comms.mode.__enter__()
 
 
+# ------------------------------------------------------------------- what autograd saves, the gradients held
+def _local(tensor):
+    """A DTensor's local shard; any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def _is_parameter(tensor):
+    """An nn.Parameter (a DTensor one, FSDP2's unsharded ones) or a view of one (a weight's transpose)."""
+    from torch.nn import Parameter
+
+    return isinstance(tensor, Parameter) or isinstance(tensor._base, Parameter)
+
+
+class _Saving:
+    """COUNT_SAVED_DIR's saved-tensor hooks: on from a training forward's start (autograd on, not inside a backward)
+    until the next backward, counting what autograd saves as tools/lm_bench.py's activation_bytes does."""
+
+    def __init__(self):
+        self.hooks = None  # the saved_tensors_hooks context, while on
+        self.model = None  # a weak reference to the module whose training forward turned them on last
+        self.params = set()  # its parameters' storages (data_ptr), left out
+        self.storages = {}  # data_ptr: (bytes, saved inside a Block's forward), since they went on
+        self.in_block = 0  # how deep in common.lm.Block forwards
+
+    def start(self, model):
+        import torch
+
+        if self.hooks is not None or not torch.is_grad_enabled() or _in_backward():
+            return
+        self.model = weakref.ref(model)
+        self.params = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
+        self.hooks.__enter__()
+
+    def pack(self, tensor):
+        local = _local(tensor)
+        if not _is_parameter(tensor) and not local.is_meta:  # meta: a pipeline stage's shape inference
+            storage = local.untyped_storage()
+            if storage.data_ptr() not in self.params:
+                self.storages.setdefault(storage.data_ptr(), (storage.nbytes(), self.in_block > 0))
+        return tensor  # kept as it is
+
+    def stop(self):
+        """The hooks off. (bytes saved since they went on, those inside a Block's forward)."""
+        if self.hooks is not None:
+            self.hooks.__exit__(None, None, None)
+            self.hooks = None
+        saved = (sum(n for n, _ in self.storages.values()), sum(n for n, inside in self.storages.values() if inside))
+        self.storages = {}
+        return saved
+
+
+def _unpack(tensor):
+    return tensor
+
+
+_SAVING = _Saving()
+
+
+def _graph_parameters(tensors):
+    """The parameters a backward from `tensors` accumulates into: its graph's AccumulateGrad nodes' variables."""
+    import torch
+    from torch.nn import Parameter
+
+    roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    todo = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen, found = set(), []
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)  # (held: the same Python object for the node each time)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, Parameter):
+            found.append(variable)
+        todo.extend(fn for fn, _ in node.next_functions)
+    return found
+
+
+def _grad_bytes(params):
+    """Bytes of the .grad of `params` (a DTensor's local shard), each gradient tensor once."""
+    held = {}
+    for p in params:
+        if p.grad is not None:
+            local = _local(p.grad)
+            held[local.data_ptr(), local.numel()] = local.numel() * local.element_size()
+    return sum(held.values())
+
+
+def _patch_backward(autograd):
+    """torch.autograd.backward (what Tensor.backward and the pipeline's stage_backward call): the saved-tensor hooks
+    off and their count, the run, then the gradients held, one record per backward."""
+    backward = autograd.backward
+
+    def counted_backward(tensors, *args, **kwargs):
+        if _in_backward():  # inside another backward (a reentrant checkpoint's): part of that one
+            return backward(tensors, *args, **kwargs)
+        saved, in_blocks = _SAVING.stop()
+        params = _graph_parameters(tensors)
+        result = backward(tensors, *args, **kwargs)
+        model = _SAVING.model() if _SAVING.model is not None else None
+        grads = _grad_bytes(params + (list(model.parameters()) if model is not None else []))
+        _STATE["saved"][-1].append({"saved": saved, "saved_in_blocks": in_blocks, "grads": grads})
+        return result
+
+    autograd.backward = counted_backward
+
+
 # ------------------------------------------------------------------------------------------- setup
 def _on_lm(lm):
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -237,8 +391,13 @@ def _on_lm(lm):
     register_optimizer_step_post_hook(_step_ends)
     _STATE["blocks"].append({"forward": 0, "recomputed": 0})
     _STATE["comms"].append([])
+    _STATE["saved"].append([])
     _patch_lm(lm)
-    if _TOKENS_DIR or _COMMS_DIR:
+    if _SAVED_DIR:
+        import torch.autograd
+
+        _patch_backward(torch.autograd)
+    if _TOKENS_DIR or _COMMS_DIR or _SAVED_DIR:
         import torch.distributed.pipelining.schedules as schedules
         import torch.distributed.pipelining.stage as stage_module
 
@@ -248,4 +407,4 @@ def _on_lm(lm):
 
 
 # What sitecustomize.py's import hook patches for this module, once it has run (the recipe imports torch before it).
-PATCHES = {"common.lm": _on_lm} if _TOKENS_DIR or _BLOCKS_DIR or _COMMS_DIR else {}
+PATCHES = {"common.lm": _on_lm} if _TOKENS_DIR or _BLOCKS_DIR or _COMMS_DIR or _SAVED_DIR else {}
