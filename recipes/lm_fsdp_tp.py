@@ -29,8 +29,8 @@ What it shows, against lm_tp.py (diff them: the lesson is what a second, data-pa
   its shard from its own generator, and with one seed the shards come out as copies of each other.
 - --accum-steps K: K micro-batches a step, model.set_requires_gradient_sync(False) on all but the last: one
   reduce-scatter a step, not K. The cost: between micro-steps each rank keeps its gradients UNSHARDED across dp (its
-  tp slice of every layer: dp times the shard it steps), and each micro-step all-gathers the weights again (a block:
-  2K all-gathers and one reduce-scatter a step).
+  tp slice: dp times the shard it steps; the embeddings' whole, uncut across tp too), and each micro-step all-gathers
+  the weights again (a block: 2K all-gathers and one reduce-scatter a step).
 - Gradients: FSDP2 lays each out as its parameter before reduce-scattering it (lm_tp.py's grads_as_params is its
   job here). Without --sequence-parallel the norms, plain tensors until fully_shard, end up on the dp mesh alone,
   the cut layers on (dp, tp): DTensors on two meshes do not meet in one op, so clip_grad_norm_ (which stacks every
