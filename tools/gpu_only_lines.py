@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tools/ run as a script
 
 OUT = REPO / "docs" / "gpu_only_lines.md"
+SUITE = "-n 2 --dist loadfile"  # README's test command's
 # A condition that only a GPU (or a real apex on one) makes take the branch the CPU never takes.
 # DataLoaderX makes its copy stream (and with it each batch's event) only for a CUDA device.
 # --sync-bn: harness.check_flags refuses it without torch.cuda.is_available(), so `if args.sync_bn:` is a GPU guard.
@@ -122,7 +123,8 @@ def report(cov, command):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--pytest-args", default="", help="run only these (quoted); default: the whole suite")
+    p.add_argument("--pytest-args", default=SUITE,
+                   help=f"pytest's arguments (quoted); default: the whole suite, README's {SUITE!r}")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
     pytest_args = shlex.split(args.pytest_args)
