@@ -70,7 +70,7 @@ NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsew
         "docs/benchmarks.md's state and bytes numbers: 4 minutes; tests/test_bench.py runs the tool",
     "python tools/real_data.py": "every recipe, 10 epochs each: about 45 minutes on 2 cores; tests/test_defaults.py "
                                  "trains two recipes on the same digits for 2 epochs",
-    "python tools/gpu_only_lines.py": "the whole suite under coverage.py (~45 minutes); tests/test_gpu_only_lines.py "
+    "python tools/gpu_only_lines.py": "the whole suite under coverage.py (~30 minutes); tests/test_gpu_only_lines.py "
                                       "checks how it files each line, and the committed list against docs/testing.md",
     "python tools/mutation_check.py":
         "about 1.5 hours of test runs (209 mutants), 34 minutes with --jobs 2; its edits are listed in "

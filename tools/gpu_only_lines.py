@@ -1,6 +1,6 @@
 """The lines of recipes/ and common/ that no CPU test runs, each with the guard that keeps the CPU out of it.
 
-    python tools/gpu_only_lines.py           # the whole suite under coverage, subprocesses included (~45 min)
+    python tools/gpu_only_lines.py           # the whole suite under coverage, subprocesses included (~30 min)
 
 It runs `python -m pytest` (or --pytest-args) under coverage.py, every recipe process, torchrun rank and spawned
 worker included, and the warm path's forked ranks (`[run] patch = subprocess, _exit, fork`: the recipes leave
