@@ -119,17 +119,18 @@ def killed_while_writing_model_pt_leaves_the_last_one(recipe, devices, args, out
 
 
 # ------------------------------------------------------------------ what each rank computes and sends (issue 57)
-CLAIMS = ("LOG_TOKENS_DIR", "COUNT_BLOCKS_DIR", "COUNT_COMMS_DIR")  # tests/instrument/lm_claims.py's variables
+CLAIMS = ("LOG_TOKENS_DIR", "COUNT_BLOCKS_DIR", "COUNT_COMMS_DIR", "COUNT_SAVED_DIR")  # lm_claims.py's variables
 
 
-def claims_env(folder, env=None, comms=True):
-    """env for launch(): tests/instrument on PYTHONPATH and lm_claims.py's logs in folder/tokens, folder/blocks and
-    (if `comms`) folder/comms, made here. The collectives' count costs the most (every operator of the run passes
-    through its dispatch mode: 10-30% more CPU on lm_fsdp_tp's runs): only the runs a test reads it from take it.
-    `env`: more variables (its PYTHONPATH goes after tests/instrument)."""
+def claims_env(folder, env=None, comms=True, saved=True):
+    """env for launch(): tests/instrument on PYTHONPATH and lm_claims.py's logs in folder/tokens, folder/blocks,
+    (if `comms`) folder/comms and (if `saved`) folder/saved, made here. The collectives' count costs the most (every
+    operator of the run passes through its dispatch mode: 10-30% more CPU on lm_fsdp_tp's runs): only the runs a test
+    reads it from take it. `env`: more variables (its PYTHONPATH goes after tests/instrument)."""
     env = dict(env or {})
     path = os.pathsep.join(filter(None, [str(REPO / "tests" / "instrument"), env.pop("PYTHONPATH", None)]))
-    logs = {name: folder / name.split("_")[1].lower() for name in CLAIMS if comms or name != "COUNT_COMMS_DIR"}
+    left_out = {"COUNT_COMMS_DIR": not comms, "COUNT_SAVED_DIR": not saved}
+    logs = {name: folder / name.split("_")[1].lower() for name in CLAIMS if not left_out.get(name)}
     for log in logs.values():
         log.mkdir(parents=True, exist_ok=True)
     return {**env, "PYTHONPATH": path, **{name: str(log) for name, log in logs.items()}}
@@ -145,6 +146,14 @@ def tokens_seen(folder, rank):
 def blocks_per_step(folder, rank):
     """Rank `rank`'s COUNT_BLOCKS_DIR steps: [{"forward": n, "recomputed": n}, one per optimizer step]."""
     return json.loads((folder / "blocks" / f"rank{rank}.json").read_text())["steps"]
+
+
+def saved_per_step(folder, rank):
+    """Rank `rank`'s COUNT_SAVED_DIR steps: [[{"saved", "saved_in_blocks", "grads"}, one per backward (a stage's
+    microbatch in lm_pp, a micro-step's under --accum-steps)], one per optimizer step]: the bytes autograd saved for
+    that backward since the training forward began (those first saved inside common.lm.Block's forwards apart), and
+    the bytes of gradients the rank holds just after it (FSDP2's post-backward included), a DTensor's local shard."""
+    return json.loads((folder / "saved" / f"rank{rank}.json").read_text())["steps"]
 
 
 def comms_per_step(folder, rank):

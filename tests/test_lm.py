@@ -7,7 +7,6 @@ equals the whole batch's mean gradient up to the order of float additions (1e-6 
 missing all-reduce or a rank that drew other windows moves weights by 1e-3 and more).
 """
 
-import json
 import math
 import shutil
 
@@ -24,6 +23,7 @@ from lm_checks import (
     killed_while_writing_model_pt_leaves_the_last_one,
     only,
     plain_steps,
+    saved_per_step,
     stops_and_resumes_bitwise,
     tokens_seen,
 )
@@ -81,7 +81,7 @@ def straight(tmp_path_factory):
         if key not in done:
             out = tmp_path_factory.mktemp(f"straight{world}{''.join(key[1:])}")
             # What each rank computes and sends, logged by tests/instrument/lm_claims.py into claims(out).
-            env = claims_env(claims(out), {"COUNT_SAVED_DIR": str(claims(out) / "saved")}, comms=key == (2,))
+            env = claims_env(claims(out), comms=key == (2,))
             done[key] = (launch("recipes/lm_ddp.py", f"cpu:{world}", *FLAGS, *flags, "--out-dir", out, env=env), out)
         return done[key]
     return run
@@ -89,14 +89,8 @@ def straight(tmp_path_factory):
 
 def claims(out):
     """Where straight() logs a run's tokens, block forwards, collectives (tests/lm_checks.py's claims_env) and what
-    autograd saves (COUNT_SAVED_DIR: saved_per_step)."""
+    autograd saves (COUNT_SAVED_DIR: lm_checks' saved_per_step)."""
     return out.with_name(f"{out.name}_claims")
-
-
-def saved_per_step(folder, rank):
-    """Rank `rank`'s COUNT_SAVED_DIR steps (tests/instrument/lm_claims.py): [[{"saved", "saved_in_blocks",
-    "grads"}, one per backward], one per optimizer step]."""
-    return json.loads((folder / "saved" / f"rank{rank}.json").read_text())["steps"]
 
 
 @pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2,  # 2 in the quick tier: 12 s

@@ -46,6 +46,7 @@ from lm_checks import (
     one_process_val_loss,
     only,
     plain_steps,
+    saved_per_step,
     step_lines,
     tokens_seen,
 )
@@ -127,7 +128,7 @@ def runs(tmp_path_factory, counted):
             env, counts = counted()
             # What each rank computes and sends, what autograd saves and the gradients held:
             # tests/instrument/lm_claims.py (the collectives: lm_fsdp_tp's runs, but the checkpointed one).
-            env = claims_env(claims(out), {**env, "COUNT_SAVED_DIR": str(claims(out) / "saved")},
+            env = claims_env(claims(out), env,
                              comms=recipe == "lm_fsdp_tp" and "--activation-checkpointing" not in flags)
             done[key] = (launch(f"recipes/{recipe}.py", devices, *ARGS, *flags, "--out-dir", out, env=env), out,
                          counts)
@@ -138,15 +139,8 @@ def runs(tmp_path_factory, counted):
 
 def claims(out):
     """Where runs() logs a run's tokens, block forwards, collectives (tests/lm_checks.py's claims_env) and what
-    autograd saves (COUNT_SAVED_DIR: saved_per_step)."""
+    autograd saves (COUNT_SAVED_DIR: lm_checks' saved_per_step)."""
     return out.with_name(f"{out.name}_claims")
-
-
-def saved_per_step(folder, rank):
-    """Rank `rank`'s COUNT_SAVED_DIR steps (tests/instrument/lm_claims.py): [[{"saved", "saved_in_blocks",
-    "grads"}, one per backward: a micro-step's], one per optimizer step]; "grads": the bytes of gradients the rank
-    holds just after that backward (FSDP2's post-backward included), a DTensor's local shard."""
-    return json.loads((folder / "saved" / f"rank{rank}.json").read_text())["steps"]
 
 
 @pytest.fixture(scope="module")
@@ -359,7 +353,7 @@ def test_a_2x2_checkpoint_goes_on_at_1x2_4x1_and_2x1(runs, reference, tmp_path):
         out = tmp_path / f"{mesh[0]}x{mesh[1]}"
         shutil.copytree(half_out, out)  # the same step-4 checkpoint
         proc = launch("recipes/lm_fsdp_tp.py", devices, *ARGS, *flags, "--resume", "auto", "--out-dir", out,
-                      env=claims_env(tmp_path / f"{out.name}_claims", comms=False))
+                      env=claims_env(tmp_path / f"{out.name}_claims", comms=False, saved=False))
         result = result_of(proc)
         # Each block's forward once a step, and with --activation-checkpointing once more in backward (counted in the
         # run: tests/instrument/lm_claims.py; before steps 5-8, the resume's get_state_dict steps the fresh optimizer).

@@ -41,6 +41,7 @@ from lm_checks import (
     one_process_val_loss,
     only,
     plain_steps,
+    saved_per_step,
     step_lines,
     tokens_seen,
 )
@@ -70,7 +71,7 @@ def runs(tmp_path_factory):
             # What each rank computes and sends, and what autograd saves: tests/instrument/lm_claims.py (the
             # collectives: lm_pp's fp32 runs, but the checkpointed one).
             comms = recipe == "lm_pp" and "--amp-dtype" not in flags and "--activation-checkpointing" not in flags
-            env = claims_env(claims(out), {"COUNT_SAVED_DIR": str(claims(out) / "saved")}, comms=comms)
+            env = claims_env(claims(out), comms=comms)
             if recipe == "lm_pp":
                 schedule_log(out).mkdir()
                 env = {**env, "LOG_PP_DIR": str(schedule_log(out))}
@@ -87,15 +88,8 @@ def schedule_log(out):
 
 def claims(out):
     """Where runs() logs a run's tokens, block forwards, collectives (tests/lm_checks.py's claims_env) and what
-    autograd saves (COUNT_SAVED_DIR: saved_per_step)."""
+    autograd saves (COUNT_SAVED_DIR: lm_checks' saved_per_step)."""
     return out.with_name(f"{out.name}_claims")
-
-
-def saved_per_step(folder, rank):
-    """Rank `rank`'s COUNT_SAVED_DIR steps (tests/instrument/lm_claims.py): [[{"saved", "saved_in_blocks",
-    "grads"}, one per backward: a stage's, of a microbatch], one per optimizer step]; "saved": the bytes autograd
-    saved since the stage's last backward."""
-    return json.loads((folder / "saved" / f"rank{rank}.json").read_text())["steps"]
 
 
 def schedule_calls(out, world):
@@ -302,7 +296,7 @@ def test_resume_is_exact_and_goes_on_with_another_number_of_stages(runs, referen
     # accumulation), another schedule and microbatch count, and blocks that are checkpoint-wrapped (parameter names
     # with _checkpoint_wrapped_module., which the state_dict helpers drop).
     other = launch("recipes/lm_pp.py", "cpu:1", *ARGS, "--activation-checkpointing", "--resume", "auto",
-                   "--out-dir", tmp_path / "other", env=claims_env(tmp_path / "claims", comms=False))
+                   "--out-dir", tmp_path / "other", env=claims_env(tmp_path / "claims", comms=False, saved=False))
     result = result_of(other)
     assert (result["start_step"], result["pp"], result["schedule"], result["microbatches"]) == (4, 1, "gpipe", 2)
     assert "activation checkpointing: 4 of 4 blocks recompute their forward in backward" in other.stdout

@@ -24,7 +24,6 @@ recipes/lm_ddp.py on 1 process is the reference, launched once. On 2 and 4 ranks
   the sequence); on 4 ranks 303300, and 101572 with --activation-checkpointing (the resume's steps 5-8).
 """
 
-import json
 import re
 import shutil
 
@@ -44,6 +43,7 @@ from lm_checks import (
     one_process_val_loss,
     only,
     plain_steps,
+    saved_per_step,
     step_lines,
     stops_and_resumes_bitwise,
     tokens_seen,
@@ -106,7 +106,7 @@ def runs(tmp_path_factory):
             out = tmp_path_factory.mktemp(re.sub(r"\W+", "_", "-".join(key)))
             # What each rank computes and sends, logged by tests/instrument/lm_claims.py into claims(out).
             done[key] = (launch(f"recipes/{recipe}.py", devices, *ARGS, *flags, "--out-dir", out,
-                                env=claims_env(claims(out), saved_env(claims(out)), comms=key in COUNTED)), out)
+                                env=claims_env(claims(out), comms=key in COUNTED)), out)
         return done[key]
 
     return run
@@ -114,20 +114,8 @@ def runs(tmp_path_factory):
 
 def claims(out):
     """Where runs() logs a run's tokens, block forwards, collectives (tests/lm_checks.py's claims_env) and what
-    autograd saves (saved_env)."""
+    autograd saves (COUNT_SAVED_DIR)."""
     return out.with_name(f"{out.name}_claims")
-
-
-def saved_env(folder):
-    """tests/instrument/lm_claims.py's COUNT_SAVED_DIR, in folder/saved: for claims_env's `env`."""
-    return {"COUNT_SAVED_DIR": str(folder / "saved")}
-
-
-def saved_per_step(folder, rank):
-    """Rank `rank`'s COUNT_SAVED_DIR steps: [[{"saved", "saved_in_blocks", "grads"}, one per backward], one per
-    optimizer step]: the bytes autograd saved for that backward (those inside common.lm.Block's forwards), the bytes
-    of gradients held after it."""
-    return json.loads((folder / "saved" / f"rank{rank}.json").read_text())["steps"]
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +232,7 @@ def test_resume_is_exact_and_dcp_reshards_onto_another_tp(runs, reference, tmp_p
     # are checkpoint-wrapped (parameter names with _checkpoint_wrapped_module., which the state_dict helpers drop).
     other = launch("recipes/lm_tp.py", "cpu:4", *ARGS, "--activation-checkpointing", "--resume", "auto",
                    "--out-dir", tmp_path / "other",
-                   env=claims_env(tmp_path / "claims", saved_env(tmp_path / "claims"), comms=False))
+                   env=claims_env(tmp_path / "claims", comms=False))
     result = result_of(other)
     assert (result["start_step"], result["tp"], result["sequence_parallel"]) == (4, 4, False)
     assert "activation checkpointing: 2 of 2 blocks recompute their forward in backward" in other.stdout
