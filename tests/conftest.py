@@ -68,8 +68,8 @@ def warm_spawn(fn, args=(), nprocs=2):
     (tests/warm.py's spawn(): the server that forks the jobs' ranks), or, where the warm path is off
     (COOKBOOK_WARM=0, a variable read at start-up set differently), from multiprocessing's fork server, which imports
     torch once for this test process (FORKSERVER_PRELOAD): the same fn(rank, *args) in a process of its own, its
-    exceptions raised here as spawn's, instead of each process importing torch anew. Not for a test whose processes
-    need a sitecustomize (a new interpreter imports it; a forked one does not)."""
+    exceptions raised here as spawn's, instead of each process importing torch anew. The warm server's processes
+    import a sitecustomize on PYTHONPATH first, as a new interpreter does; the fork server's do not."""
     import multiprocessing
 
     import torch.multiprocessing as mp

@@ -10,12 +10,14 @@ ranks without it) does not. tests/test_syncbn.py proves the same of apex's SyncB
 """
 
 import json
+import os
 import re
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import warm
 from conftest import REPO, launch, max_diff, params, result_of
 
 from common.models import build_model
@@ -107,8 +109,12 @@ def _compiled_resnet18_step(rank, init_file, out):
 def test_compiled_resnet18_breaks_once_per_sync_batchnorm(tmp_path, monkeypatch):
     # resnet18's SyncBatchNorms sit in its own forward and its blocks' (torchvision code, which dynamo compiles
     # frame by frame): a break at each of the 20, the 21 pieces between them compiled. ddp_compile's docstring.
-    monkeypatch.setenv("PYTHONPATH", FAKE)  # the spawned ranks start with the stand-in
-    mp.spawn(_compiled_resnet18_step, args=(str(tmp_path / "init"), tmp_path / "counts.json"), nprocs=2)
+    monkeypatch.setenv("PYTHONPATH", FAKE)  # the ranks start with the stand-in (its sitecustomize imported first)
+    args = (str(tmp_path / "init"), tmp_path / "counts.json")
+    if warm.reason_for_real_path(dict(os.environ)) is None:  # forked from the warm server, which imports it
+        warm.spawn(_compiled_resnet18_step, args=args, nprocs=2)
+    else:  # new interpreters: multiprocessing's fork server would not import the sitecustomize
+        mp.spawn(_compiled_resnet18_step, args=args, nprocs=2)
     layers = sum("BatchNorm" in type(m).__name__ for m in build_model("resnet18", 10, 8).modules())
     assert layers == 20
     assert json.loads((tmp_path / "counts.json").read_text()) == {

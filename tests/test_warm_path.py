@@ -254,3 +254,90 @@ def test_warm_spawn_joins_as_torch_multiprocessing_spawn_does(tmp_path, capfd):
     rank0 = int((tmp_path / "0.pid").read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(rank0, 0)  # stopped, not left sleeping
+
+
+# A `python` job that starts its own workers with mp.spawn, as ddp_spawn.py does: what each worker starts with.
+SPAWNS = textwrap.dedent("""\
+    # launcher: python
+    import json, os, signal, sys
+    import numpy
+    import torch
+    import torch.multiprocessing as mp
+    RUNS = [__name__]  # module level: spawn runs it again in each worker, as __mp_main__
+
+    def worker(rank, parent):
+        print("WORKER " + json.dumps({
+            "rank": rank, "pid": os.getpid(), "runs": RUNS, "main": sys.modules["__main__"].__name__,
+            "argv": sys.argv[1:], "cwd": os.getcwd(), "path0": sys.path[0],
+            "set_before_spawn": os.environ.get("SET_BEFORE_SPAWN"), "threads": torch.get_num_threads(),
+            "parent_is_job": os.getppid() == parent,
+            "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+            "sigusr1_ignored": signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN,
+            "sigusr2_ignored": signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN,
+            "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+            "forked_warm": "warm_mp" in sys.modules,
+            "sitecustomize": os.environ.get("SITE_RAN_IN"), "torch_draw": torch.rand(1).item(),
+            "numpy_draw": numpy.random.rand()}), flush=True)
+        if rank == 1 and "--fail" in sys.argv:
+            raise ValueError("worker 1 failed")
+
+    if __name__ == "__main__":
+        RUNS.append("the parent's main")  # a worker does not see this
+        torch.manual_seed(0)
+        numpy.random.seed(0)
+        os.environ["SET_BEFORE_SPAWN"] = "yes"
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # an ignored signal stays ignored in the workers
+        signal.signal(signal.SIGTERM, lambda *a: None)  # a handler does not reach them
+        try:
+            mp.spawn(worker, args=(os.getpid(),), nprocs=2)
+        except mp.ProcessRaisedException as exc:
+            print(f"error: worker {exc.error_index} failed{exc.msg}", file=sys.stderr, flush=True)
+            sys.exit(5)
+    """)
+
+
+def workers(proc):
+    return [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("WORKER ")]
+
+
+def test_a_python_jobs_spawned_workers_start_as_new_interpreters_would(tmp_path):
+    """ddp_spawn's workers on the warm path (tests/warm_mp.py): forks of a clean copy of the job's process, each
+    starting as multiprocessing's spawn start method starts a new interpreter, which the real path runs."""
+    import numpy
+    import torch
+
+    script = tmp_path / "spawns.py"
+    script.write_text(SPAWNS)
+    (tmp_path / "site").mkdir()  # a sitecustomize on PYTHONPATH, which a new interpreter imports at start-up
+    (tmp_path / "site" / "sitecustomize.py").write_text("import os\nos.environ['SITE_RAN_IN'] = str(os.getpid())\n")
+    env = {"PYTHONPATH": str(tmp_path / "site")}
+    seeded_draws = {torch.rand(1, generator=torch.Generator().manual_seed(0)).item(),
+                    numpy.random.RandomState(0).rand()}
+    runs = {}
+    for way in ("real", "warm"):
+        (tmp_path / way).mkdir()
+        if way == "real":
+            proc = run_group([str(LAUNCH), script, "cpu:1", "--flag"], env=launch_env(env), cwd=tmp_path / way,
+                             timeout=120)
+        else:
+            proc = launch(script, "cpu:1", "--flag", cwd=tmp_path / way, env=env)
+            assert warm.last_real_path_reason is None  # it did run warm
+        assert proc.returncode == 0, proc.stderr
+        runs[way] = sorted(workers(proc), key=lambda w: w["rank"])
+    for real, hot in zip(runs["real"], runs["warm"], strict=True):
+        assert (real.pop("forked_warm"), hot.pop("forked_warm")) == (False, True)  # the warm ones were forks
+        assert hot.pop("cwd").endswith("/warm") and real.pop("cwd").endswith("/real")
+        assert hot.pop("parent_is_job") is False and real.pop("parent_is_job") is True  # the zygote is their parent
+        assert hot.pop("sitecustomize") == str(hot["pid"]) and real.pop("sitecustomize") == str(real.pop("pid"))
+        hot.pop("pid")
+        draws = [hot.pop("torch_draw"), real.pop("torch_draw"), hot.pop("numpy_draw"), real.pop("numpy_draw")]
+        assert len(set(draws)) == 4 and seeded_draws.isdisjoint(draws)  # from the OS, not the parent's seed
+        assert hot == real
+        assert hot["runs"] == ["__mp_main__"] and hot["main"] == "__mp_main__" and hot["argv"] == ["--flag"]
+        assert hot["set_before_spawn"] == "yes" and hot["sigint"] and hot["sigusr2_ignored"] and hot["sigterm_default"]
+        assert hot["sigusr1_ignored"]  # as tools/torchrun.py starts a job's processes, and they inherit it
+    assert [w["rank"] for w in runs["warm"]] == [0, 1]
+    # a worker that raises: its traceback reaches the parent through torch's error file, as with spawned workers
+    proc = launch(script, "cpu:1", "--fail", cwd=tmp_path / "warm")
+    assert proc.returncode == 5, proc.stderr
+    assert "error: worker 1 failed" in proc.stderr and proc.stderr.rstrip().endswith("ValueError: worker 1 failed")

@@ -80,11 +80,12 @@ class Server:
             self.pids[None] = None  # it ended
             self.changed.notify_all()
 
-    def fork(self, argv, env, cwd, stdout, stderr, threads):
+    def fork(self, argv, env, cwd, stdout, stderr, threads, spawn=False):
+        """spawn: the process's multiprocessing spawns its children as forks of a clean copy (tests/warm_mp.py)."""
         with self.changed:
             ident, self.next_id = self.next_id, self.next_id + 1
         request = {"id": ident, "argv": list(map(str, argv)), "env": env, "cwd": str(cwd), "stdout": str(stdout),
-                   "stderr": str(stderr), "threads": threads}
+                   "stderr": str(stderr), "threads": threads, "spawn": spawn}
         self.proc.stdin.write((json.dumps(request) + "\n").encode())
         self.proc.stdin.flush()
         with self.changed:
@@ -162,7 +163,7 @@ class Job:
             args = [*argv, f"--local-rank={env['LOCAL_RANK']}"] if torchrun == "legacy" else argv
             threads = int(env.get("OMP_NUM_THREADS") or 1)
             self.pids.append(self.server.fork(args, env, cwd, self.folder / f"{rank}.out", self.folder / f"{rank}.err",
-                                              threads))
+                                              threads, spawn=not torchrun))  # a `python` job: ddp_spawn's workers
 
     def wait(self, timeout):
         deadline, failures, stopping = time.monotonic() + timeout, [], None

@@ -2,7 +2,8 @@
 recipe imports, then forks a fresh process for each rank a test asks for and runs the recipe in it as `python
 RECIPE ARGS` would, in the rank's own environment, working folder and output files.
 
-Protocol, one JSON object a line. In (stdin): {"id", "argv", "env", "cwd", "stdout", "stderr", "threads"}. Out
+Protocol, one JSON object a line. In (stdin): {"id", "argv", "env", "cwd", "stdout", "stderr", "threads", "spawn"}
+(spawn: the process's multiprocessing spawns its workers as forks of a clean copy of it, tests/warm_mp.py). Out
 (stdout): {"id", "pid"} once the rank is forked, {"pid", "status"} when it has ended (status: its exit code, or minus
 the signal that killed it, as Popen.returncode). The server ends when its stdin closes; every rank it forked gets
 SIGKILL from the kernel when it dies (Linux's parent-death signal), as tools/torchrun.py's ranks do.
@@ -40,6 +41,7 @@ import torchvision  # noqa: E402
 import torchvision.datasets  # noqa: E402
 import torchvision.models  # noqa: E402
 import torchvision.transforms  # noqa: E402, F401
+import warm_mp  # noqa: E402
 
 PR_SET_PDEATHSIG = 1
 LIBC = ctypes.CDLL(None, use_errno=True)
@@ -84,6 +86,8 @@ def run_rank(request, server_fds):
         extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[:] = [os.path.dirname(script), *extra, *BASE_PATH]
         sys.argv = [script, *request["argv"][1:]]
+        if request.get("spawn"):  # a recipe that starts its own workers (mp.spawn): forks of a clean copy of this
+            warm_mp.install(BASE_PATH)
         code = run_as_main(script, extra)
     except BaseException:
         import traceback
