@@ -12,10 +12,10 @@ import os
 import secrets
 import shutil
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from common.utils import die, human, local_shard
 
@@ -33,7 +33,11 @@ def held_state_bytes(model, optimizer):
     """Bytes of parameters, gradients and optimizer state in this process's memory. A sharded (DTensor) tensor
     counts its local shard only, so FSDP and DDP compare exactly."""
     tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
-    if isinstance(optimizer, ZeroRedundancyOptimizer):  # its state is its shard's, in the optimizer it wraps
+    # ZeRO's state is its shard's, in the optimizer it wraps. Its module is looked up, not imported: importing it
+    # (DTensor, FSDP, sympy) would cost every rank of every other recipe 0.6 s of start-up; a recipe that made a
+    # ZeroRedundancyOptimizer has imported it.
+    zero = sys.modules.get("torch.distributed.optim")
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
         optimizer = optimizer.optim
     tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     return sum(local_shard(t).numel() * local_shard(t).element_size() for t in tensors)
