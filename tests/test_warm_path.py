@@ -13,6 +13,7 @@ import textwrap
 import pytest
 import warm
 from conftest import LAUNCH, RECIPES, REPO, epoch_lines, launch, launch_env, result_of, run_direct
+from jobs import started_with
 
 from tools.procs import run_group
 
@@ -317,8 +318,11 @@ def test_a_python_jobs_spawned_workers_start_as_new_interpreters_would(tmp_path)
     for way in ("real", "warm"):
         (tmp_path / way).mkdir()
         if way == "real":
-            proc = run_group([str(LAUNCH), script, "cpu:1", "--flag"], env=launch_env(env), cwd=tmp_path / way,
-                             timeout=120)
+            # started as a terminal starts a job (a suite started by `cmd &` has SIGINT ignored, and a `python` job
+            # would pass that on; the warm path gives its jobs SIGINT at its default, as a terminal does)
+            proc = subprocess.run([str(LAUNCH), script, "cpu:1", "--flag"], env=launch_env(env), cwd=tmp_path / way,
+                                  capture_output=True, text=True, timeout=120, start_new_session=True,
+                                  preexec_fn=started_with())
         else:
             proc = launch(script, "cpu:1", "--flag", cwd=tmp_path / way, env=env)
             assert warm.last_real_path_reason is None  # it did run warm
