@@ -34,7 +34,7 @@ def held_state_bytes(model, optimizer):
     counts its local shard only, so FSDP and DDP compare exactly."""
     tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
     # ZeRO's state is its shard's, in the optimizer it wraps. Its module is looked up, not imported: importing it
-    # (DTensor, FSDP, sympy) would cost every rank of every other recipe 0.6 s of start-up; a recipe that made a
+    # (DTensor, FSDP, sympy) cost every rank of every other recipe 0.3 s of start-up; a recipe that made a
     # ZeroRedundancyOptimizer has imported it.
     zero = sys.modules.get("torch.distributed.optim")
     if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):

@@ -15,10 +15,14 @@ What the worker starts with, as a new interpreter would: the parent's environmen
 ignored signals still ignored and every other at its default (SIGINT to Python's handler), the thread count from
 OMP_NUM_THREADS (else one per core), torch's and numpy's generators seeded from the OS, the parent's stdout and
 stderr. A test that is about the processes (tests/jobs.py's drills) takes the real path, where none of this is used.
+
+The end of this file is what the zygote and tests/warm_server.py share: the wait for a request or a child's end, and
+what Python does at start-up and at exit for a process forked to stand in for a new interpreter.
 """
 
 import atexit
 import ctypes
+import fcntl
 import os
 import pickle
 import select
@@ -83,7 +87,10 @@ class _Client:
         if not data:
             raise RuntimeError("tests/warm_mp.py: the zygote ended")
         kind, pid, code = pickle.loads(data)
-        (self.pids.append(pid) if kind == "pid" else self.ended.__setitem__(pid, code))
+        if kind == "pid":
+            self.pids.append(pid)
+        else:
+            self.ended[pid] = code
         return True
 
     def fork(self, argv, fds):
@@ -112,31 +119,50 @@ def _ignored(sig):
         return False
 
 
+def watch_children():
+    """A pipe that wakes select() when a child of this process ends (SIGCHLD): (its read end, its write end). Here
+    and in tests/warm_server.py, the two fork servers."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    return wake_r, wake_w
+
+
+def wait_ready(source, wake_r):
+    """Block until `source` has a request or a child has ended: (whether a request waits, [(pid, exit code as
+    Popen.returncode) for each child that ended])."""
+    while True:
+        try:
+            ready, _, _ = select.select([source, wake_r], [], [])
+            break
+        except InterruptedError:
+            continue
+    ended = []
+    if wake_r in ready:
+        os.read(wake_r, 4096)
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            ended.append((pid, os.waitstatus_to_exitcode(status)))
+    return source in ready, ended
+
+
 def _zygote(sock):
     """Fork a worker per request; report each worker's pid, and its exit status when it ends. Ends with the job."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)  # a signal to the job's process group is for the workers, not for this
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    wake_r, wake_w = watch_children()
     while True:
-        try:
-            ready, _, _ = select.select([sock, wake_r], [], [])
-        except InterruptedError:
-            continue
-        if wake_r in ready:
-            os.read(wake_r, 4096)
-            while True:
-                try:
-                    pid, status = os.waitpid(-1, os.WNOHANG)
-                except ChildProcessError:
-                    break
-                if pid == 0:
-                    break
-                sock.send(pickle.dumps(("ended", pid, os.waitstatus_to_exitcode(status))))
-        if sock in ready:
+        requested, ended = wait_ready(sock, wake_r)
+        for pid, code in ended:
+            sock.send(pickle.dumps(("ended", pid, code)))
+        if requested:
             data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 64)
             if not data:
                 os._exit(0)
@@ -168,7 +194,8 @@ def _worker(request, fds, zygote_fds):
             signal.signal(signal.SIGINT, signal.default_int_handler)
         # The parent's file descriptors at the numbers its command line names: above every number first, so that
         # no move overwrites another, then down.
-        high = [os.dup2(fd, 1000 + i) for i, fd in enumerate(fds)]
+        floor = max([*fds, *request["fds"], *zygote_fds]) + 1
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, floor) for fd in fds]
         for fd in {*fds, *zygote_fds}:
             os.close(fd)
         for fd, target in zip(high, request["fds"], strict=True):
@@ -187,9 +214,7 @@ def _worker(request, fds, zygote_fds):
         # parent's sys.path.
         extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[:] = ["", *extra, *_base_path]
-        if any(os.path.exists(os.path.join(p, "sitecustomize.py")) for p in extra):
-            sys.modules.pop("sitecustomize", None)
-            __import__("sitecustomize")
+        import_sitecustomize(extra)
         argv = request["argv"]
         program = argv[argv.index("-c") + 1]
         sys.argv = ["-c", *argv[argv.index("-c") + 2:]]
@@ -199,17 +224,41 @@ def _worker(request, fds, zygote_fds):
             exec(compile(program, "<string>", "exec"), main.__dict__)
             code = 0
         except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        threading._shutdown()
-        atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
+            code = exit_code(exc.code)
+        exit_as_the_interpreter_does()
     except BaseException:
         import traceback
 
         traceback.print_exc()
     finally:
         os._exit(code & 0xFF)
+
+
+# What Python does at start-up and at exit, for a process forked to stand in for a new interpreter (a warm rank, a
+# spawned worker).
+def import_sitecustomize(extra):
+    """The sitecustomize a new interpreter imports at start-up, the first on PYTHONPATH (`extra`), if one is there."""
+    if any(os.path.exists(os.path.join(p, "sitecustomize.py")) for p in extra):
+        sys.modules.pop("sitecustomize", None)
+        __import__("sitecustomize")
+
+
+def exit_as_the_interpreter_does():
+    """Wait for the non-daemon threads, run the atexit functions, flush stdout and stderr."""
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def exit_code(value):
+    """The exit code of SystemExit(value), as the interpreter makes it (a message goes to stderr, code 1)."""
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value & 0xFF
+    print(value, file=sys.stderr)
+    return 1

@@ -18,7 +18,6 @@ variables torch or Python read only at start-up are refused by tests/warm.py (RE
 import ctypes
 import json
 import os
-import select
 import signal
 import sys
 import threading
@@ -86,7 +85,7 @@ def run_rank(request, server_fds):
         extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[:] = [os.path.dirname(script), *extra, *BASE_PATH]
         sys.argv = [script, *request["argv"][1:]]
-        if request.get("spawn"):  # a recipe that starts its own workers (mp.spawn): forks of a clean copy of this
+        if request.get("spawn"):  # a `python` job (ddp_spawn's mp.spawn): its workers forked from a clean copy
             warm_mp.install(BASE_PATH)
         code = run_as_main(script, extra)
     except BaseException:
@@ -100,40 +99,22 @@ def run_rank(request, server_fds):
 def run_as_main(script, extra):
     """sitecustomize (the first on PYTHONPATH, as Python imports it at start-up), the script as __main__, then what
     the interpreter's exit does: wait for the non-daemon threads, run the atexit functions, flush. The exit code."""
-    import atexit
     import runpy
 
     try:
-        if any(os.path.exists(os.path.join(p, "sitecustomize.py")) for p in extra):
-            sys.modules.pop("sitecustomize", None)
-            __import__("sitecustomize")
+        warm_mp.import_sitecustomize(extra)
         runpy.run_path(script, run_name="__main__")
         code = 0
     except SystemExit as exc:
-        code = exit_code(exc.code)
+        code = warm_mp.exit_code(exc.code)
     except BaseException as exc:
         sys.excepthook(*sys.exc_info())
         code = -signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
-    threading._shutdown()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+    warm_mp.exit_as_the_interpreter_does()
     if code == -signal.SIGINT:  # Python ends on an uncaught KeyboardInterrupt by SIGINT, as the shell expects
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     return code
-
-
-def exit_code(value):
-    if value is None:
-        return 0
-    if isinstance(value, int):
-        return value & 0xFF
-    print(value, file=sys.stderr)
-    return 1
 
 
 def serve():
@@ -142,10 +123,7 @@ def serve():
     import gc
 
     gc.freeze()  # what the imports made is shared with every rank, copied only where a rank writes to it
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    wake_r, wake_w = warm_mp.watch_children()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C of the suite: its ranks get it from the terminal
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a rank's signal to its parent is the launcher's, not this
     stdin, pending = sys.stdin.buffer.raw, b""
@@ -154,21 +132,10 @@ def serve():
         os.write(1, (json.dumps(message) + "\n").encode())
 
     while True:
-        try:
-            ready, _, _ = select.select([stdin, wake_r], [], [])
-        except InterruptedError:
-            continue
-        if wake_r in ready:
-            os.read(wake_r, 4096)
-            while True:
-                try:
-                    pid, status = os.waitpid(-1, os.WNOHANG)
-                except ChildProcessError:
-                    break
-                if pid == 0:
-                    break
-                say({"pid": pid, "status": os.waitstatus_to_exitcode(status)})
-        if stdin in ready:
+        requested, ended = warm_mp.wait_ready(stdin, wake_r)
+        for pid, code in ended:
+            say({"pid": pid, "status": code})
+        if requested:
             data = os.read(stdin.fileno(), 65536)
             if not data:
                 return
