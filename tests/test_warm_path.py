@@ -267,7 +267,9 @@ SPAWNS = textwrap.dedent("""\
     RUNS = [__name__]  # module level: spawn runs it again in each worker, as __mp_main__
 
     def worker(rank, parent):
-        print("WORKER " + json.dumps({
+        # one write of the whole line (under `python -u` print writes the line and its end apart, and the other
+        # worker's line can come between them on a shared pipe); below PIPE_BUF, so no other write splits it
+        os.write(1, ("WORKER " + json.dumps({
             "rank": rank, "pid": os.getpid(), "runs": RUNS, "main": sys.modules["__main__"].__name__,
             "argv": sys.argv[1:], "cwd": os.getcwd(), "path0": sys.path[0],
             "set_before_spawn": os.environ.get("SET_BEFORE_SPAWN"), "threads": torch.get_num_threads(),
@@ -278,7 +280,7 @@ SPAWNS = textwrap.dedent("""\
             "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
             "forked_warm": "warm_mp" in sys.modules,
             "sitecustomize": os.environ.get("SITE_RAN_IN"), "torch_draw": torch.rand(1).item(),
-            "numpy_draw": numpy.random.rand()}), flush=True)
+            "numpy_draw": numpy.random.rand()}) + "\\n").encode())
         if rank == 1 and "--fail" in sys.argv:
             raise ValueError("worker 1 failed")
 
