@@ -180,7 +180,7 @@ def test_what_the_warm_path_cannot_do_takes_the_real_path(env, why, probe, tmp_p
 @pytest.mark.real_path("checks the marker itself")
 def test_a_test_marked_real_path_gets_the_real_path(tmp_path):
     script = tmp_path / "hello.py"  # no torch in the ranks: the launcher is what runs differently here
-    script.write_text("# launcher: torchrun\nimport os\nprint('rank', os.environ['RANK'], flush=True)\n")
+    script.write_text("# launcher: torchrun\nimport os\nos.write(1, f\"rank {os.environ['RANK']}\\n\".encode())\n")
     proc = launch(script, "cpu:2", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert sorted(proc.stdout.split("\n")[:2]) == ["rank 0", "rank 1"], proc.stdout
