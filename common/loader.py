@@ -5,9 +5,14 @@ batch to the GPU on a side stream, so the next batch's copy overlaps the current
     for images, targets in loader:     # already on `device`
         ...
 
+    loader = DataLoaderX(device, dataset, ..., on_device=decode)   # decode(cpu_batch) -> batch on `device`
+
 Guarantees: the same batches in the same order as the DataLoader it extends; an exception raised
 while loading (in a worker or in the thread) is re-raised in the loop, never swallowed or hung on;
 leaving the loop early (break, exception) stops the thread and the DataLoader's workers.
+on_device (recipes/gpu_decode.py: decode JPEGs on the GPU) replaces the copy: it runs in the thread, on
+CUDA with the side stream current, and the loop's stream waits for all it queued there before the
+batch is handed out (an event recorded after it), so no step reads a batch that is still being made.
 """
 
 import queue
@@ -58,7 +63,7 @@ def _put(q, stop, item):
     return False
 
 
-def _produce(box, q, stop, device, stream):
+def _produce(box, q, stop, device, stream, on_device):
     # A plain function, not a method: a thread holding the iterator would keep it alive after `break`.
     # It holds the only reference to the DataLoader iterator (popped from `box`), so the iterator, and
     # with it the worker processes, is shut down here when this function returns, not at some later
@@ -71,9 +76,11 @@ def _produce(box, q, stop, device, stream):
             event = None
             if stream is not None:
                 with torch.cuda.stream(stream):
-                    batch = _to_device(batch, device)
+                    batch = on_device(batch)
                     event = torch.cuda.Event()
-                    event.record(stream)
+                    event.record(stream)  # after all on_device queued: the loop's stream waits for it
+            else:
+                batch = on_device(batch)
             if stop.is_set() or not _put(q, stop, (batch, event)):
                 return
         _put(q, stop, (_END, None))
@@ -84,12 +91,13 @@ def _produce(box, q, stop, device, stream):
 
 
 class _PrefetchIterator:
-    def __init__(self, batches, device, depth):
+    def __init__(self, batches, device, depth, on_device):
         self.device = device
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.queue = queue.Queue(maxsize=depth)
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=_produce, args=([batches], self.queue, self.stop, device, stream),
+        self.thread = threading.Thread(target=_produce, args=([batches], self.queue, self.stop, device, stream,
+                                                             on_device),
                                        name="DataLoaderX-producer", daemon=True)
         self.thread.start()
 
@@ -138,14 +146,17 @@ class _PrefetchIterator:
 
 
 class DataLoaderX(DataLoader):
-    """DataLoader plus background prefetch to `device` (see module docstring). prefetch: batches ahead."""
+    """DataLoader plus background prefetch to `device` (see module docstring). prefetch: batches ahead.
+    on_device: a function from a batch as the DataLoader gives it to the batch on `device` (default: copy its
+    tensors there)."""
 
-    def __init__(self, device, *args, prefetch=2, **kwargs):
+    def __init__(self, device, *args, prefetch=2, on_device=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # the thread must set a definite GPU
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.prefetch = prefetch
+        self.on_device = on_device or (lambda batch: _to_device(batch, self.device))
 
     def __iter__(self):
-        return _PrefetchIterator(super().__iter__(), self.device, self.prefetch)
+        return _PrefetchIterator(super().__iter__(), self.device, self.prefetch, self.on_device)

@@ -195,6 +195,8 @@ def _train(model, mixed, train_set, *, world, epochs, batch, lr, accum=1, seed=0
     losses = []
     for epoch in range(epochs):
         model.train()
+        if hasattr(train_set, "set_epoch"):  # SeededSamples: each sample's augmentation seeded by its epoch too
+            train_set.set_epoch(epoch)
         orders = shard_orders(train_set, world, epoch, seed, sampler)
         steps = min(len(order) // micro for order in orders) // accum
         total, count, total0, count0 = 0.0, 0, 0.0, 0

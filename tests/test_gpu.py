@@ -31,7 +31,17 @@ import test_profile as cpu_profile  # the profile table's reader
 import test_uneven as cpu_uneven
 import torch
 import torch.multiprocessing as mp
-from conftest import REPO, epoch_losses, launch, make_imagefolder, max_diff, params, result_of, scaler_resumed_from
+from conftest import (
+    REPO,
+    epoch_losses,
+    launch,
+    load_recipe,
+    make_imagefolder,
+    max_diff,
+    params,
+    result_of,
+    scaler_resumed_from,
+)
 from jobs import Job, error_lines, job_mid_epoch, survivors, tracebacks_beyond_multiprocessing
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
@@ -100,6 +110,7 @@ ONE_GPU = {  # every recipe in recipes/ (tests/test_gpu_tier.py checks): its ext
     "ddp_zero": [],  # ZeroRedundancyOptimizer's per-rank broadcast, NCCL
     "ddp_uneven": [],  # Join on NCCL (one rank: every batch is its own)
     "ddp_comm_hooks": ["--comm-hook", "powersgd", "--powersgd-start", "2"],  # PowerSGD's CUDA path from step 3
+    "gpu_decode": [],  # nvjpeg's decode, the crops and the normalising on the GPU, one batch ahead on a side stream
 }
 # PowerSGD's hook runs its matrix products in Future callbacks, and torch runs each callback on the next stream of its
 # pool of 32; cuBLAS keeps a workspace for every stream it has run on (32 MiB on Hopper). Two callbacks a step: 64 MB
@@ -258,6 +269,7 @@ SYNC_BN = {  # every other recipe with --sync-bn (tests/test_gpu_tier.py checks 
     "ddp_comm_hooks": ["--comm-hook", "none"],  # DDP's own fp32 all-reduce: a 16-bit hook rounds 2 ranks' sum apart
     "apex_ddp": [],  # apex's SyncBatchNorm (convert_syncbn_model) where apex is installed, else torch's
     "ddp_compile": [],  # SyncBatchNorm inside a compiled model
+    "gpu_decode": ["--amp-dtype", "fp32"],  # its images decoded on the GPU; fp32 as torch_amp's own test
 }
 # ddp_compile: the whole batch's BatchNorm is one of inductor's generated reductions, the synced one torch's kernels
 # between compiled pieces; a different summation order, still 30x below the control.
@@ -741,3 +753,55 @@ def test_drill_7_ctrl_c_stops_every_process(tmp_path):
     assert code == 128 + signal.SIGINT, job.output()
     assert not tracebacks_beyond_multiprocessing("".join(job.stderr)), job.output()
     assert not survivors(tree, grace=30), job.output()
+
+
+# ------------------------------------------------------------------ gpu_decode: nvjpeg, one batch ahead (issue 65)
+
+
+def gpu_decode_batch(root, size=224, odd=False):
+    """recipes/gpu_decode.py's module, the ImageFolder of ROOT/train, and one collated batch of its validation boxes."""
+    from tools.make_jpegs import make_set
+
+    make_set(root, train=32, val=2, classes=2, size=(500, 375), jobs=4, odd=odd)
+    recipe = load_recipe("gpu_decode")
+    files = build_datasets("imagefolder", root, size)[0].dataset
+    items = recipe.EncodedImages(files, size, False, False)
+    return recipe, files, recipe.collate([items[i] for i in range(len(files))])
+
+
+def test_gpu_decode_on_the_gpu_is_within_a_level_of_the_cpu_decoder(tmp_path):
+    # nvjpeg (hardware or CUDA) against libjpeg-turbo on the same files, gray, CMYK, PNG and progressive ones among
+    # them: IDCT and chroma upsampling differ in the last bits, then the same crop and resize on each device.
+    import collections
+
+    recipe, files, batch = gpu_decode_batch(tmp_path, odd=True)
+    args = (224, torch.contiguous_format, collections.Counter(), "train", files)
+    on_gpu, labels = recipe.decode_batch(batch, torch.device("cuda"), *args)
+    on_cpu, _ = recipe.decode_batch(batch, torch.device("cpu"), *args)
+    assert on_gpu.is_cuda and labels.is_cuda and on_gpu.shape == on_cpu.shape == (36, 3, 224, 224)
+    levels = (on_gpu.cpu() - on_cpu).abs() * 0.226 * 255  # normalised units back to levels of 255 (std ~0.226)
+    print(f"gpu_decode: nvjpeg against the CPU decoder: mean {levels.mean():.3f}, max {levels.max():.1f} levels")
+    assert levels.mean() < 1.0 and levels.max() < 64, (levels.mean(), levels.max())
+
+
+def test_gpu_decode_the_step_cannot_read_a_batch_before_its_decode_and_copy_end(tmp_path):
+    # DataLoaderX runs on_device on its side stream; here it ends with a copy queued behind ~0.5 s of GPU sleep.
+    # The loop reads each batch at once on the default stream: without the wait on the batch's event it would read
+    # the copy's destination before the copy (torch.empty: garbage), and the sums would differ from the CPU's.
+    import collections
+
+    recipe, files, batch = gpu_decode_batch(tmp_path)
+    args = (224, torch.contiguous_format, collections.Counter(), "train", files)
+    expected, _ = recipe.decode_batch(batch, torch.device("cpu"), *args)
+
+    def on_device(b):
+        images, labels = recipe.decode_batch(b, torch.device("cuda"), *args)
+        late = torch.empty_like(images)
+        torch.cuda._sleep(int(1e9))  # about half a second of one SM's clock on the side stream
+        late.copy_(images)
+        return late, labels
+
+    loader = DataLoaderX(torch.device("cuda"), [batch] * 3, batch_size=None, collate_fn=lambda b: b,
+                         on_device=on_device)
+    for images, _ in loader:
+        assert (images.cpu() - expected).abs().mean().item() * 0.226 * 255 < 1.0

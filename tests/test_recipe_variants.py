@@ -57,6 +57,10 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # curves flushed before exit 75.
     # torch_amp: 176 until issue 57 found its evaluate() without --channels-last's memory_format (182).
     ("ddp_torchrun", "torch_amp", 182), ("ddp_torchrun", "ddp_checkpoint", 220), ("ddp_torchrun", "apex_ddp", 63),
+    # gpu_decode (issue 65): torch_amp's, the data path moved to the main process's device (EncodedImages, collate,
+    # decode_batch, DataLoaderX's on_device), --save-every's mid-epoch resume, its docstring, and torch_amp's
+    # `# New` tags left off the lines it shares (here they are torch_amp's): 282.
+    ("torch_amp", "gpu_decode", 282),
     ("ddp_torchrun", "apex_amp", 259), ("ddp_torchrun", "mx_face_prefetch", 150),
     # ddp_compile: 78, then 81 with what --sync-bn costs it (issue 39) in its docstring and the breaks' reasons.
     ("ddp_torchrun", "ddp_compile", 84),
