@@ -1,16 +1,14 @@
 """Real JPEGs at GPU speed: workers read the files' bytes, the GPU decodes, crops, flips and normalises each batch.
 
-    ./launch.sh recipes/gpu_decode.py 0,1,3 --dataset imagefolder --data-root ~/imagenet --arch resnet50
-    ./launch.sh recipes/gpu_decode.py 0 --dataset imagefolder --data-root data/jpegs --channels-last --epochs 2
-    python tools/make_jpegs.py data/jpegs --train 20000 --val 1000   # a JPEG set to try it on (no download)
-    ./launch.sh recipes/gpu_decode.py cpu:2 --arch tiny --epochs 3   # CPU: the same lines, the CPU's decoder
-    ./launch.sh recipes/gpu_decode.py cpu:2 --arch tiny --epochs 3 --save-every 5 --resume auto  # mid-epoch resume
+    ./launch.sh recipes/gpu_decode.py 0,1,3 --dataset imagefolder --data-root ~/imagenet --channels-last
+    python tools/make_jpegs.py data/jpegs --train 20000 --val 1000   # real JPEGs to try it on: --data-root data/jpegs
+    ./launch.sh recipes/gpu_decode.py cpu:2 --arch tiny --epochs 3 --save-every 5 --resume auto  # CPU: the same lines
 
 What it shows (the rest is recipes/torch_amp.py): the data path of write-up 001 at a GPU's pace. A CPU core decodes
 and augments about 300 ImageNet JPEGs a second with PIL; one H200 trains resnet50 on over 6,000 a second. Here:
-- a DataLoader worker reads a file's bytes (about 86,000 files a second a core), reads its header for the size, and
-  draws the sample's RandomResizedCrop box and flip; the batch crosses to the main process as the files' bytes
-  (about 110 KB an ImageNet file, against 602 KB of float32 pixels at 224 px);
+- a DataLoader worker reads a file's bytes, reads its header for the size, and draws the sample's RandomResizedCrop
+  box and flip: about 2,400 files a second a core here, where PIL's decode and augment does 320; the batch crosses
+  to the main process as the files' bytes (about 110 KB an ImageNet file, against 602 KB of float32 at 224 px);
 - the main process decodes the batch with torchvision.io.decode_jpeg on the GPU (nvjpeg; on a CPU the same call
   decodes with libjpeg-turbo), crops, resizes, flips and normalises each image there, in channels-last if asked;
 - all of it one batch ahead, on a side CUDA stream in DataLoaderX's thread, while the step runs on the default stream:

@@ -86,6 +86,9 @@ NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsew
     "python tools/mutation_check.py --edits preempt_vote,lm_preempt_vote,resume_bucket_layout,lm_resume_bucket_layout,"
     "seeded_samples,skip_first,restart_after_save": MUTANTS,
     "python tools/mutation_check.py --edits async_named_early,lm_async_named_early,lm_async_cpu_copy": MUTANTS,
+    "python tools/make_jpegs.py data/jpegs --train 20000 --val 1000":
+        "21,000 JPEGs of 500x375 px: over 2 minutes on 2 cores (17 s on 16); tests/test_make_jpegs.py runs the tool "
+        "small, and tests/test_gpu_decode.py trains on what it makes",
     "python tools/lm_bench.py --rounds 2": "every language-model entry on cpu:1 and cpu:2, twice, and the bare loop: "
                                           "about 5 minutes; docs/benchmarks.md gives its table",
     "python tools/lm_bench.py --activations": "the default model on 2 processes (50 s); tests/test_lm_tp.py runs the "
