@@ -4,6 +4,9 @@ recorded steps, the table's rows; bad flags fail in one line; the MFU arithmetic
 
 import json
 import math
+import re
+import shlex
+import shutil
 import statistics
 
 import pytest
@@ -18,9 +21,9 @@ TIMED = {"throughput": [()], "overhead": [("recipe",), ("bare",)], "compile": [(
          "lm": [("lm_ddp",), ("lm_tp",)], "amp": [("tf32",), ("bf16",)]}
 
 
-def gpu_bench_cli(*args, timeout=240):
+def gpu_bench_cli(*args, timeout=240, cwd=REPO):
     """The tool's command line, forked from the warm server (tests/warm.py: torch already imported)."""
-    return run_script([REPO / "tools" / "gpu_bench.py", *args], timeout=timeout)
+    return run_script([REPO / "tools" / "gpu_bench.py", *args], timeout=timeout, cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +180,162 @@ def test_the_peak_by_device_name(name, tflops):
     assert peak["tflops"] == tflops
     assert ("--peak-tflops" in peak["source"]) == (tflops is None)
     assert gpu_bench.peak_for({"device": "cuda", "device_name": name}, 500.0)["tflops"] == 500.0
+
+
+# ---------------------------------------------------------- --render: bench/gpu.md from the first GPU run's JSONs
+RUN_DIR = "bench/gpu-2026-11-28-h200"
+RENDER = ["--render", RUN_DIR, "--tree", "b41c64a", "--md", "bench/gpu.md"]
+
+
+def committed_page():
+    return (REPO / "bench" / "gpu.md").read_text()
+
+
+def run_file(name):
+    return (REPO / RUN_DIR / name).read_text()
+
+
+def section(name):
+    return json.loads(run_file(f"{name}.json"))["sections"][name]
+
+
+def table_rows(page):
+    """{label: [cells]} of the page's table (above the marker)."""
+    rows = [line.split(" | ") for line in page.split(gpu_bench.MARKER)[0].splitlines() if line.startswith("| ")]
+    return {cells[0].removeprefix("| "): [c.removesuffix(" |") for c in cells[1:]] for cells in rows}
+
+
+def figure(text, pattern):
+    """The number the pattern's group holds in text (thousands commas dropped)."""
+    found = re.search(pattern, text)
+    assert found, pattern
+    return float(found[1].replace(",", ""))
+
+
+def test_the_committed_page_regenerates_byte_for_byte(tmp_path):
+    """bench/gpu.md's own command (its header names it), run in a copy of bench/: the same bytes, the header and
+    table from the JSONs, the hand-written text below the marker kept."""
+    page = committed_page()
+    assert f"Written by `{shlex.join(['python', 'tools/gpu_bench.py', *RENDER])}`" in page
+    shutil.copytree(REPO / RUN_DIR, tmp_path / RUN_DIR)
+    (tmp_path / "bench" / "gpu.md").write_text(page)
+    proc = gpu_bench_cli(*RENDER, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "bench" / "gpu.md").read_bytes() == (REPO / "bench" / "gpu.md").read_bytes()
+
+
+def test_a_new_page_is_the_generated_part(tmp_path, monkeypatch, capsys):
+    """No page yet: everything above the marker, the marker, nothing below it."""
+    shutil.copytree(REPO / RUN_DIR, tmp_path / RUN_DIR)
+    monkeypatch.chdir(tmp_path)
+    assert gpu_bench.main(RENDER) == 0
+    head = committed_page().split(gpu_bench.MARKER)[0] + gpu_bench.MARKER + "\n"
+    assert (tmp_path / "bench" / "gpu.md").read_text() == head
+    assert capsys.readouterr().out == "gpu_bench: wrote bench/gpu.md\n"
+
+
+def test_the_pages_table_has_the_jsons_figures():
+    rows = table_rows(committed_page())
+    assert list(rows) == ["section", "1 throughput", "2 overhead", "3 compile", "4 lm_ddp", "4 lm_tp", "5 amp"]
+    t, o, c, lm, a = (section(name) for name in ("throughput", "overhead", "compile", "lm", "amp"))
+    measured, _, ratio, verdict = rows["1 throughput"]
+    assert figure(measured, r"^([\d,]+) img/s") == round(t["images_per_sec"])  # 4,635
+    assert figure(measured, r"step ([\d.]+) ms") == round(t["median_ms"], 1)
+    assert figure(ratio, r"([\d.]+)x") == round(t["images_per_sec"] / 2470, 2) and verdict == "met"
+    measured, _, ratio, verdict = rows["2 overhead"]
+    assert figure(measured, r"step ([\d.]+) ms") == round(o["recipe"]["median_ms"], 2)
+    assert figure(measured, r"loop's ([\d.]+) ms") == round(o["bare"]["median_ms"], 2)
+    assert figure(ratio, r"([\d.]+)x") == round(o["recipe"]["median_ms"] / o["bare"]["median_ms"], 3)
+    assert verdict == "met"
+    measured, _, ratio, verdict = rows["3 compile"]
+    assert figure(measured, r"compiled ([\d,]+) img/s") == round(c["compiled"]["images_per_sec"])
+    assert figure(measured, r"eager ([\d,]+)") == round(c["eager"]["images_per_sec"])
+    assert figure(ratio, r"([\d.]+)x") == round(c["speedup"], 2) and verdict == "met"
+    for name in ("lm_ddp", "lm_tp"):
+        measured = rows[f"4 {name}"][0]
+        assert figure(measured, r"^([\d,]+) tokens/s") == round(lm[name]["tokens_per_sec"])
+        mfu = lm[name]["tokens_per_sec"] * lm[name]["flops_per_token"] / 989e12  # the H200's dense bf16 peak
+        assert figure(measured, r"MFU ([\d.]+)%") == round(100 * mfu, 1)
+    assert figure(rows["4 lm_tp"][0], r"([\d.]+)x lm_ddp's step") == round(
+        lm["lm_tp"]["median_ms"] / lm["lm_ddp"]["median_ms"], 2)
+    measured, _, ratio, verdict = rows["5 amp"]
+    assert figure(measured, r"bf16 ([\d,]+) img/s") == round(a["bf16"]["images_per_sec"])
+    assert figure(measured, r"TF32 ([\d,]+)") == round(a["tf32"]["images_per_sec"])
+    assert figure(ratio, r"([\d.]+)x") == round(a["bf16"]["images_per_sec"] / a["tf32"]["images_per_sec"], 2)
+    assert verdict == "missed"
+
+
+def test_the_pages_prose_has_the_files_figures():
+    """The hand-written part's headline figures, each worked out here from the file it names."""
+    prose = committed_page().split(gpu_bench.MARKER)[1]
+    a, lm = section("amp"), section("lm")
+    probe, jpegs, synthetic = run_file("probe.log"), run_file("real_jpegs.log"), run_file("user_synthetic.log")
+    fp16 = figure(probe, r"torch.float16 channels-last eager: ([\d,]+) img/s")
+    bf16 = figure(probe, r"torch.bfloat16 channels-last eager: ([\d,]+) img/s")
+    tf32 = a["tf32"]["images_per_sec"]
+    assert f"{fp16:,.0f} / {tf32:,.2f} = {fp16 / tf32:.3f}" in prose and f"**{fp16 / tf32:.2f}x**" in prose
+    assert f"fp16 with GradScaler {fp16:,.0f} images/s against bf16 {bf16:,.0f}**: {fp16 / bf16:.2f}x" in prose
+    ops = {o["op"]: o["self_device_ms"] for o in a["bf16"]["top_ops"]}
+    norm = ops["aten::native_batch_norm"] + ops["aten::native_batch_norm_backward"]
+    assert f"takes {norm:.1f} ms ({100 * norm / a['bf16']['median_ms']:.0f}%)" in prose
+    assert f"**MFU {100 * lm['lm_ddp']['mfu']:.1f}%**" in prose
+    assert f"**{lm['tp_over_ddp_step']:.2f}x lm_ddp's**" in prose
+    epoch2 = figure(jpegs, r"epoch=2/2 .* img/s=([\d.]+)")
+    result = json.loads(jpegs.split("RESULT ")[1].splitlines()[0])["images_per_sec"]
+    memory = json.loads(synthetic.split("RESULT ")[1].splitlines()[0])["images_per_sec"]
+    assert f"**{epoch2:,.0f} images/s in its second epoch** (its RESULT line, " in prose
+    assert f"both epochs after the first step: {result:,.0f})" in prose and f"against {memory:,.0f} on" in prose
+    assert f"data {100 * (1 - epoch2 / memory):.0f}%" in prose
+    one_core = figure(jpegs, r"PIL pipeline, one core: ([\d,]+) img/s")
+    assert f"ToTensor,\nNormalize) at {one_core:,.0f} images/s" in prose
+
+
+def test_a_render_of_a_folder_without_json_is_one_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    proc = gpu_bench_cli("--render", tmp_path / "empty", "--md", tmp_path / "gpu.md", timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr == f"gpu_bench: error: --render {tmp_path / 'empty'}: no *.json in that folder\n"
+    assert not (tmp_path / "gpu.md").exists()
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file or folder"),
+    ("{", "not JSON"),
+    ('{"tool": "other"}', "not a tools/gpu_bench.py report"),
+])
+def test_bad_render_input_in_process(tmp_path, capsys, content, message):
+    folder = tmp_path / "run"
+    if content is not None:
+        folder.mkdir()
+        (folder / "x.json").write_text(content)
+    assert gpu_bench.main(["--render", str(folder), "--md", str(tmp_path / "gpu.md")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("gpu_bench: error: ") and message in err
+
+
+def test_render_refuses_mixed_runs_and_a_page_without_the_marker(tmp_path, capsys):
+    """JSONs of two machines, or one section twice, make no table; a page without the marker is not overwritten."""
+    amp = json.loads(run_file("amp.json"))
+    amp["environment"]["torch"] = "2.12.0"
+    (tmp_path / "amp.json").write_text(json.dumps(amp))
+    md = tmp_path / "gpu.md"
+    assert gpu_bench.main(["--render", str(REPO / RUN_DIR / "lm.json"), str(tmp_path / "amp.json"),
+                           "--md", str(md)]) == 2
+    assert "lm.json: environment torch '2.11.0+cu130' differs from" in capsys.readouterr().err  # amp ran first
+    assert gpu_bench.main(["--render", str(REPO / RUN_DIR), str(REPO / RUN_DIR / "lm.json"), "--md", str(md)]) == 2
+    assert "section lm is also in" in capsys.readouterr().err
+    md.write_text("by hand\n")
+    assert gpu_bench.main(["--render", str(REPO / RUN_DIR), "--md", str(md)]) == 2
+    assert "has no marker line" in capsys.readouterr().err and md.read_text() == "by hand\n"
+
+
+def test_render_of_the_cpu_run_has_its_table(run, tmp_path, capsys):
+    """One JSON (here the CPU run's) renders to the table its own --md got, under the generated header."""
+    _, _, md = run
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "gpu.json").write_text(json.dumps(run[1]))
+    assert gpu_bench.main(["--render", str(folder), "--md", str(tmp_path / "page.md")]) == 0
+    page = (tmp_path / "page.md").read_text()
+    assert md.partition("\n\n")[2] in page and "- tree: not recorded in the JSONs" in page
+    assert page.endswith(gpu_bench.MARKER + "\n")

@@ -2,6 +2,7 @@
 torch.compile's gain, the language model's MFU at GPT-2 small's shape, and AMP's gain (issue 59).
 
     python tools/gpu_bench.py --out bench/gpu.json --md bench/gpu_table.md   # one H100 or H200: sized for <= 8 min
+    python tools/gpu_bench.py --render bench/gpu-2026-11-28-h200 --tree b41c64a --md bench/gpu.md   # no GPU
 
 One process, world size 1, synthetic data made on the device (no download, no dataset). Every figure is the median
 of --steps timed steps after --warmup untimed ones, each step timed on the device (CUDA events recorded between
@@ -38,6 +39,12 @@ prints a Markdown table (also --md FILE) with the reference or goal beside each 
 that fails is reported in the table and the JSON, the others still run, and the exit code is 1. On the CPU
 (--device cpu) every size defaults to a tiny one (tests/test_gpu_bench.py): a check that the script runs, not a
 measurement. The GPU machine's torch is 2.11: nothing here needs a newer one.
+
+--render measures nothing and needs no GPU: it merges the JSONs of one machine's runs (a folder: its *.json; e.g. one
+`--only SECTION` process each), refusing ones whose machine, torch or sizes differ, and writes --md: a header (the
+tree, given by --tree since the JSONs do not record it; the machine; the dates; the commands), table() of the merged
+report, a marker line, and below it whatever the page already held there, kept byte for byte (bench/gpu.md's
+hand-written reading). Run again, it rewrites the same bytes (tests/test_gpu_bench.py checks bench/gpu.md).
 """
 
 import argparse
@@ -135,8 +142,18 @@ def parse_args(argv=None):
     p.add_argument("--lm-batch-size", type=int, help="sequences a step (default 32, lm_ddp.py's; cpu: 4)")
     p.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak for MFU (default: PEAKS by its name)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "gpu.json", help="the JSON (default bench/gpu.json)")
-    p.add_argument("--md", type=Path, help="also write the table here")
+    p.add_argument("--md", type=Path, help="also write the table here (--render: the Markdown page to write)")
+    p.add_argument("--render", nargs="+", type=Path, metavar="DIR_OR_JSON",
+                   help="measure nothing: merge these JSONs (a folder: its *.json), one machine's per-section runs, "
+                        "into --md FILE: a header, the table, and FILE's own text below its marker line, kept")
+    p.add_argument("--tree", help="--render: the project commit the JSONs were measured at (they do not record it)")
     args = p.parse_args(argv)
+    if args.render is not None:  # no device, no sizes: everything comes from the JSONs
+        if args.md is None:
+            p.error("--render needs --md FILE, the page to write")
+        return args
+    if args.tree is not None:
+        p.error("--tree goes with --render")
     for key, value in (CPU_DEFAULTS if args.device == "cpu" else GPU_DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -730,13 +747,141 @@ def table(report, args):
     lines += ["| " + " | ".join(str(c).replace("|", "/") for c in row) + " |" for row in rows]
     name = env["device_name"] or env["cpu"]
     peak = report.get("peak") or {}
+    commands = report.get("commands") or [report["command"]]  # a merged report (--render): one per process
     head = [f"GPU benchmark: {name}; driver {env['driver']}; torch {env['torch']}, CUDA {env['cuda']}; "
             f"{args.steps} timed steps after {args.warmup} warm-up, medians; {report['wall_s']:.0f} s in all",
-            f"Command: `{report['command']}`"]
+            ("Command: " if len(commands) == 1 else "Commands, one process each: ")
+            + "; ".join(f"`{c}`" for c in commands)]
     if "lm" in s:
         head.append(f"MFU peak: {peak['tflops']} TFLOPS ({peak['source']})" if peak.get("tflops") else
                     f"MFU peak: none ({peak.get('source')})")
     return "\n".join(head + [""] + lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------------- render
+# bench/gpu.md: above this line what --render writes from the JSONs; below it, text written by hand, which the next
+# --render keeps as it is.
+MARKER = "<!-- Above this line: written by tools/gpu_bench.py --render from the JSONs. Below it: by hand, kept. -->"
+# What every merged JSON must share: one machine, one torch, the same sizes (--only, --out, --md differ).
+SAME_ENVIRONMENT = ("device", "device_name", "driver", "torch", "cuda", "cudnn", "python", "cores", "memory_gib",
+                    "capability")
+SAME_SETTINGS = ("device", "arch", "image_size", "batch_size", "num_classes", "steps", "warmup", "lm_layers",
+                 "lm_heads", "lm_d_model", "lm_seq_len", "lm_batch_size", "peak_tflops")
+
+
+class RenderError(Exception):
+    """A --render input that cannot make one report: the one line the command prints, exit 2."""
+
+
+def load_reports(paths):
+    """[(path, report)] from each JSON file given and every *.json in each folder given, in the order they ran
+    (their environment's date)."""
+    files = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            found = sorted(path.glob("*.json"))
+            if not found:
+                raise RenderError(f"--render {path}: no *.json in that folder")
+            files += found
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise RenderError(f"--render {path}: no such file or folder")
+    reports = []
+    for path in files:
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise RenderError(f"{path}: not JSON ({type(exc).__name__}: {exc})") from None
+        if not (isinstance(report, dict) and report.get("tool") == "tools/gpu_bench.py"
+                and all(isinstance(report.get(k), dict) for k in ("sections", "environment", "settings"))
+                and isinstance(report.get("command"), str) and isinstance(report.get("wall_s"), int | float)):
+            raise RenderError(f"{path}: not a tools/gpu_bench.py report (its --out)")
+        try:
+            datetime.datetime.fromisoformat(report["environment"].get("date"))
+        except (TypeError, ValueError):
+            raise RenderError(f"{path}: its environment has no ISO date") from None
+        reports.append((path, report))
+    return sorted(reports, key=lambda pr: (datetime.datetime.fromisoformat(pr[1]["environment"]["date"]), str(pr[0])))
+
+
+def merge_reports(reports):
+    """One report from the per-section JSONs of one machine (`--only SECTION --out ...`, one process each): their
+    sections, every command in the order they ran, their wall time added up. Environments or sizes that differ, or
+    a section twice, are an error: a table that mixes runs would be no measurement."""
+    (first_path, first), sections, came_from = reports[0], {}, {}
+    for path, report in reports:
+        for part, keys in (("environment", SAME_ENVIRONMENT), ("settings", SAME_SETTINGS)):
+            for key in keys:
+                mine, theirs = report.get(part, {}).get(key), first.get(part, {}).get(key)
+                if mine != theirs:
+                    raise RenderError(f"{path}: {part} {key} {mine!r} differs from {first_path}'s {theirs!r}")
+        if report.get("peak") != first.get("peak"):
+            raise RenderError(f"{path}: its MFU peak differs from {first_path}'s")
+        for name, section in report["sections"].items():
+            if name not in SECTIONS:
+                raise RenderError(f"{path}: unknown section {name!r}")
+            if name in sections:
+                raise RenderError(f"{path}: section {name} is also in {came_from[name]}")
+            sections[name], came_from[name] = section, path
+    return {**first, "command": None, "commands": [r["command"] for _, r in reports],
+            "sections": {k: sections[k] for k in SECTIONS if k in sections},
+            "wall_s": sum(r["wall_s"] for _, r in reports)}
+
+
+def render(paths, md, tree, command):
+    """bench/gpu.md's text: a header (the tree, the machine, the software, when, from which files, the command
+    that wrote it), table() of the merged report, MARKER, then what `md` holds below its marker (kept as it is)."""
+    reports = load_reports(paths)
+    report = merge_reports(reports)
+    env = report["environment"]
+    kept = "\n"  # a new file: the marker line, nothing below it
+    if md.exists():
+        old = md.read_text()
+        if MARKER not in old:
+            raise RenderError(f"--md {md}: the file has no marker line ({MARKER}); nothing below it to keep, so "
+                              f"it is left as it is")
+        kept = old.split(MARKER, 1)[1]  # to the byte
+    dates = [datetime.datetime.fromisoformat(r["environment"]["date"]) for _, r in reports]
+    days = sorted({d.date().isoformat() for d in dates})
+    when = (f"{days[0]}, sections started {dates[0]:%H:%M:%S} to {dates[-1]:%H:%M:%S} {dates[0].tzname()}"
+            if len(days) == 1 else f"{dates[0].isoformat()} to {dates[-1].isoformat()}")
+    files = ", ".join(f"[{path.name}]({Path(os.path.relpath(path, md.parent)).as_posix()}) "
+                      f"({datetime.datetime.fromisoformat(r['environment']['date']):%H:%M:%S}, {r['wall_s']:.0f} s)"
+                      for path, r in reports)
+    more = [f"{env['memory_gib']} GiB" if env.get("memory_gib") else None,
+            f"compute capability {env['capability']}" if env.get("capability") else None,
+            f"cuDNN {env['cudnn']}" if env.get("cudnn") else None, f"Python {env['python']}",
+            f"{env['cores']} CPU cores", env["platform"]]
+    table_head, _, table_rows = table(report, argparse.Namespace(**report["settings"])).partition("\n\n")
+    head = table_head.splitlines()
+    lines = [f"# GPU benchmark: {env['device_name'] or env['cpu']}, {' to '.join(dict.fromkeys([days[0], days[-1]]))}",
+             "",
+             f"Written by `{command}` from the JSONs of `tools/gpu_bench.py --only SECTION --out FILE` listed "
+             f"below; edit only below the marker line, the rest is rewritten.",
+             "",
+             f"- tree: {tree or 'not recorded in the JSONs (--tree names it)'}",
+             f"- {head[0]}",
+             f"- also: {', '.join(m for m in more if m)}",
+             f"- measured: {when}: {files}",
+             *(f"- {line}" for line in head[1:]),
+             "",
+             table_rows.rstrip("\n"),
+             "",
+             MARKER]
+    return "\n".join(lines) + kept
+
+
+def render_main(args, command):
+    try:
+        text = render(args.render, args.md, args.tree, command)
+    except RenderError as exc:
+        print(f"gpu_bench: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    args.md.parent.mkdir(parents=True, exist_ok=True)
+    args.md.write_text(text)
+    print(f"gpu_bench: wrote {args.md}", flush=True)
+    return 0
 
 
 # ------------------------------------------------------------------------------------------- main
@@ -758,13 +903,15 @@ def setup(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    command = shlex.join(["python", "tools/gpu_bench.py", *map(str, sys.argv[1:] if argv is None else argv)])
+    if args.render is not None:
+        return render_main(args, command)
     started = time.perf_counter()
     device = setup(args)
     env = environment(device)
     peak = peak_for(env, args.peak_tflops)
     print(f"gpu_bench: {env['device_name'] or 'cpu'}, torch {env['torch']}, CUDA {env['cuda']}, driver "
           f"{env['driver']}; sections {','.join(s for s in RUN_ORDER if s in args.sections)}", flush=True)
-    command = shlex.join(["python", "tools/gpu_bench.py", *(sys.argv[1:] if argv is None else argv)])
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     sections, cache = {}, {}
 
