@@ -22,7 +22,7 @@ CLASSES = [f"c{c:02d}" for c in range(10)]
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities of TorchVision")
 ODD = ["cmyk_0.JPEG", "gray_0.JPEG", "png_0.JPEG", "progressive_0.JPEG"]
 CORRUPT = ["corrupt_0.JPEG", "notimage_0.JPEG"]
-SUMMARY = re.compile(r"^make_jpegs: ([\d,]+) files( \(\+(\d+) odd\))? in ([\d.]+) s with (\d+) processes: "
+SUMMARY = re.compile(r"^make_jpegs: ([\d,]+) files( \(\+(\d+) odd\))? in ([\d.]+) s \(--jobs (\d+)\): "
                      r"([\d,]+) files/s, mean (\d+)x(\d+) px, mean ([\d,]+) bytes a file$")
 
 
