@@ -111,10 +111,38 @@ def test_each_median_is_of_the_requested_steps(run):
     s = report["sections"]
     assert s["overhead"]["ratio"] == pytest.approx(s["overhead"]["recipe"]["median_ms"] / s["overhead"]["bare"][
         "median_ms"])
-    assert s["amp"]["speedup"] == pytest.approx(s["amp"]["bf16"]["images_per_sec"] / s["amp"]["tf32"][
-        "images_per_sec"])
+    # the recipe's default precision against TF32 (fp16 on a GPU; here the CPU's default), bf16 beside it
+    amp, default = s["amp"], s["amp"]["default"]
+    assert default == gpu_bench.harness.cpu_amp_default() == s["throughput"]["amp"]
+    assert amp[default]["images_per_sec"] == s["throughput"]["images_per_sec"]  # one measurement, shared
+    assert amp["speedup"] == pytest.approx(amp[default]["images_per_sec"] / amp["tf32"]["images_per_sec"])
+    assert amp["bf16_speedup"] == pytest.approx(amp["bf16"]["images_per_sec"] / amp["tf32"]["images_per_sec"])
+    assert default == "bf16" or s["throughput"]["bf16"]["images_per_sec"] == amp["bf16"]["images_per_sec"]
     lm = s["lm"]["lm_ddp"]
     assert lm["mfu"] == pytest.approx(lm["tokens_per_sec"] * lm["flops_per_token"] / 1e12)  # --peak-tflops 1
+
+
+def test_the_data_section_runs_each_path_as_the_recipes_own_job(run):
+    # Section 6 (issue 65): three real ./launch.sh jobs on the files tools/make_jpegs.py made; each figure is its job's
+    # last epoch line, the cores its processes' CPU seconds over its wall time, the ratio the best file path's.
+    _, report, md = run
+    d = report["sections"]["data"]
+    assert d["files"] == 48 and "48 training files" in d["config"]
+    recipes = {"in_memory": "recipes/torch_amp.py", "cpu_decode": "recipes/torch_amp.py",
+               "gpu_decode": "recipes/gpu_decode.py"}
+    for name, recipe in recipes.items():
+        path = d[name]
+        words = shlex.split(path["command"])
+        assert words[:3] == ["./launch.sh", recipe, "cpu:1"] and words[words.index("--dataset") + 1] == (
+            "synthetic" if name == "in_memory" else "imagefolder"), words
+        assert path["cores_busy"] == pytest.approx(path["cpu_s"] / path["wall_s"]) and 0 < path["cores_busy"] <= 2.5
+        assert path["amp"] == "fp32" or path["amp"] == "bf16"  # the CPU default here, as torch_amp.py says
+    for name in ("cpu_decode", "gpu_decode"):
+        assert d[name]["of_in_memory"] == pytest.approx(d[name]["images_per_sec"] / d["in_memory"]["images_per_sec"])
+    assert d["ratio"] == max(d["cpu_decode"]["of_in_memory"], d["gpu_decode"]["of_in_memory"])
+    assert d["best"] in ("cpu_decode", "gpu_decode") and d[d["best"]]["of_in_memory"] == d["ratio"]
+    row = next(line for line in md.splitlines() if line.startswith("| 6 data"))
+    assert f"GPU decode {d['gpu_decode']['images_per_sec']:,.0f} img/s" in row and "n/a (not a GPU)" in row
 
 
 def test_the_table_has_each_sections_row(run):

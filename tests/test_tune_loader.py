@@ -48,7 +48,7 @@ def cpu_sweep(tmp_path_factory):
     chart, report = tmp / "chart.png", tmp / "rows.json"
     lines = sweep("--dataset", "imagefolder", "--data-root", data, "--image-size", 16, "--batch-size", 2 * BATCH,
                   "--processes", 2, "--device", "cpu", "--max-workers", 1, "--batches", 3, "--out", chart,
-                  "--json", report)
+                  "--json", report, "--target", 1e6)  # a million images/s: no row feeds it
     return lines, chart, json.loads(report.read_text())
 
 
@@ -101,6 +101,9 @@ def test_progress_table_and_recommendation(cpu_sweep):
     said = f"DataLoader at {row[0]['images/s']} images/s" if row else "above --max-workers 1, not measured"
     assert (f"  the recipes' default here: --workers {default} (one per core of the process beyond its own, at most "
             f"16): {said}") in lines
+    # --target: the step's rate over 2 processes; none of these rows feeds 500,000 a process
+    assert report["target"] == {"images_per_sec": 1e6, "per_process": 5e5, "row": None}
+    assert tune_loader.target_line(report["rows"], 1e6, 2) in lines
 
 
 @pytest.mark.slow
@@ -212,6 +215,23 @@ def test_recommend_rule():
         "960.0 images/s"
 
 
+def test_target_the_fewest_workers_that_feed_the_step_or_how_long_the_gpu_would_wait():
+    rows = [row("DataLoader", 0, 300.0), row("DataLoader", 4, 1200.0), row("DataLoaderX", 8, 1500.0),
+            row("DataLoader", 16, 1400.0)]
+    # 4,000 images/s over 4 processes: 1,000 each; 4 workers are the fewest that load it
+    assert tune_loader.feeding(rows, 1000.0) == rows[1]
+    assert tune_loader.target_line(rows, 4000, 4) == ("target: 4,000 images/s over 4 process(es), 1,000.0 each: "
+                                                      "--workers 4 (DataLoader, pin_memory=False) feeds it at 1200.0 "
+                                                      "images/s")
+    assert tune_loader.feeding(rows, 1400.0) == rows[2]  # 8 workers before 16: the fewest that reach it
+    # An H200's fp16 resnet50 step, 6,184 images/s, on one process: the fastest row loads 24% of it
+    assert tune_loader.feeding(rows, 6184.0) is None
+    line = tune_loader.target_line(rows, 6184, 1)
+    assert line.startswith("target: 6,184 images/s over 1 process(es), 6,184.0 each: no row feeds it: the fastest, "
+                           "--workers 8 (DataLoaderX), loads 1500.0, 24% of it: the GPU would wait for data 76% of "
+                           "each step. Decode on the GPU (recipes/gpu_decode.py"), line
+
+
 def test_help_states_the_rule(capsys):
     with pytest.raises(SystemExit) as exit_info:
         tune_loader.main(["--help"])
@@ -225,6 +245,8 @@ def test_help_states_the_rule(capsys):
     (["--rounds", "0"], "--rounds 0 must be >= 1"),
     (["--processes", "0"], "--processes 0 must be >= 1"),
     (["--max-workers", "-1"], "--max-workers -1 must be >= 0"),
+    (["--target", "0"], "--target 0.0 must be > 0 (images/s)"),
+    (["--target", "nan"], "--target nan must be > 0 (images/s)"),
     (["--batch-size", "10", "--processes", "4"], "--batch-size 10 is the GLOBAL batch and must be a multiple of "
      "--processes 4; try --batch-size 8"),
     (["--dataset", "imagefolder", "--data-root", "{tmp}/missing"], "--data-root '{tmp}/missing' has no train/ folder"),

@@ -8,13 +8,14 @@ One process, world size 1, synthetic data made on the device (no download, no da
 of --steps timed steps after --warmup untimed ones, each step timed on the device (CUDA events recorded between
 steps, read after one synchronize at the end: no sync inside the timed steps; on the CPU the host clock, where
 synchronize is a no-op). DDP at world size 1 needs a process group: one process on a free local port (nccl on a
-GPU, gloo on the CPU), destroyed at the end. Sections (--only picks some; they run in the order 1, 5, 2, 4, 3 so
-that the long compile comes last):
+GPU, gloo on the CPU), destroyed at the end. Sections (--only picks some; they run in the order 1, 5, 2, 4, 3, 6
+so that the long compile comes late and the recipes' own jobs last):
 
- 1 throughput  torch_amp.py's model and step: resnet50, bf16 autocast, channels-last, batch 256 at 224 px, the batch
-               already on the GPU, DDP at world 1, fused SGD, GradScaler (off for bf16), its meters and harness
-               calls. images/s against NVIDIA DeepLearningExamples' ResNet-50 v1.5 for PyTorch, mixed precision on
-               one A100 80GB: 2,470 images/s (pytorch-21.03 container, DALI loader); goal: 1.5x that.
+ 1 throughput  torch_amp.py's model and step at its default precision (fp16 autocast with GradScaler on a GPU),
+               bf16 beside it: resnet50, channels-last, batch 256 at 224 px, the batch already on the GPU, DDP at
+               world 1, fused SGD, its meters and harness calls. images/s against NVIDIA DeepLearningExamples'
+               ResNet-50 v1.5 for PyTorch, mixed precision on one A100 80GB: 2,470 images/s (pytorch-21.03
+               container, DALI loader); goal: 1.5x that.
  2 overhead    ddp_torchrun.py's step (fp32 with TF32 as that recipe runs, DDP at world 1, DistributedSampler and a
                DataLoader over images already on the GPU, its meters, Throughput, DivergenceCheck, TensorBoard and
                Profiler calls) against a bare loop of the same model, batch and SGD in this process (bare_loop_step
@@ -29,8 +30,14 @@ that the long compile comes last):
                model FLOPs per token 6N + 12 L d T (nanoGPT's estimate_mfu, PaLM's appendix B; N: the parameters
                that multiply, every one but the two embedding tables) against the GPU's dense bf16 peak from its
                datasheet (PEAKS; --peak-tflops for another GPU). Beside them what nanoGPT and llm.c publish.
- 5 amp         the step of 1 in fp32 with TF32 on (torch_amp.py --amp-dtype tf32) against bf16: DLE's A100 80GB
-               table has 938 images/s TF32 against 2,470 mixed precision, 2.63x.
+ 5 amp         the step of 1 in fp32 with TF32 on (torch_amp.py --amp-dtype tf32) against its default (fp16), bf16
+               beside: DLE's A100 80GB table has 938 images/s TF32 against 2,470 mixed precision, 2.63x. (The first
+               run measured bf16 alone: its BatchNorm takes torch's own kernels, fp16's cuDNN's: bench/gpu.md.)
+ 6 data        the recipes themselves, each a ./launch.sh job on GPU 0 (issue 65): torch_amp.py on in-memory images,
+               torch_amp.py on --data-files real JPEGs (tools/make_jpegs.py, 500x375 px) decoded by its workers with
+               PIL, and gpu_decode.py on the same files decoded on the GPU; the last epoch's img/s of each at the
+               recipe's default precision, and the CPU cores each job kept busy. Goal: the best file path at least
+               0.95x in memory. About 3 minutes on an H200 with 16 cores (20,000 files made in about 20 s).
 
 After each measurement's timed steps, 3 more run under torch.profiler: its JSON's top_ops, the ops that take the
 step's time on the device, from which a missed goal's cause is read (the timed steps are not profiled).
@@ -56,6 +63,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -82,16 +90,16 @@ from common.utils import AverageMeter, accuracy  # noqa: E402
 from tools.free_port import free_port  # noqa: E402
 from tools.recipes import load_recipe  # noqa: E402
 
-SECTIONS = ("throughput", "overhead", "compile", "lm", "amp")  # the issue's order: the table's
-RUN_ORDER = ("throughput", "amp", "overhead", "lm", "compile")  # the long compile last
-ROWS = ("throughput", "overhead", "compile", "lm_ddp", "lm_tp", "amp")  # the table's rows, lm as two
+SECTIONS = ("throughput", "overhead", "compile", "lm", "amp", "data")  # the issues' order: the table's
+RUN_ORDER = ("throughput", "amp", "overhead", "lm", "compile", "data")  # the long compile, then the recipes' runs
+ROWS = ("throughput", "overhead", "compile", "lm_ddp", "lm_tp", "amp", "data")  # the table's rows, lm as two
 
 # NVIDIA DeepLearningExamples, PyTorch/Classification/ConvNets/resnet50v1.5/README.md, "Training performance: NVIDIA
 # DGX A100 (8x A100 80GB)", 1 GPU, batch 256, pytorch-21.03 NGC container, DALI loader.
 DLE = {"source": "NVIDIA DeepLearningExamples ResNet-50 v1.5 for PyTorch, README 'Training performance: NVIDIA DGX "
                  "A100 (8x A100 80GB)', 1 GPU, batch 256, pytorch-21.03 container, DALI",
        "tf32_images_per_sec": 938, "mixed_images_per_sec": 2470, "speedup": 2.63}
-GOALS = {"throughput": 1.5, "overhead": 1.05, "compile": 1.2, "amp": DLE["speedup"]}
+GOALS = {"throughput": 1.5, "overhead": 1.05, "compile": 1.2, "amp": DLE["speedup"], "data": 0.95}
 # Dense (no 2:4 sparsity) bf16 tensor-core peaks, matched in order against torch.cuda.get_device_name(). An NVL part
 # (a lower clock) matches none: its MFU is left out unless --peak-tflops gives its peak.
 PEAKS = [
@@ -112,9 +120,9 @@ LM_REFERENCES = [
                "from 6N + 12 L H Q T against A100's 312 TFLOPS (model.py estimate_mfu)"},
 ]
 GPU_DEFAULTS = dict(arch="resnet50", image_size=224, batch_size=256, num_classes=1000, steps=30, warmup=10,
-                    lm_layers=12, lm_heads=12, lm_d_model=768, lm_seq_len=1024, lm_batch_size=32)
+                    lm_layers=12, lm_heads=12, lm_d_model=768, lm_seq_len=1024, lm_batch_size=32, data_files=20000)
 CPU_DEFAULTS = dict(arch="tiny_bn", image_size=16, batch_size=8, num_classes=10, steps=3, warmup=1,
-                    lm_layers=2, lm_heads=2, lm_d_model=32, lm_seq_len=32, lm_batch_size=4)
+                    lm_layers=2, lm_heads=2, lm_d_model=32, lm_seq_len=32, lm_batch_size=4, data_files=48)
 
 
 # ------------------------------------------------------------------------------------------- args
@@ -140,6 +148,10 @@ def parse_args(argv=None):
     p.add_argument("--lm-d-model", type=int, help="its width (default 768; cpu: 32)")
     p.add_argument("--lm-seq-len", type=int, help="bytes a sequence, also its positions (default 1024; cpu: 32)")
     p.add_argument("--lm-batch-size", type=int, help="sequences a step (default 32, lm_ddp.py's; cpu: 4)")
+    p.add_argument("--data-files", type=int, help="section data: training JPEGs tools/make_jpegs.py makes, 500x375 "
+                   "(default 20000; cpu: 48 of 40x30), and a twentieth of that for validation")
+    p.add_argument("--data-root", type=Path, help="section data: an ImageFolder of JPEGs already made (default: a new "
+                   "one in a temporary folder)")
     p.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak for MFU (default: PEAKS by its name)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "gpu.json", help="the JSON (default bench/gpu.json)")
     p.add_argument("--md", type=Path, help="also write the table here (--render: the Markdown page to write)")
@@ -157,7 +169,7 @@ def parse_args(argv=None):
     for key, value in (CPU_DEFAULTS if args.device == "cpu" else GPU_DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    for flag in ("image_size", "batch_size", "num_classes", "steps", "lm_batch_size"):
+    for flag in ("image_size", "batch_size", "num_classes", "steps", "lm_batch_size", "data_files"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
     if args.warmup < 0:
@@ -307,7 +319,7 @@ def torch_amp_step(args, device, amp_name):
     """recipes/torch_amp.py's model and training step at --accum-steps 1, no --clip-grad, --channels-last: its
     DDP wrap, fused SGD with zeroed momentum, GradScaler (enabled for fp16 only), schedule and the loop body from
     `images = images.to(...)` to `prof.step()`, the batch already on the device (its .to() a no-op then)."""
-    amp_dtype = {"bf16": torch.bfloat16, "tf32": torch.float32}[amp_name]
+    amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "tf32": torch.float32, "fp32": torch.float32}[amp_name]
     memory_format = torch.channels_last
     torch.manual_seed(0)
     model = build_model(args.arch, args.num_classes, args.image_size).to(device, memory_format=memory_format)
@@ -526,29 +538,51 @@ def peak_mb(device):
     return round(harness.peak_memory_mb(device), 1)
 
 
-def run_throughput(args, device, cache):
-    step = torch_amp_step(args, device, "bf16")
-    times = timed(step, args.warmup, args.steps, device)
-    top_ops = profiled(step, device)
-    cache["bf16"] = out = {"config": f"{args.arch}, bf16 autocast, channels-last, batch {args.batch_size}, "
+def recipe_default(device):
+    """torch_amp.py's own precision with no --amp-dtype: fp16 on a GPU; on a CPU bf16 where it is native, else fp32."""
+    return "fp16" if device.type == "cuda" else harness.cpu_amp_default()
+
+
+def amp_measure(args, device, cache, amp_name):
+    """torch_amp_step in `amp_name`: timed, then profiled (cached: sections 1 and 5 share each)."""
+    if amp_name not in cache:
+        free(device)
+        step = torch_amp_step(args, device, amp_name)
+        times = timed(step, args.warmup, args.steps, device)
+        precision = f"{amp_name} autocast" if amp_name in ("fp16", "bf16") else f"{amp_name}, no autocast"
+        cache[amp_name] = {"config": f"{args.arch}, {precision}, channels-last, batch {args.batch_size}, "
                                      f"{args.image_size} px, DDP world 1, data on the device",
                            **summary(times, args.warmup, args.batch_size, "images"), "peak_mem_mb": peak_mb(device),
-                           "top_ops": top_ops}
+                           "top_ops": profiled(step, device)}
+    return cache[amp_name]
+
+
+def run_throughput(args, device, cache):
+    """The recipe's default precision (fp16 with GradScaler on a GPU), bf16 beside it: BatchNorm takes cuDNN's
+    kernels in fp16 with fp32 weights and torch's own in bf16 (bench/gpu.md, the first run's AMP reading)."""
+    default = recipe_default(device)
+    out = {**amp_measure(args, device, cache, default), "amp": default}
+    if default != "bf16":
+        bf16 = amp_measure(args, device, cache, "bf16")
+        out["bf16"] = {k: bf16[k] for k in ("images_per_sec", "median_ms", "peak_mem_mb")}
     out["anchor_images_per_sec"] = DLE["mixed_images_per_sec"]
     out["ratio_to_anchor"] = out["images_per_sec"] / DLE["mixed_images_per_sec"]
     return out
 
 
 def run_amp(args, device, cache):
-    bf16 = cache.get("bf16") or run_throughput(args, device, cache)
+    """TF32 against the recipe's default (fp16 on a GPU), and against bf16."""
+    default = recipe_default(device)
+    chosen = amp_measure(args, device, cache, default)
+    bf16 = amp_measure(args, device, cache, "bf16")
     free(device)
     step = torch_amp_step(args, device, "tf32")
     tf32 = {**summary(timed(step, args.warmup, args.steps, device), args.warmup, args.batch_size, "images"),
             "peak_mem_mb": peak_mb(device)}
-    return {"config": f"torch_amp.py's step: fp32 with TF32 on (--amp-dtype tf32) against bf16, {args.arch}, "
-                      f"channels-last, batch {args.batch_size}", "tf32": tf32,
-            "bf16": {k: v for k, v in bf16.items() if k not in ("anchor_images_per_sec", "ratio_to_anchor")},
-            "speedup": bf16["images_per_sec"] / tf32["images_per_sec"], "anchor": DLE}
+    return {"config": f"torch_amp.py's step: fp32 with TF32 on (--amp-dtype tf32) against its default ({default}) "
+                      f"and bf16, {args.arch}, channels-last, batch {args.batch_size}", "tf32": tf32,
+            "default": default, default: chosen, "bf16": bf16, "speedup": chosen["images_per_sec"] /
+            tf32["images_per_sec"], "bf16_speedup": bf16["images_per_sec"] / tf32["images_per_sec"], "anchor": DLE}
 
 
 def run_overhead(args, device, cache):
@@ -621,6 +655,74 @@ def run_lm(args, device, cache, peak):
         out[name] = row
         del step
     out["tp_over_ddp_step"] = out["lm_tp"]["median_ms"] / out["lm_ddp"]["median_ms"]
+    return out
+
+
+# What section data runs: the same recipe on in-memory images, then on JPEG files decoded by its workers with PIL,
+# then gpu_decode.py on the same files (decoded in the main process, on the GPU by nvjpeg). Each its own job.
+DATA_PATHS = (("in_memory", "recipes/torch_amp.py", "synthetic"), ("cpu_decode", "recipes/torch_amp.py", "imagefolder"),
+              ("gpu_decode", "recipes/gpu_decode.py", "imagefolder"))
+
+
+def cpu_seconds_of_children():
+    """User + system CPU seconds of this process's finished children and theirs (every process a job started: the
+    ranks, their DataLoader workers), as the kernel counts them when each is waited for."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_data(args, device, cache):
+    """Section 6 (issue 65): images/s of the image recipe on real JPEG files against the same recipe on in-memory
+    images, each path a real `./launch.sh` job on GPU 0 (cpu:1 on the CPU) at its default precision, 2 epochs,
+    channels-last, one worker per core but one; the figure is the last epoch's img/s (the first pays for cuDNN's
+    benchmark and the workers' start), with the CPU cores the job kept busy (its processes' CPU seconds over its
+    wall time). Goal: the best file path at least 0.95x in memory. Compiled: not measured (neither recipe compiles)."""
+    import tempfile
+
+    from tools.make_jpegs import make_set
+
+    gpu = device.type == "cuda"
+    workers = max(1, (os.cpu_count() or 2) - 1)
+    with tempfile.TemporaryDirectory(prefix="gpu_bench_data_") as scratch:
+        root, made = args.data_root, None
+        if root is None:
+            root = Path(scratch) / "jpegs"
+            made = make_set(root, train=args.data_files, val=max(10, args.data_files // 20), classes=10,
+                            size=(500, 375) if gpu else (40, 30), jobs=os.cpu_count() or 1)
+        files = sum(1 for _ in Path(root, "train").rglob("*.*"))
+        out = {"config": f"{args.arch}, {args.image_size} px, global batch {args.batch_size}, channels-last, 2 epochs"
+                         f", {workers} workers, each recipe's default precision; {files} training files in {root}"
+                         + (f" (made in {made['seconds']:.0f} s, mean {made['mean_width']:.0f}x"
+                            f"{made['mean_height']:.0f} px, {made['mean_bytes'] / 1024:.0f} KiB)" if made else ""),
+               "files": files}
+        for name, recipe, dataset in DATA_PATHS:
+            flags = ["--dataset", dataset, "--arch", args.arch, "--image-size", str(args.image_size), "--batch-size",
+                     str(args.batch_size), "--epochs", "2", "--workers", str(workers), "--channels-last",
+                     "--out-dir", str(Path(scratch) / name)]
+            flags += (["--data-root", str(root)] if dataset == "imagefolder" else
+                      ["--synthetic-train", str(files), "--synthetic-val", str(max(10, files // 20))])
+            env = {**os.environ, "PYTHON": sys.executable}
+            env.pop("WORLD_SIZE", None)
+            before, started = cpu_seconds_of_children(), time.perf_counter()
+            proc = subprocess.run([str(REPO / "launch.sh"), recipe, "0" if gpu else "cpu:1", *flags], cwd=REPO,
+                                  env=env, capture_output=True, text=True, timeout=600)
+            wall, cpu = time.perf_counter() - started, cpu_seconds_of_children() - before
+            rates = re.findall(r"^epoch=2/2 .* img/s=([\d.]+)", proc.stdout, re.M)
+            if proc.returncode != 0 or not rates:
+                tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                raise RuntimeError(f"{name}: {recipe} exited {proc.returncode}: {tail}")
+            result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+            out[name] = {"command": shlex.join(["./launch.sh", recipe, "0" if gpu else "cpu:1", *flags]),
+                         "images_per_sec": float(rates[-1]), "result_images_per_sec": result["images_per_sec"],
+                         "wall_s": wall, "cpu_s": cpu, "cores_busy": cpu / wall,
+                         "amp": re.search(r"^amp: (\S+)", proc.stdout, re.M).group(1)}
+    memory = out["in_memory"]["images_per_sec"]
+    for name in ("cpu_decode", "gpu_decode"):
+        out[name]["of_in_memory"] = out[name]["images_per_sec"] / memory
+    out["best"] = max(("cpu_decode", "gpu_decode"), key=lambda n: out[n]["images_per_sec"])
+    out["ratio"] = out[out["best"]]["of_in_memory"]
     return out
 
 
@@ -698,8 +800,9 @@ def table(report, args):
 
     if "throughput" in s:
         t = s["throughput"]
+        beside = f"; bf16 {t['bf16']['images_per_sec']:,.0f} img/s" if "bf16" in t else ""
         rows.append(["1 throughput", failed("throughput") and f"failed: {failed('throughput')}" or
-                     f"{t['images_per_sec']:,.0f} img/s ({t['config']}; step {t['median_ms']:.1f} ms)",
+                     f"{t['images_per_sec']:,.0f} img/s ({t['config']}; step {t['median_ms']:.1f} ms){beside}",
                      f"DLE ResNet-50 mixed precision, 1x A100 80GB: {DLE['mixed_images_per_sec']:,} img/s; "
                      f"goal >= {GOALS['throughput']}x that",
                      "-" if failed("throughput") else f"{t['ratio_to_anchor']:.2f}x",
@@ -737,11 +840,26 @@ def table(report, args):
                          "-", "reference only"])
     if "amp" in s:
         a = s["amp"]
+        default = a.get("default", "bf16")  # the first run's JSONs measured bf16 alone
+        beside = (f"; bf16 {a['bf16']['images_per_sec']:,.0f} ({a['bf16_speedup']:.2f}x)" if default != "bf16"
+                  else "")
         rows.append(["5 amp", failed("amp") and f"failed: {failed('amp')}" or
-                     f"bf16 {a['bf16']['images_per_sec']:,.0f} img/s against TF32 {a['tf32']['images_per_sec']:,.0f}",
+                     f"{default} {a[default]['images_per_sec']:,.0f} img/s against TF32 "
+                     f"{a['tf32']['images_per_sec']:,.0f}{beside}",
                      f"DLE, 1x A100 80GB: {DLE['mixed_images_per_sec']:,} against {DLE['tf32_images_per_sec']} "
                      f"img/s, {DLE['speedup']}x", "-" if failed("amp") else f"{a['speedup']:.2f}x",
                      "-" if failed("amp") else verdict(a["speedup"], GOALS["amp"], True, anchor)])
+    if "data" in s:
+        d = s["data"]
+
+        def path(name):
+            return (f"{d[name]['images_per_sec']:,.0f} img/s ({d[name]['amp']}, {d[name]['cores_busy']:.1f} cores "
+                    f"busy)")
+        rows.append(["6 data", failed("data") and f"failed: {failed('data')}" or
+                     f"JPEG files, GPU decode {path('gpu_decode')}; CPU decode {path('cpu_decode')}; in memory "
+                     f"{path('in_memory')}; last epoch, eager", f"goal: the best file path >= {GOALS['data']}x in "
+                     "memory; compiled: not measured", "-" if failed("data") else f"{d['ratio']:.2f}x",
+                     "-" if failed("data") else verdict(d["ratio"], GOALS["data"], True, on_gpu)])
     header = ["section", "measured (median of the timed steps)", "reference / goal", "ratio", "verdict"]
     lines = ["| " + " | ".join(header) + " |", "|---|---|---|---:|---|"]
     lines += ["| " + " | ".join(str(c).replace("|", "/") for c in row) + " |" for row in rows]
@@ -929,7 +1047,7 @@ def main(argv=None):
         return text
 
     runners = {"throughput": run_throughput, "amp": run_amp, "overhead": run_overhead, "compile": run_compile,
-               "lm": lambda a, d, c: run_lm(a, d, c, peak)}
+               "lm": lambda a, d, c: run_lm(a, d, c, peak), "data": run_data}
     try:
         for name in RUN_ORDER:
             if name not in args.sections:

@@ -4,6 +4,7 @@
     python tools/tune_loader.py --dataset synthetic --processes 1        # no data needed; ~12 s on 2 cores
     python tools/tune_loader.py --dataset cifar100 --data-root ./data --device cuda --json runs/loader.json
     python tools/tune_loader.py --dataset imagefolder --data-root ~/my_data --rounds 3   # a machine shared with others
+    python tools/tune_loader.py --dataset imagefolder --data-root ~/my_data --batch-size 256 --processes 1 --target 6184
 
 It reads the training data exactly as one recipe process does: the dataset from common.data.build_datasets
 (the same files, training transforms and image size), process 0's shard of a shuffling DistributedSampler over
@@ -30,6 +31,12 @@ pays alone for the disk (on data larger than memory, real epochs read from the d
 Recommended: the fastest row; among rows within 5% of it, the one with the fewest workers (fewer workers cost
 less memory and start-up for the same speed), printed as the recipe flag: --workers N (per process). Where that
 row is DataLoaderX's, the same rule over the DataLoader rows follows: most recipes build a plain DataLoader.
+
+--target IMAGES_PER_SEC asks the seeds' question with the GPU's own step as the answer to reach: the images/s your
+training step runs at with the data already on the GPU, all processes together (tools/gpu_bench.py's section 1 on
+your GPU: one H200 ran torch_amp.py's resnet50 step at 6,184 images/s in fp16, bench/gpu.md). Each process must then
+load --target / --processes a second; the tool prints the fewest workers that do, or, where no row does, how much
+of each step the GPU would wait (1 - fastest / needed) and what to do instead.
 
 Output: one progress line per measurement as it finishes, then a table (loader, workers, pin_memory, images/s,
 ms/batch), the recommendation and what the recipes' default worker count measured (their DataLoader row); a
@@ -98,6 +105,8 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=Path("runs/tune_loader.png"),
                    help="the chart (PNG; default runs/tune_loader.png)")
     p.add_argument("--json", type=Path, help="also write the settings and every row here")
+    p.add_argument("--target", type=float, help="the training step's images/s, all processes together, data on "
+                   "the GPU (tools/gpu_bench.py section 1): the fewest workers that feed it, or how far short it is")
     return p.parse_args(argv)
 
 
@@ -107,6 +116,8 @@ def check_args(args):
                         ("--batch-size", args.batch_size), ("--image-size", args.image_size)):
         if value is not None and value < 1:
             return f"{flag} {value} must be >= 1"
+    if args.target is not None and not args.target > 0:  # nan too
+        return f"--target {args.target} must be > 0 (images/s)"
     if args.max_workers is not None and args.max_workers < 0:
         return f"--max-workers {args.max_workers} must be >= 0"
     if args.batch_size % args.processes:
@@ -141,6 +152,29 @@ def recommend(rows, tolerance=TOLERANCE):
     fastest = max(row["images_per_sec"] for row in rows)
     close = [row for row in rows if row["images_per_sec"] >= (1 - tolerance) * fastest]
     return min(close, key=lambda row: (row["workers"], -row["images_per_sec"]))
+
+
+def feeding(rows, needed):
+    """The row that feeds a step of `needed` images/s a process: among rows at or above it, the fewest workers, then
+    the faster; None where no row reaches it."""
+    fast = [row for row in rows if row["images_per_sec"] >= needed]
+    return min(fast, key=lambda row: (row["workers"], -row["images_per_sec"])) if fast else None
+
+
+def target_line(rows, target, processes):
+    """What --target answers: the workers that feed the step, or how much of it the GPU would wait."""
+    needed = target / processes
+    head = f"target: {target:,.0f} images/s over {processes} process(es), {needed:,.1f} each: "
+    row = feeding(rows, needed)
+    if row is not None:
+        return (f"{head}--workers {row['workers']} ({row['loader']}, pin_memory={row['pin_memory']}) feeds it at "
+                f"{row['images_per_sec']:.1f} images/s")
+    best = max(rows, key=lambda r: r["images_per_sec"])
+    share = best["images_per_sec"] / needed
+    return (f"{head}no row feeds it: the fastest, --workers {best['workers']} ({best['loader']}), loads "
+            f"{best['images_per_sec']:.1f}, {share:.0%} of it: the GPU would wait for data {1 - share:.0%} of each "
+            f"step. Decode on the GPU (recipes/gpu_decode.py: workers hand over the files' bytes) or give each "
+            f"process more cores")
 
 
 def summarize(measurements, batch):
@@ -358,6 +392,10 @@ def tune(args, cores, per_process):
               f"(pin_memory={plain['pin_memory']}) at {plain['images_per_sec']:.1f} images/s", flush=True)
     print(f"  rule: {RULE}; --workers counts per process, images/s is one process's", flush=True)
     print(default_line(rows, recipes_default, device.type, max_workers), flush=True)
+    if args.target is not None:
+        report["target"] = {"images_per_sec": args.target, "per_process": args.target / args.processes,
+                            "row": feeding(rows, args.target / args.processes)}
+        print(target_line(rows, args.target, args.processes), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     plot(report, args.out)
     written = [str(args.out)]
