@@ -8,6 +8,7 @@ training step) and checked against what each hook must send, computed here from 
 import math
 import os
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -21,7 +22,6 @@ from conftest import (
     result_of,
     rng_env,
     rng_streams,
-    run_script,
 )
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
@@ -211,9 +211,13 @@ def test_powersgd_resume_with_another_rank_is_one_line(runs, tmp_path):
 def test_powersgd_state_moves_between_bucket_layouts_parameter_by_parameter(world):
     # In a fresh process with a time limit. It hung 1 run in 7 (faulthandler: two gloo worker threads inside
     # powerSGD_hook's callbacks, each waiting for an all-reduce no thread was left to run) until PowerSGDByParameter
-    # waited for each CPU bucket in its hook; 30 runs since, none hung. Forked from the warm server (run_script).
-    proc = run_script([REPO / "tests" / "test_comm_hooks.py", world], cwd=REPO / "tests",
-                      env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"})
+    # waited for each CPU bucket in its hook; 30 runs since, none hung. A new interpreter, as a user's: forked from the
+    # warm server (run_script, until 2026-11-28) the two runs came apart on that day's machine, 2e-4 of a weight's scale
+    # (layer4.1.conv2), every time, the tree before issue 65 too; in a new interpreter bitwise equal, with glibc's
+    # MALLOC_PERTURB_ too (not uninitialised memory). Not understood; docs/testing.md says so.
+    proc = subprocess.run([sys.executable, REPO / "tests" / "test_comm_hooks.py", str(world)], cwd=REPO / "tests",
+                          env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"},
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("bitwise equal"), proc.stdout[-2000:]
 
