@@ -226,11 +226,13 @@ def exclusive_lock(folder):
         yield
 
 
-def transforms(size, flip, mean, std):
+def transforms(size, flip):
     """(train, val) transforms chosen by image size. Below 64 px (CIFAR-like): the whole image, shifted by up to an
     eighth of its side (pad and crop), as CIFAR training does; ImageNet's RandomResizedCrop keeps as little as 8% of
     the image, which at 32 px is a few pixels of a digit. From 64 px: RandomResizedCrop, and the usual resize and
-    center crop for validation. flip: a random horizontal flip, right for photos, wrong for text and digits."""
+    center crop for validation. flip: a random horizontal flip, right for photos, wrong for text and digits.
+    Both end at a uint8 tensor (PILToTensor), not ToTensor and Normalize: a quarter of float32's bytes to hand over,
+    pin and copy, and a third more images a core (docs/data.md); device_normalize() finishes the job on the device."""
     import torchvision.transforms as T
 
     if size < SMALL_IMAGES:
@@ -238,8 +240,19 @@ def transforms(size, flip, mean, std):
         val = [T.Resize(size), T.CenterCrop(size)]
     else:
         train, val = [T.RandomResizedCrop(size)], [T.Resize(size * 8 // 7), T.CenterCrop(size)]
-    tail = [T.ToTensor(), T.Normalize(mean, std)]
+    tail = [T.PILToTensor()]
     return T.Compose(train + ([T.RandomHorizontalFlip()] if flip else []) + tail), T.Compose(val + tail)
+
+
+def device_normalize(name, device):
+    """What the workers' transforms no longer do (they end at uint8 pixels, 0-255): a function from a batch on
+    `device` to float32, x / 255 less the dataset's mean over its std (CIFAR-100's, else ImageNet's), per channel, in
+    the batch's memory format. Synthetic images are made as floats: they pass unchanged."""
+    if name == "synthetic":
+        return lambda images: images
+    mean, std = (CIFAR_MEAN, CIFAR_STD) if name == "cifar100" else (IMAGENET_MEAN, IMAGENET_STD)
+    mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) * 255 for v in (mean, std))
+    return lambda images: (images.float() - mean) / std
 
 
 def add_data_flags(parser):
@@ -266,7 +279,7 @@ def build_datasets(name, root=None, image_size=None, synthetic_train=2048, synth
     if name == "cifar100":
         import torchvision  # only where it is used: importing it costs each process over a second
 
-        train_tf, val_tf = transforms(size, flip, CIFAR_MEAN, CIFAR_STD)
+        train_tf, val_tf = transforms(size, flip)
         try:
             train = torchvision.datasets.CIFAR100(root, train=True, transform=train_tf)
             val = torchvision.datasets.CIFAR100(root, train=False, transform=val_tf)
@@ -295,7 +308,7 @@ def _imagefolder(root, size, flip):
             raise DataError(f"cannot read {path!r} (permissions); {layout}")
     import torchvision
 
-    train_tf, val_tf = transforms(size, flip, IMAGENET_MEAN, IMAGENET_STD)
+    train_tf, val_tf = transforms(size, flip)
     try:
         train = torchvision.datasets.ImageFolder(os.path.join(root, "train"), transform=train_tf)
         val = torchvision.datasets.ImageFolder(os.path.join(root, "val"), transform=val_tf)

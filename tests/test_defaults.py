@@ -19,7 +19,7 @@ import torchvision.transforms as T
 from conftest import IMAGE_RECIPES, launch, load_recipe, result_of
 
 from common import harness
-from common.data import transforms
+from common.data import CIFAR_MEAN, CIFAR_STD, IMAGENET_MEAN, IMAGENET_STD, device_normalize, transforms
 from common.models import _parameters_on_meta, build_model
 from common.schedule import default_lr, warmup_cosine, warmup_steps
 from tools.real_data import export
@@ -128,17 +128,30 @@ def test_the_transforms_follow_the_image_size_and_the_flip_switch():
     def kinds(compose):
         return [type(t).__name__ for t in compose.transforms]
 
-    train, val = transforms(32, True, (0.5,) * 3, (0.5,) * 3)
-    assert kinds(train) == ["Resize", "CenterCrop", "RandomCrop", "RandomHorizontalFlip", "ToTensor", "Normalize"]
-    assert train.transforms[2].padding == 4 and kinds(val) == ["Resize", "CenterCrop", "ToTensor", "Normalize"]
-    train, _ = transforms(16, False, (0.5,) * 3, (0.5,) * 3)
+    train, val = transforms(32, True)
+    assert kinds(train) == ["Resize", "CenterCrop", "RandomCrop", "RandomHorizontalFlip", "PILToTensor"]
+    assert train.transforms[2].padding == 4 and kinds(val) == ["Resize", "CenterCrop", "PILToTensor"]
+    train, _ = transforms(16, False)
     assert "RandomHorizontalFlip" not in kinds(train) and train.transforms[2].padding == 2
-    train, val = transforms(224, True, (0.5,) * 3, (0.5,) * 3)
-    assert kinds(train) == ["RandomResizedCrop", "RandomHorizontalFlip", "ToTensor", "Normalize"]
-    assert kinds(val) == ["Resize", "CenterCrop", "ToTensor", "Normalize"] and val.transforms[0].size == 256
-    image = T.ToPILImage()(torch.rand(3, 20, 28))  # any input size comes out at the size asked for
-    assert train(image).shape == (3, 224, 224) and transforms(32, True, (0,) * 3, (1,) * 3)[0](image).shape == (
-        3, 32, 32)
+    train, val = transforms(224, True)
+    assert kinds(train) == ["RandomResizedCrop", "RandomHorizontalFlip", "PILToTensor"]
+    assert kinds(val) == ["Resize", "CenterCrop", "PILToTensor"] and val.transforms[0].size == 256
+    image = T.ToPILImage()(torch.rand(3, 20, 28))  # any input size comes out at the size asked for, as uint8
+    assert train(image).shape == (3, 224, 224) and train(image).dtype == torch.uint8
+    assert transforms(32, True)[0](image).shape == (3, 32, 32)
+
+
+def test_device_normalize_is_the_workers_old_to_tensor_and_normalize():
+    # Issue 65: the workers hand over uint8; the recipes normalise on the device what ToTensor and Normalize made.
+    pixels = torch.randint(0, 256, (2, 3, 5, 7), dtype=torch.uint8)
+    for name, (mean, std) in (("imagefolder", (IMAGENET_MEAN, IMAGENET_STD)), ("cifar100", (CIFAR_MEAN, CIFAR_STD))):
+        ours = device_normalize(name, torch.device("cpu"))(pixels)
+        theirs = T.Normalize(mean, std)(pixels.float() / 255)
+        assert ours.dtype == torch.float32 and (ours - theirs).abs().max() < 1e-5, name
+    last = pixels.contiguous(memory_format=torch.channels_last)
+    assert device_normalize("imagefolder", torch.device("cpu"))(last).is_contiguous(memory_format=torch.channels_last)
+    floats = torch.randn(2, 3, 4, 4)  # synthetic images are made as floats: unchanged
+    assert device_normalize("synthetic", torch.device("cpu"))(floats) is floats
 
 
 def test_the_learning_rate_rule_and_the_warm_up():
