@@ -319,7 +319,6 @@ def main():
         start_epoch, step = ckpt["epoch"], ckpt["step"]
         in_epoch_at_start, sums = step - start_epoch * steps_per_epoch, ckpt["sums"]  # New
         scheduler = warmup_cosine(optimizer, args.epochs, steps_per_epoch, args.warmup_epochs, step)  # New: step
-        torch.manual_seed(args.seed + rank + 10_000 * start_epoch)  # no RNG state saved: not epoch 0's draws again
         print0(f"resumed: {resume} epoch={start_epoch} step={step} scaler={scaler.state_dict()}")
     print0(f"amp: {amp_name} autocast={amp_dtype != torch.float32} grad_scaler={scaler.is_enabled()}"
            + (f" ({harness.cpu_amp_default(why=True)})" if args.amp_dtype is None and device.type == "cpu" else ""))

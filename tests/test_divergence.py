@@ -38,6 +38,7 @@ FAMILIES = {
     "ddp_comm_hooks:powersgd": ("ddp_comm_hooks", "cpu:2", ["--comm-hook", "powersgd", "--powersgd-start", "2"],
                                 "loss"),
     "ddp_uneven": ("ddp_uneven", "cpu:2", ["--shard-size", "64"], "loss"),  # 4 shards each: the same 16 steps
+    "gpu_decode": ("gpu_decode", "cpu:2", [], "loss"),  # synthetic images as JPEGs, decoded in the main process
     "torch_amp:bf16": ("torch_amp", "cpu:2", ["--amp-dtype", "bf16"], "loss"),
     "torch_amp:fp16": ("torch_amp", "cpu:2", ["--amp-dtype", "fp16"], "scale"),
     "apex_amp:O0": ("apex_amp", "cpu:2", ["--opt-level", "O0"], "loss"),

@@ -20,10 +20,10 @@ import time
 import pytest
 import torch
 import torchvision.transforms as T
-from conftest import epoch_losses, instrument_env, launch, load_recipe, result_of, samples_seen
+from conftest import ddp_counts, epoch_losses, instrument_env, launch, load_recipe, result_of, samples_seen
 from jobs import error_lines
 from PIL import Image
-from reference import Plain, evaluate, train
+from reference import Autocast, Plain, evaluate, train
 
 from common.data import IMAGENET_MEAN, IMAGENET_STD, NameFailingSamples, SampleError, SeededSamples, build_datasets
 from common.models import build_model
@@ -31,7 +31,11 @@ from tools.make_jpegs import make_set
 
 SIZE, EPOCHS, LR, BATCH = 16, 2, 0.1, 16
 FLAGS = ["--dataset", "imagefolder", "--arch", "tiny_bn", "--workers", "0", "--epochs", EPOCHS, "--lr", LR,
-         "--image-size", SIZE, "--amp-dtype", "fp32", "--channels-last", "--save-every", 3]
+         "--image-size", SIZE, "--save-every", 3]
+# As torch_amp's conformance cases: fp16 with its scaler, 2 micro-batches a step (no_sync, the loss / 2) and clipping
+# after unscale_ on 2 ranks; fp32 in channels-last on 3.
+MODES = {"cpu:2": ["--amp-dtype", "fp16", "--accum-steps", 2, "--clip-grad", 1.0],
+         "cpu:3": ["--amp-dtype", "fp32", "--channels-last"]}
 ODD = {"cmyk_0.JPEG", "png_0.JPEG"}  # the files PIL decodes in the worker (gray and progressive go to the decoder)
 
 
@@ -77,12 +81,15 @@ def run(request, photos, tmp_path_factory):
     devices, batch = request.param
     world = int(devices.split(":")[1])
     out = tmp_path_factory.mktemp(f"gpu_decode_{world}")
-    proc = launch("recipes/gpu_decode.py", devices, *FLAGS, "--data-root", photos, "--batch-size", batch,
-                  "--out-dir", out, env=instrument_env(LOG_SAMPLES_DIR=out / "samples"))
+    proc = launch("recipes/gpu_decode.py", devices, *FLAGS, *MODES[devices], "--data-root", photos, "--batch-size",
+                  batch, "--out-dir", out,
+                  env=instrument_env(LOG_SAMPLES_DIR=out / "samples", COUNT_DDP_DIR=out / "ddp"))
+    mixed, accum = (Autocast(torch.float16, 1.0), 2) if world == 2 else (Plain(), 1)
     torch.manual_seed(0)
-    losses, model = train(build_model("tiny_bn", 10), Plain(), OneAtATime(photos, True), world=world, epochs=EPOCHS,
-                          batch=batch, lr=LR, fused=True)
-    return {"proc": proc, "out": out, "world": world, "batch": batch, "losses": losses, "model": model}
+    losses, model = train(build_model("tiny_bn", 10), mixed, OneAtATime(photos, True), world=world, epochs=EPOCHS,
+                          batch=batch, lr=LR, accum=accum, fused=True)
+    return {"proc": proc, "out": out, "world": world, "batch": batch, "losses": losses, "model": model,
+            "mixed": mixed, "accum": accum}
 
 
 def test_training_and_eval_equal_the_one_process_reference(run, photos):
@@ -98,7 +105,7 @@ def test_training_and_eval_equal_the_one_process_reference(run, photos):
     # Exact evaluation: every validation file once, scored as one process scores the saved model.
     model = build_model("tiny_bn", 10)
     model.load_state_dict(saved)
-    loss, acc1, samples = evaluate(model, Plain(), OneAtATime(photos, False))
+    loss, acc1, samples = evaluate(model, run["mixed"], OneAtATime(photos, False))  # in the run's precision
     assert samples == result["val_samples"] == 37 and result["val_acc1"] == pytest.approx(acc1, abs=1e-3)
     assert float(re.findall(r"val_loss=([\d.]+)", proc.stdout)[-1]) == pytest.approx(loss, abs=1.5e-4)
 
@@ -115,15 +122,26 @@ def test_each_rank_is_handed_its_own_files_bytes_and_pixels_only_for_what_the_gp
         expected.append([len(took), encoded, len(odd)])
     assert result_of(run["proc"])["handed_per_rank"] == expected
     assert sum(r[2] for r in expected) > 0  # the odd files were among them
-    for epoch in range(EPOCHS):  # each epoch the ranks' shards are disjoint
+    for epoch in range(EPOCHS):  # each epoch the ranks' shards are disjoint; evaluation a strided shard each
         mine = [{i for b in seen[("train", run["world"], r, epoch)] for i in b} for r in range(run["world"])]
         assert sum(map(len, mine)) == len(set().union(*mine)), mine
+        assert [sorted(i for b in seen[("eval", run["world"], r, epoch)] for i in b) for r in range(run["world"])] == [
+            list(range(r, 37, run["world"])) for r in range(run["world"])]
+
+
+def test_ddp_reduces_once_a_step_and_evaluation_goes_around_the_wrapper(run):
+    # tests/instrument's COUNT_DDP_DIR in each rank: one gradient all-reduce a step (2 micro-batches on 2 ranks: the
+    # first under no_sync), none from evaluation through the wrapper, no host read of GradScaler's inf flag (fused SGD).
+    steps = result_of(run["proc"])["steps"]
+    for count in ddp_counts(run["out"] / "ddp"):
+        assert (count["grad_allreduces"], count["eval_forwards"], count["scaler_host_reads"]) == (steps, 0, 0), count
+        assert [b > 0 for b in count["allreduce_bytes_per_step"]] == ([False] * (run["accum"] - 1) + [True]) * steps
 
 
 @pytest.mark.parametrize("run", [("cpu:2", BATCH)], indirect=True, ids=["cpu:2"])
 def test_a_run_resumed_mid_epoch_ends_with_the_uninterrupted_runs_weights(run, photos, tmp_path):
-    args = ["recipes/gpu_decode.py", "cpu:2", *FLAGS, "--data-root", photos, "--batch-size", BATCH, "--out-dir",
-            tmp_path]
+    args = ["recipes/gpu_decode.py", "cpu:2", *FLAGS, *MODES["cpu:2"], "--data-root", photos, "--batch-size", BATCH,
+            "--out-dir", tmp_path]
     first = launch(*args, "--max-steps", 10)  # 8 steps an epoch: saved at steps 3 and 9, stopped at 10
     assert "saved: checkpoint.pt at step 9 (1 of epoch 2)" in first.stdout, first.stdout
     resumed = launch(*args, "--resume", "auto")

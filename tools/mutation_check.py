@@ -208,8 +208,8 @@ EDITS = [
          "Subset(val_set, range(rank, len(val_set), world_size))",
          "Subset(val_set, range(len(val_set)) if rank == 0 else [])"),
     Edit("channels_last_inputs", "same numbers, --channels-last on the model alone: the first convolution gets NCHW",
-         "images = images.to(device, non_blocking=True, memory_format=memory_format)",
-         "images = images.to(device, non_blocking=True)"),
+         "images = normalize(images.to(device, non_blocking=True, memory_format=memory_format))",
+         "images = normalize(images.to(device, non_blocking=True))"),
     Edit("channels_last_model", "same numbers, --channels-last on the inputs alone: every weight stays NCHW",
          "build_model(args.arch, num_classes, args.image_size).to(device, memory_format=memory_format)",
          "build_model(args.arch, num_classes, args.image_size).to(device)"),
@@ -243,8 +243,8 @@ EDITS = [
          "every activation kept", "model.blocks[name] = checkpoint_wrapper(block)",
          "model.blocks[name] = checkpoint_wrapper(block, checkpoint_fn=lambda block, *args, **kwargs: block(*args))"),
     Edit("channels_last_eval", "same numbers, --channels-last in training alone: evaluation's convolutions get NCHW",
-         "images = images.to(device, non_blocking=True, memory_format=memory_format)  # New: as in training",
-         "images = images.to(device, non_blocking=True)  # New: as in training"),
+         "images = normalize(images.to(device, non_blocking=True, memory_format=memory_format))  # New: as in training",
+         "images = normalize(images.to(device, non_blocking=True))  # New: as in training"),
 ]
 # The tests that guard a recipe by default: its conformance cases (a -k expression); ddp_uneven's own reference loop
 # (every rank's batches); a language model's own file (test_lm.py guards the base, test_lm_tp.py its sibling).
@@ -257,6 +257,8 @@ def own_tests(recipe):
         return [f"tests/test_{recipe.replace('_ddp', '')}.py"]
     if recipe == "ddp_uneven":
         return ["tests/test_uneven.py", "-k", "equals_the_reference"]
+    if recipe == "gpu_decode":  # its own reference loop, fed its samples one at a time (issue 65)
+        return ["tests/test_gpu_decode.py"]
     # "[dp]" but not "[apex_ddp]", "[apex_amp:O0]" to "[apex_amp:O3]".
     return [CONFORMANCE, "-k", f"[{recipe}] or [{recipe}:"]
 
@@ -332,7 +334,8 @@ GUARDS = {
     "powersgd_state": {ANY: ["tests/test_comm_hooks.py"]},
     "powersgd_mean_error": {ANY: ["tests/test_comm_hooks.py"]},
     # Issue 57: the measurements in the recipes' own processes (tests/instrument).
-    "eval_rank0_alone": {"ddp_uneven": ["tests/test_uneven.py", "-k", "equals_the_reference and cpu:2"],
+    "eval_rank0_alone": {"gpu_decode": ["tests/test_gpu_decode.py", "-k", "handed"],
+                         "ddp_uneven": ["tests/test_uneven.py", "-k", "equals_the_reference and cpu:2"],
                          ANY: lambda recipe: cases(recipe, "disjoint_share")},
     "channels_last_inputs": {"torch_amp": cases("torch_amp", "layout")},
     "channels_last_model": {"torch_amp": cases("torch_amp", "layout")},
