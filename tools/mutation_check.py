@@ -242,6 +242,10 @@ EDITS = [
     Edit("lm_checkpoint_recomputes_nothing", "same numbers, --activation-checkpointing that recomputes nothing: "
          "every activation kept", "model.blocks[name] = checkpoint_wrapper(block)",
          "model.blocks[name] = checkpoint_wrapper(block, checkpoint_fn=lambda block, *args, **kwargs: block(*args))"),
+    # Issue 65: gpu_decode's workers hand over the files' bytes; the main process decodes.
+    Edit("gpu_decode_pixels", "same numbers, the workers decode every file and hand over pixels: the GPU's work done "
+         "by the CPU", 'if image.format == "JPEG" and image.mode in ("RGB", "L") and data.endswith(b"\\xff\\xd9"):',
+         "if False:"),
     Edit("channels_last_eval", "same numbers, --channels-last in training alone: evaluation's convolutions get NCHW",
          "images = normalize(images.to(device, non_blocking=True, memory_format=memory_format))  # New: as in training",
          "images = normalize(images.to(device, non_blocking=True))  # New: as in training"),
@@ -334,6 +338,7 @@ GUARDS = {
     "powersgd_state": {ANY: ["tests/test_comm_hooks.py"]},
     "powersgd_mean_error": {ANY: ["tests/test_comm_hooks.py"]},
     # Issue 57: the measurements in the recipes' own processes (tests/instrument).
+    "gpu_decode_pixels": {"gpu_decode": ["tests/test_gpu_decode.py", "-k", "handed"]},
     "eval_rank0_alone": {"gpu_decode": ["tests/test_gpu_decode.py", "-k", "handed"],
                          "ddp_uneven": ["tests/test_uneven.py", "-k", "equals_the_reference and cpu:2"],
                          ANY: lambda recipe: cases(recipe, "disjoint_share")},
