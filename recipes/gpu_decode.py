@@ -1,6 +1,6 @@
 """Real JPEGs at GPU speed: workers read the files' bytes, the GPU decodes, crops, flips and normalises each batch.
 
-    ./launch.sh recipes/gpu_decode.py 0,1,3 --dataset imagefolder --data-root ~/imagenet --channels-last
+    ./launch.sh recipes/gpu_decode.py 0 --dataset imagefolder --data-root ~/imagenet --channels-last  # one GPU
     python tools/make_jpegs.py data/jpegs --train 20000 --val 1000   # real JPEGs to try it on: --data-root data/jpegs
     ./launch.sh recipes/gpu_decode.py cpu:2 --arch tiny --epochs 3 --save-every 5 --resume auto  # CPU: the same lines
 

@@ -59,8 +59,9 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     ("ddp_torchrun", "torch_amp", 182), ("ddp_torchrun", "ddp_checkpoint", 220), ("ddp_torchrun", "apex_ddp", 63),
     # gpu_decode (issue 65): torch_amp's, the data path moved to the main process's device (EncodedImages, collate,
     # decode_batch, DataLoaderX's on_device), --save-every's mid-epoch resume, its docstring, and torch_amp's
-    # `# New` tags left off the lines it shares (here they are torch_amp's): 282.
-    ("torch_amp", "gpu_decode", 282),
+    # `# New` tags left off the lines it shares (here they are torch_amp's): 282; 283 without torch_amp's reseed on
+    # resume (each sample's augmentation is seeded) and with torch_amp's device_normalize, which it does not need.
+    ("torch_amp", "gpu_decode", 283),
     # mx_face_prefetch: 150, then 160 with issue 65's device_normalize in the flagship (its RecordIO transforms keep
     # insightface's ToTensor and Normalize(0.5, 0.5) in the workers: the flagship's 10 lines show as its difference).
     ("ddp_torchrun", "apex_amp", 259), ("ddp_torchrun", "mx_face_prefetch", 160),
