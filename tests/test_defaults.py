@@ -50,7 +50,8 @@ def data_flags(recipe, digits, size=16):
 # 3 processes: the other recipes have a documented 0,1,3 command at their default batch, which
 # tests/test_documented_commands.py runs on cpu:3 and checks the rounded global batch of. fsdp's say 0,1,2,3, and
 # apex_amp's are fp16 (O2) or --impl apex, which a CPU does not run.
-THREE_HERE = {"fsdp", "apex_amp"}
+# gpu_decode's are one GPU's (its lesson: what feeds one GPU), a 224 px run at 47 core-seconds as a 0,1,3 command.
+THREE_HERE = {"fsdp", "apex_amp", "gpu_decode"}
 # 5 processes (125 of 128, 25 each): the recipes whose setup is not the flagship's copy (dp splits the batch itself,
 # ddp_launch and ddp_spawn start otherwise, torch_amp divides by --accum-steps too, fsdp shards); the flagship's
 # siblings share its lines, which the flagship's run and their own 1- and 3-process runs already cover. ddp_compile
