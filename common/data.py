@@ -232,7 +232,7 @@ def transforms(size, flip):
     the image, which at 32 px is a few pixels of a digit. From 64 px: RandomResizedCrop, and the usual resize and
     center crop for validation. flip: a random horizontal flip, right for photos, wrong for text and digits.
     Both end at a uint8 tensor (PILToTensor), not ToTensor and Normalize: a quarter of float32's bytes to hand over,
-    pin and copy, and a third more images a core (docs/data.md); device_normalize() finishes the job on the device."""
+    pin and copy, and 1.3x the images a worker hands over (docs/data.md); device_normalize() finishes on the device."""
     import torchvision.transforms as T
 
     if size < SMALL_IMAGES:

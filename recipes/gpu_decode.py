@@ -51,14 +51,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run
 from common import harness  # plumbing, not the lesson: every line that uses it says so
 from common.checkpoint import find_resume, load_same_flags, load_weights, save_atomic
 from common.data import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
     NameFailingSamples,
     SampleError,
     SeededSamples,
     SkipFirst,
     add_data_flags,
     build_datasets,
+    device_normalize,
 )
 from common.loader import DataLoaderX
 from common.models import build_model, recomputed_batchnorm
@@ -191,10 +190,8 @@ def decode_batch(batch, device, size, memory_format, counts, split, source):  # 
         images.append(TF.horizontal_flip(image) if flip else image)
     counts.update(encoded_bytes=sum(p.numel() for p in files), images=len(payloads),
                   decoded_by_workers=len(payloads) - len(files))
-    mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
-    std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255
-    images = ((torch.stack(images).float() - mean) / std).contiguous(memory_format=memory_format)
-    return images, labels.to(device, non_blocking=True)
+    images = device_normalize("imagefolder", device)(torch.stack(images))  # ImageNet's mean and std, as float32
+    return images.contiguous(memory_format=memory_format), labels.to(device, non_blocking=True)
 
 
 # ------------------------------------------------------------------------------------------- eval

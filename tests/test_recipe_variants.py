@@ -60,8 +60,9 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # gpu_decode (issue 65): torch_amp's, the data path moved to the main process's device (EncodedImages, collate,
     # decode_batch, DataLoaderX's on_device), --save-every's mid-epoch resume, its docstring, and torch_amp's
     # `# New` tags left off the lines it shares (here they are torch_amp's): 282; 283 without torch_amp's reseed on
-    # resume (each sample's augmentation is seeded) and with torch_amp's device_normalize, which it does not need.
-    ("torch_amp", "gpu_decode", 283),
+    # resume (each sample's augmentation is seeded) and with torch_amp's device_normalize, which it does not need;
+    # 280 with its decode_batch normalising by device_normalize too.
+    ("torch_amp", "gpu_decode", 280),
     # mx_face_prefetch: 150, then 160 with issue 65's device_normalize in the flagship (its RecordIO transforms keep
     # insightface's ToTensor and Normalize(0.5, 0.5) in the workers: the flagship's 10 lines show as its difference).
     ("ddp_torchrun", "apex_amp", 259), ("ddp_torchrun", "mx_face_prefetch", 160),
