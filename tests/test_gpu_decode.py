@@ -52,6 +52,18 @@ def sources(root):
     return train_files.dataset, val_files.dataset  # the ImageFolders under NameFailingSamples
 
 
+def decoded(recipe, samples, size, files, split="train"):
+    """The recipe's main-process part (decode_batch) on the CPU, for its worker's samples: (images, labels)."""
+    return recipe.decode_batch(recipe.collate(samples), torch.device("cpu"), size, torch.contiguous_format,
+                               collections.Counter(), split, files)
+
+
+def levels(images):
+    """Normalised images back to levels of 255, as the files' pixels are."""
+    mean, std = (torch.tensor(v).view(3, 1, 1) * 255 for v in (IMAGENET_MEAN, IMAGENET_STD))
+    return images * std + mean
+
+
 class OneAtATime(torch.utils.data.Dataset):
     """The recipe's samples one at a time: its worker's part (EncodedImages, seeded per sample), then its main
     process's part (decode_batch) on a batch of one."""
@@ -70,9 +82,7 @@ class OneAtATime(torch.utils.data.Dataset):
         return len(self.items)
 
     def __getitem__(self, index):
-        batch = self.recipe.collate([self.items[index]])
-        images, labels = self.recipe.decode_batch(batch, torch.device("cpu"), SIZE, torch.contiguous_format,
-                                                  collections.Counter(), "train", self.files)
+        images, labels = decoded(self.recipe, [self.items[index]], SIZE, self.files)
         return images[0], int(labels[0])
 
 
@@ -160,19 +170,17 @@ def test_the_box_and_flip_are_torchvisions_drawn_from_each_samples_seed(photos):
     files = sources(photos)[0]
     items = SeededSamples(recipe.EncodedImages(files, 64, True, True), seed=0)
     standard = T.Compose([T.RandomResizedCrop(64, scale=(0.08, 1.0)), T.RandomHorizontalFlip()])
-    mean, std = (torch.tensor(v).view(3, 1, 1) * 255 for v in (IMAGENET_MEAN, IMAGENET_STD))
     flips = []
     for epoch, index in [(0, 0), (0, 5), (1, 5), (3, 17), (0, 40), (2, 77)]:
         items.set_epoch(epoch)
         sample = items[index]
         flips.append(bool(sample[2]))
-        ours, _ = recipe.decode_batch(recipe.collate([sample]), torch.device("cpu"), 64, torch.contiguous_format,
-                                      collections.Counter(), "train", files)
+        ours, _ = decoded(recipe, [sample], 64, files)
         pixels = T.functional.pil_to_tensor(Image.open(files.samples[index][0]).convert("RGB"))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(((0 * 1_000_003 + epoch) * 10_000_019 + index) % 2**64)
             theirs = standard(pixels)
-        assert (ours[0] * std + mean - theirs.float()).abs().max() <= 1.01, (epoch, index)
+        assert (levels(ours[0]) - theirs.float()).abs().max() <= 1.01, (epoch, index)
     assert len(set(flips)) == 2  # both ways among these
     again = items[77]  # the same (epoch, index) draws the same again
     assert torch.equal(again[1], items[77][1])
@@ -183,14 +191,11 @@ def test_validation_is_resize_and_center_crop_as_one_resize(tmp_path):
     # a level of 255 on average (measured 0.72-0.98 on these 200 x 150 photographs; the box 1 px off: 6.9-14).
     make_set(tmp_path, train=2, val=4, classes=2, size=(200, 150), jobs=1)
     recipe, files = load_recipe("gpu_decode"), sources(tmp_path)[1]
-    mean, std = (torch.tensor(v).view(3, 1, 1) * 255 for v in (IMAGENET_MEAN, IMAGENET_STD))
     for index in range(4):
-        ours, _ = recipe.decode_batch(recipe.collate([recipe.EncodedImages(files, 64, False, False)[index]]),
-                                      torch.device("cpu"), 64, torch.contiguous_format, collections.Counter(), "val",
-                                      files)
+        ours, _ = decoded(recipe, [recipe.EncodedImages(files, 64, False, False)[index]], 64, files, "val")
         pixels = T.functional.pil_to_tensor(Image.open(files.samples[index][0]).convert("RGB"))
         theirs = T.Compose([T.Resize(64 * 8 // 7), T.CenterCrop(64)])(pixels).float()
-        assert (ours[0] * std + mean - theirs).abs().mean() < 1.5, index  # 0.7-1.0; a box 1 px off: 6.9-14
+        assert (levels(ours[0]) - theirs).abs().mean() < 1.5, index  # 0.7-1.0; a box 1 px off: 6.9-14
 
 
 def test_a_file_that_nothing_decodes_stops_the_run_with_one_line_naming_it(tmp_path):
@@ -217,8 +222,7 @@ def test_a_jpeg_broken_inside_is_named_by_the_main_process(photos):
     broken = torch.frombuffer(bytearray(b"\xff\xd8\xff\xdb\x00\x43" + bytes(80) + b"\xff\xd9"), dtype=torch.uint8)
     samples = [good[0], (broken, *good[7][1:])]
     with pytest.raises(SampleError, match=rf"^train sample 7 \({re.escape(files.samples[7][0])}\) does not decode: "):
-        recipe.decode_batch(recipe.collate(samples), torch.device("cpu"), SIZE, torch.contiguous_format,
-                            collections.Counter(), "train", files)
+        decoded(recipe, samples, SIZE, files)
 
 
 def test_cifar100_and_a_bad_save_every_are_refused_in_one_line(capsys):
