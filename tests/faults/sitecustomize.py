@@ -195,9 +195,13 @@ def _job_pids(root):
 # when WHEN comes: WHEN is step=N (after this rank's N-th optimizer step) or save=N (as this process opens a file
 # named latest.pt.tmp for writing for the N-th time: inside a save); TARGET is launcher (this rank's parent, which
 # passes it on), self (this rank alone) or job (the launcher and every process under it: ranks and DataLoader
-# workers, as SLURM's --signal=USR1@120 does). A test double of a SCHEDULER's preemption warning.
+# workers, as SLURM's --signal=USR1@120 does). A test double of a SCHEDULER's preemption warning. The sender then
+# waits (up to 30 s) until its own handler has run, in this process or passed back by the launcher: the signal lands
+# after that step or inside that save on every machine, however loaded (a busy CI machine once took 4 tiny steps to
+# pass it on, and the stop came an epoch late).
 if os.environ.get("FAULT_SIGNAL"):
     import signal
+    import threading
 
     _signals = [spec.split(":") for spec in os.environ["FAULT_SIGNAL"].split(",")]
     _signals = [(when, target) for rank, when, target in _signals if os.environ.get("RANK", "0") == rank]
@@ -206,11 +210,20 @@ if os.environ.get("FAULT_SIGNAL"):
         sys.stdout.write(f"FAULT: rank {os.environ.get('RANK', '0')} sends SIGUSR1 to {target} at {when}\n")
         sys.stdout.flush()
         launcher = os.getppid()
+        handler, landed = signal.getsignal(signal.SIGUSR1), []
+        waits = callable(handler) and threading.current_thread() is threading.main_thread()  # signal.signal's rule
+        if waits:
+            signal.signal(signal.SIGUSR1, lambda signum, frame: (landed.append(signum), handler(signum, frame)))
         for pid in {"launcher": [launcher], "self": [os.getpid()], "job": sorted(_job_pids(launcher))}[target]:
             try:
                 os.kill(pid, signal.SIGUSR1)
             except ProcessLookupError:
                 pass
+        if waits:
+            deadline = time.monotonic() + 30
+            while not landed and time.monotonic() < deadline:
+                time.sleep(0.005)  # the handler runs in this thread, between two of these
+            signal.signal(signal.SIGUSR1, handler)
 
     _counts = {"step": [0], "save": [0]}
 
