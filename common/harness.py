@@ -31,14 +31,19 @@ as one name, so every such line reads `harness.NAME(...)` and shows itself for w
     harness.StepMeter(...)                the language models' loop plumbing in one object: the loss meter, the
                                           divergence watch, the clock (tokens/s, own_ms, ETA) and --profile; local
                                           but for its methods named for their collective
+    harness.CompileCounts(enabled, device)  the language models' --compile counts (graphs, breaks, recompiles,
+                                          the first step's compile time); its gather_fields() is a COLLECTIVE
 
 No function here performs a collective unless its name says so (all_reduce, broadcast, gather, or process_group:
 it makes one): everything else is local and safe under `if is_main:` (tests/test_harness.py walks common/ and runs
 the local ones on rank 0 alone).
 """
 
+import collections
+import contextlib
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -59,6 +64,7 @@ from common.utils import (
     nonfinite_flags,
     one_line_errors,
     peak_memory_mb,
+    print0,
     result_line,
 )
 
@@ -292,7 +298,71 @@ class StepMeter:
         return gather_result_line(self.device, self.speed, model, optimizer, rate_key="tokens_per_sec", **fields)
 
 
-__all__ = ["DivergenceCheck", "Profiler", "StepMeter", "StopVote", "TensorBoard", "Throughput", "add_flags",
-           "add_profile_flag", "broadcast_out_dir_check", "check_compiler", "check_epochs_left", "check_flags",
-           "check_full_batch", "check_gpu", "default_workers", "die", "gather_profile_table", "gather_result_line",
-           "one_line_errors", "peak_memory_mb", "state_bytes"]
+class CompileCounts:
+    """--compile's plumbing in the language models: torch._dynamo's counters, read as ddp_compile.py reads them (which
+    writes them out: the lesson is there). Local but for gather_fields; without --compile every method does nothing.
+
+        compiled = harness.CompileCounts(args.compile, device)  before the first step: the compile's clock starts
+        compiled.first_step()            after this run's first step, which compiled the blocks: the 'compile:' line;
+                                         no graph at all: one line, exit 2 (torch.compile(block)'s result dropped)
+        with compiled.evaluating():      graphs compiled in there are evaluation's (no_grad, its batch: their own)
+        compiled.gather_fields()         a COLLECTIVE (all-gather): every rank's compiled_graphs, eval_graphs,
+                                         recompiles (compiled again during training: a new shape or a changed guard)
+                                         and graph_breaks, each a list in rank order, for RESULT ({} without)
+        compiled.line(fields)            the closing 'compile:' line from them, with rank 0's break reasons"""
+
+    KEYS = ("compiled_graphs", "eval_graphs", "recompiles", "graph_breaks")
+
+    def __init__(self, enabled, device):
+        self.enabled, self.device, self.first, self.eval = enabled, device, 0, 0
+        self.started = time.perf_counter()
+
+    @staticmethod
+    def graphs_and_breaks():
+        """Graphs dynamo compiled in this process, and its graph breaks by their reason's first line."""
+        from torch._dynamo.utils import counters
+
+        return counters["stats"]["unique_graphs"], collections.Counter(
+            reason.splitlines()[0] for reason, count in counters["graph_break"].items() for _ in range(count))
+
+    def first_step(self):
+        if not self.enabled:
+            return
+        self.first, breaks = self.graphs_and_breaks()
+        if self.first == 0:
+            die("--compile compiled no graph in the first step: compile each block in place (block.compile()), or "
+                "put the module torch.compile(block) returns back in the model", all_ranks=True)
+        print0(f"compile: {self.first} graph(s) in {time.perf_counter() - self.started:.1f} s (the first step; tok/s "
+               f"leaves it out), {sum(breaks.values())} graph break(s)")
+
+    @contextlib.contextmanager
+    def evaluating(self):
+        before = self.graphs_and_breaks()[0]
+        try:
+            yield
+        finally:
+            self.eval += self.graphs_and_breaks()[0] - before
+
+    def gather_fields(self):
+        if not self.enabled:
+            return {}
+        graphs, breaks = self.graphs_and_breaks()
+        mine = [graphs, self.eval, graphs - self.first - self.eval, sum(breaks.values())]
+        everyone = gather_values(mine, self.device)
+        return {key: [int(rank[i]) for rank in everyone] for i, key in enumerate(self.KEYS)}
+
+    def line(self, fields):
+        if not fields:
+            return ""
+        breaks = self.graphs_and_breaks()[1]
+        said = {key: str(v[0]) if len(set(v)) == 1 else f"{min(v)}-{max(v)}" for key, v in fields.items()}
+        why = "; ".join(f"{count} x {reason}" for reason, count in breaks.items())
+        return (f"compile: {said['compiled_graphs']} graph(s) a rank, {said['eval_graphs']} of them for evaluation; "
+                f"{said['recompiles']} compiled again during training; {said['graph_breaks']} graph break(s)"
+                + (f" (rank 0: {why}; TORCH_LOGS=graph_breaks shows where)" if breaks else ""))
+
+
+__all__ = ["CompileCounts", "DivergenceCheck", "Profiler", "StepMeter", "StopVote", "TensorBoard", "Throughput",
+           "add_flags", "add_profile_flag", "broadcast_out_dir_check", "check_compiler", "check_epochs_left",
+           "check_flags", "check_full_batch", "check_gpu", "default_workers", "die", "gather_profile_table",
+           "gather_result_line", "one_line_errors", "peak_memory_mb", "state_bytes"]

@@ -250,6 +250,8 @@ def add_flags(p, name, sharded=False):
     p.add_argument("--clip-grad", type=float, default=1.0, help="clip the gradient's global norm to this")
     p.add_argument("--amp-dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast, no loss scaler")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
+    p.add_argument("--compile", action="store_true", help="torch.compile each transformer block (inductor; the "
+                   "first step compiles them, needs a C++ compiler on the CPU, gcc and Python.h on a GPU)")
     p.add_argument("--eval-every", type=int, default=250, help="validate (and save) every N steps, and at the end")
     p.add_argument("--save-every", type=int, help="also save every N steps between evaluations; "
                    "SIGUSR1 saves at the next step and exits 75")

@@ -24,6 +24,8 @@ What it shows, against lm_ddp.py (diff them: the lesson is what cutting every la
   --resume on any number of ranks (DCP reshards; bitwise on the same). --async-save: dcp.async_save, a thread writing
   on a gloo group of its own, one in flight. OUT_DIR/model.pt: full weights for common.lm.Transformer, one process
   (with --async-save at the end or a stop).
+- --compile: each block compiled in place after parallelize_module (torchtitan's order): dynamo traces the slices'
+  DTensor ops, their collectives included, into one graph the blocks share (0 graph breaks). lm_ddp.py's lines.
 
 One block on 2 ranks (D = --d-model, H = --n-head; nn.Linear weights are (out, in)); [SP: ...] = --sequence-parallel
                 rank 0                              rank 1
@@ -202,6 +204,8 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32: fast, fp32's curves
     else:
         device, backend = torch.device("cpu"), "gloo"
+    if args.compile:  # inductor builds kernels: a C++ compiler (CPU), a C compiler and Python.h (GPU); one line if not
+        harness.check_compiler(device)
     if args.debug_collectives:  # each collective first checks that every rank called the same one (slow: debugging)
         dist.set_debug_level(dist.DebugLevel.DETAIL)  # before init: TORCH_DISTRIBUTED_DEBUG is read only at import
     timeout = datetime.timedelta(seconds=args.dist_timeout)  # torch's 30 min would leave the others hanging that long
@@ -235,6 +239,10 @@ def main():
             model.blocks[name] = checkpoint_wrapper(block)  # state_dict keys stay as without it
         wrapped = sum(isinstance(b, CheckpointWrapper) for b in model.blocks.values())
         print0(f"activation checkpointing: {wrapped} of {len(model.blocks)} blocks recompute their forward in backward")
+    if args.compile:  # New: each block in place, after parallelize_module (torchtitan's order): dynamo traces its
+        # slices' DTensor ops, their collectives included, into one graph the blocks share.
+        for block in model.blocks.values():
+            block.compile(dynamic=False)  # dynamic=False: a new batch shape (evaluation's last) gets its own graph
     # Weight decay on the matrices (2-D) only: decaying biases, norms' gains or embeddings only hurts (GPT-2, nanoGPT).
     matrices = [p for n, p in model.named_parameters() if p.dim() >= 2 and "emb" not in n]
     others = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "emb" not in n)]
@@ -266,6 +274,7 @@ def main():
     # The loss, the clock (tokens/s, own_ms: each rank's own work), the NaN watch, --profile; the clock starts.
     meter = harness.StepMeter(model, device, args.profile, args.out_dir, rank)  # New: the data wait alone (forward: TP)
     vote = harness.StopVote(preempt, stop_group)  # SIGUSR1: every rank stops after the same step
+    compiled = harness.CompileCounts(args.compile, device)  # --compile: graphs, breaks, recompiles; its clock
     step, stop, train_loss, val_loss = start_step, False, None, None
     while step < last:
         # New: dp_rank 0 of 1: every rank takes the whole batch of (seed, step), the one lm_ddp.py splits.
@@ -287,6 +296,8 @@ def main():
         scheduler.step()
         step += 1
         meter.step(step, loss, args.batch_size * args.seq_len)  # tokens (bytes); no host sync
+        if step == start_step + 1:
+            compiled.first_step()  # --compile: the first step compiled the blocks; none compiled: exit 2
         saves.finish_async(only_if_done=True)  # New: written? latest.pt names it now (each rank at its own step)
         stop = vote.all_reduce_max()  # the vote started a step ago: every rank the same answer at the same step
         evaluating = step % args.eval_every == 0 or step == last
@@ -295,7 +306,8 @@ def main():
             if evaluating:
                 # -------------------------------------------------------------------------------- eval
                 train_loss = meter.all_reduce_loss()  # the mean since the last eval; the clock stops
-                val_loss = evaluate(model, val_x, val_y, args.batch_size, device, amp)  # New: all windows, every rank
+                with compiled.evaluating():  # --compile: no_grad's graphs are evaluation's
+                    val_loss = evaluate(model, val_x, val_y, args.batch_size, device, amp)  # New: all windows
                 print0(f"step={step}/{args.steps} train_loss={train_loss:.4f} val_loss={val_loss:.4f} "
                        f"val_bpb={lm.bits_per_byte(val_loss):.4f} lr={scheduler.get_last_lr()[0]:.2e} "
                        f"{meter.fields(last - step)}")
@@ -343,13 +355,18 @@ def main():
         sys.exit(EX_TEMPFAIL)
     # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
     if val_loss is None:  # resumed at or past --max-steps / --steps: nothing left to train
-        val_loss = evaluate(model, val_x, val_y, args.batch_size, device, amp)  # New
+        with compiled.evaluating():
+            val_loss = evaluate(model, val_x, val_y, args.batch_size, device, amp)  # New
+    compile_fields = compiled.gather_fields()  # --compile: a collective (all-gather): every rank's counts
+    if args.compile:
+        print0(compiled.line(compile_fields))
     if args.profile:  # a collective (all-gather): every rank's compute, communication, data, idle
         print0(meter.gather_profile_table())
     # New: state_bytes_per_rank counts each rank's slices (lm_ddp.py holds the whole model everywhere).
     print0(meter.gather_result_line(model, optimizer, recipe="lm_tp", steps=step, start_step=start_step,
                                     train_loss=train_loss, val_loss=val_loss, val_bpb=lm.bits_per_byte(val_loss),
-                                    val_windows=len(val_x), tp=args.tp, sequence_parallel=args.sequence_parallel))
+                                    val_windows=len(val_x), tp=args.tp, sequence_parallel=args.sequence_parallel,
+                                    **compile_fields))
     dist.destroy_process_group()
 
 

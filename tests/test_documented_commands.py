@@ -35,6 +35,7 @@ from conftest import REPO, launch_env
 from test_defaults import THREE_HERE
 from test_profile import table as profile_table
 
+from common.harness import cpu_amp_default
 from tools.free_port import free_port
 from tools.procs import run_group
 from tools.real_data import export
@@ -269,6 +270,11 @@ def stand_in(command, data):
             rest += ["--image-size", "8"]
     if _flag(rest, "--dataset") == "imagefolder":
         rest[rest.index("--data-root") + 1] = str(data)
+    if _flag(rest, "--amp-dtype") == "bf16" and "--batch-size" not in rest and cpu_amp_default() == "fp32":
+        # No native bf16 on this CPU: a bf16 convolution takes aten's slow reference kernel, 8-12 s for resnet18's
+        # backward on a micro-batch of 32 at 8 px (docs/testing.md). 8 images a process and micro-step, not 32.
+        processes = int(argv[-1].split(":")[1]) if argv[-1].startswith("cpu:") else 1
+        rest += ["--batch-size", str(8 * processes * int(_flag(rest, "--accum-steps") or 1))]
     if name == "mx_face_prefetch" and _flag(rest, "--rec") != "synthetic":
         rest[rest.index("--rec") + 1] = str(data / "rec")
         if "--num-classes" in rest:
@@ -400,7 +406,7 @@ def test_every_documented_command_runs_on_a_cpu_stand_in(index, digits, folders,
         # The default global batch on this many processes (3 for every 0,1,3 command): 128 rounded down to a
         # multiple of processes x --accum-steps, said on the setup line (dp.py: one process, its own line).
         setup = re.search(r"^setup: world_size=(\d+) .*?global_batch=(\d+) ", "".join(r.stdout for r in results), re.M)
-        if "--batch-size" not in words and "recipes/dp.py" not in words:
+        if "--batch-size" not in map(str, argv) and "recipes/dp.py" not in words:  # the stand-in's own: not checked
             parts = int(setup[1]) * int(_flag(words, "--accum-steps") or 1)
             parts = 1 if "recipes/lm_tp.py" in words else parts  # tensor parallel: every rank takes the whole batch
             default = 32 if any(w.startswith("recipes/lm_") for w in words) else 128  # sequences, images

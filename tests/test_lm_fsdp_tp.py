@@ -43,6 +43,7 @@ from lm_checks import (
     check_args_refuses,
     claims_env,
     comms_per_step,
+    compiled_matches_eager,
     one_process_val_loss,
     only,
     plain_steps,
@@ -280,6 +281,15 @@ def test_a_tp_group_shares_its_dp_share_of_the_batch_and_each_dimension_sends_it
                     (("allreduce_", "step", (0, 1, 2, 3), 4), 1)], (flags, rank, s, step)
                 assert only(step, ops={"item"}) == [
                     (("item", "step", "common/harness.py:all_reduce_max", 4), 1)], (flags, rank, s, step)
+
+
+@SLOW  # a 4-process launch with --compile: 25-90 s (4 ranks compile on 2 cores; inductor's cache cold or not)
+def test_compiled_blocks_under_fsdp2_and_tp_train_as_eager(runs, tmp_path):
+    # issue 66: --compile on the 2 x 2 mesh with 2 micro-batches a step, each block compiled after the TP plan and
+    # before fully_shard: the eager run's losses and weights, no recompile, no graph break (FSDP2's hooks eager).
+    eager, eager_out, _ = runs("lm_fsdp_tp", "cpu:4", "--accum-steps", 2)
+    proc = launch("recipes/lm_fsdp_tp.py", "cpu:4", *ARGS, "--accum-steps", 2, "--compile", "--out-dir", tmp_path)
+    compiled_matches_eager(proc, eager, 4, tmp_path, eager_out)
 
 
 @SLOW  # the module's two 2 x 2 runs, shared

@@ -38,6 +38,7 @@ from lm_checks import (
     check_args_refuses,
     claims_env,
     comms_per_step,
+    compiled_matches_eager,
     one_process_val_loss,
     only,
     plain_steps,
@@ -234,6 +235,15 @@ def test_each_stage_runs_its_blocks_on_every_microbatch_and_sends_only_to_its_ne
                 (("allreduce_", "step", world, 4), 2)], (rank, k, steps[k - 1])  # the clip's norm, the stop vote
             assert only(steps[k - 1], ops={"item"}) == [
                 (("item", "step", "common/harness.py:all_reduce_max", 4), 1)], (rank, k, steps[k - 1])
+
+
+@pytest.mark.slow  # a 2-process launch with --compile: 15-50 s (inductor's cache cold: its C++ builds)
+def test_compiled_stages_train_as_eager(runs, tmp_path):
+    # issue 66: --compile, each stage's blocks compiled before the schedule takes the stage (1F1B, 4 microbatches):
+    # the eager run's losses and weights, no recompile, no graph break, the sends and receives eager between them.
+    eager, eager_out = runs("lm_pp", "cpu:2", "--schedule", "1f1b")
+    proc = launch("recipes/lm_pp.py", "cpu:2", *ARGS, "--schedule", "1f1b", "--compile", "--out-dir", tmp_path)
+    compiled_matches_eager(proc, eager, 2, tmp_path, eager_out)
 
 
 @pytest.mark.slow  # a 1-step run on 2 stages (6-10 s), and the GPipe run above

@@ -38,6 +38,7 @@ from lm_checks import (
     check_args_refuses,
     claims_env,
     comms_per_step,
+    compiled_matches_eager,
     killed_while_saving_resumes_bitwise,
     killed_while_writing_model_pt_leaves_the_last_one,
     one_process_val_loss,
@@ -178,6 +179,15 @@ def test_tensor_parallel_on_3_ranks_cuts_the_bytes_and_positions_unevenly(runs):
     weights, val = trains_the_one_process_model(runs, "cpu:3", ["--n-head", 3, "--d-model", 24], TP3_MODEL, False)
     print(f"tp 3: model.pt {weights:.2e} from lm_ddp's, val_loss {val:.1e} relative")
     assert expected_state_bytes(3, TP3_MODEL) == [151316, 151316, 149396]  # the uneven slices: rank 2 holds less
+
+
+@SLOW  # a 2-process launch with --compile: 15-50 s (inductor's cache cold: its C++ builds)
+def test_compiled_blocks_trace_the_slices_collectives_and_train_as_eager(runs, tmp_path):
+    # issue 66: --compile after parallelize_module, with --sequence-parallel (each block's all-gathers and
+    # reduce-scatters inside its graph): the eager run's losses and weights, no recompile, no graph break.
+    eager, eager_out = runs("lm_tp", "cpu:2", "--sequence-parallel")
+    proc = launch("recipes/lm_tp.py", "cpu:2", *ARGS, "--sequence-parallel", "--compile", "--out-dir", tmp_path)
+    compiled_matches_eager(proc, eager, 2, tmp_path, eager_out)
 
 
 @SLOW

@@ -242,6 +242,10 @@ EDITS = [
     Edit("lm_checkpoint_recomputes_nothing", "same numbers, --activation-checkpointing that recomputes nothing: "
          "every activation kept", "model.blocks[name] = checkpoint_wrapper(block)",
          "model.blocks[name] = checkpoint_wrapper(block, checkpoint_fn=lambda block, *args, **kwargs: block(*args))"),
+    # Issue 66: --compile in the language models, each block in place: torch.compile(block)'s result dropped leaves
+    # the blocks eager, with no error (the test's run stops at its first step: no graph compiled).
+    Edit("lm_compile_dropped", "torch.compile(block) with its result dropped: --compile trains every block eager",
+         "block.compile(dynamic=False)", "torch.compile(block, dynamic=False)"),
     # Issue 65: gpu_decode's workers hand over the files' bytes; the main process decodes.
     Edit("gpu_decode_pixels", "same numbers, the workers decode every file and hand over pixels: the GPU's work done "
          "by the CPU", 'if image.format == "JPEG" and image.mode in ("RGB", "L") and data.endswith(b"\\xff\\xd9"):',
@@ -360,6 +364,10 @@ GUARDS = {
                                          "lm_tp": ["tests/test_lm_tp.py", "-k", "reshards_onto"],
                                          "lm_fsdp_tp": ["tests/test_lm_fsdp_tp.py", "-k", "goes_on_at"]},
     "channels_last_eval": {"torch_amp": cases("torch_amp", "layout")},
+    "lm_compile_dropped": {"lm_ddp": ["tests/test_lm.py", "-k", "compiled"],
+                           "lm_tp": ["tests/test_lm_tp.py", "-k", "compiled"],
+                           "lm_pp": ["tests/test_lm_pp.py", "-k", "compiled"],
+                           "lm_fsdp_tp": ["tests/test_lm_fsdp_tp.py", "-k", "compiled"]},
 }
 
 
