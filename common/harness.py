@@ -31,8 +31,9 @@ as one name, so every such line reads `harness.NAME(...)` and shows itself for w
     harness.StepMeter(...)                the language models' loop plumbing in one object: the loss meter, the
                                           divergence watch, the clock (tokens/s, own_ms, ETA) and --profile; local
                                           but for its methods named for their collective
-    harness.CompileCounts(enabled, device)  the language models' --compile counts (graphs, breaks, recompiles,
-                                          the first step's compile time); its gather_fields() is a COLLECTIVE
+    harness.CompileCounts(enabled, device)  the language models' --compile: the toolchain checked, the counts
+                                          (graphs, breaks, recompiles, the first step's time); local but for its
+                                          gather_fields(), a COLLECTIVE
 
 No function here performs a collective unless its name says so (all_reduce, broadcast, gather, or process_group:
 it makes one): everything else is local and safe under `if is_main:` (tests/test_harness.py walks common/ and runs
@@ -40,7 +41,6 @@ the local ones on rank 0 alone).
 """
 
 import collections
-import contextlib
 import os
 import sys
 import time
@@ -299,22 +299,32 @@ class StepMeter:
 
 
 class CompileCounts:
-    """--compile's plumbing in the language models: torch._dynamo's counters, read as ddp_compile.py reads them (which
-    writes them out: the lesson is there). Local but for gather_fields; without --compile every method does nothing.
+    """--compile's plumbing in the language models: its toolchain checked, and torch._dynamo's counters read as
+    ddp_compile.py reads them (which writes them out: the lesson is there). Local but for gather_fields; without
+    --compile every method does nothing.
 
-        compiled = harness.CompileCounts(args.compile, device)  before the first step: the compile's clock starts
-        compiled.first_step()            after this run's first step, which compiled the blocks: the 'compile:' line;
-                                         no graph at all: one line, exit 2 (torch.compile(block)'s result dropped)
-        with compiled.evaluating():      graphs compiled in there are evaluation's (no_grad, its batch: their own)
-        compiled.gather_fields()         a COLLECTIVE (all-gather): every rank's compiled_graphs, eval_graphs,
-                                         recompiles (compiled again during training: a new shape or a changed guard)
-                                         and graph_breaks, each a list in rank order, for RESULT ({} without)
-        compiled.line(fields)            the closing 'compile:' line from them, with rank 0's break reasons"""
+        compiled = harness.CompileCounts(args.compile, device)  after block.compile(), before any step: the toolchain
+                                         (one line and exit 2 without it); the compile's clock starts
+        compiled.step()                  after each step; after this run's first, which compiled the blocks, the
+                                         'compile:' line, and with no graph at all one line and exit 2 (the module
+                                         torch.compile(block) returns, dropped)
+        compiled.gather_fields()         a COLLECTIVE (all-gather): every rank's compiled_graphs, eval_graphs (compiled
+                                         with autograd off), recompiles (with it on, after the first step: a new shape
+                                         or a changed guard) and graph_breaks, each a list in rank order, for RESULT;
+                                         rank 0 prints the closing 'compile:' line ({} without --compile)
+
+    Which graphs are evaluation's: dynamo's compile callbacks note autograd's mode as each compile starts."""
 
     KEYS = ("compiled_graphs", "eval_graphs", "recompiles", "graph_breaks")
 
     def __init__(self, enabled, device):
-        self.enabled, self.device, self.first, self.eval = enabled, device, 0, 0
+        self.enabled, self.device, self.first, self.graphs = enabled, device, None, {True: 0, False: 0}
+        if enabled:
+            check_compiler(device)
+            from torch._dynamo.callback import callback_handler
+
+            callback_handler.register_start_callback(self._compile_starts)
+            callback_handler.register_end_callback(self._compile_ends)
         self.started = time.perf_counter()
 
     @staticmethod
@@ -325,41 +335,36 @@ class CompileCounts:
         return counters["stats"]["unique_graphs"], collections.Counter(
             reason.splitlines()[0] for reason, count in counters["graph_break"].items() for _ in range(count))
 
-    def first_step(self):
-        if not self.enabled:
+    def _compile_starts(self, args):
+        self._starting = (torch.is_grad_enabled(), self.graphs_and_breaks()[0])
+
+    def _compile_ends(self, args):
+        grad, before = self._starting
+        self.graphs[grad] += self.graphs_and_breaks()[0] - before
+
+    def step(self):
+        if not self.enabled or self.first is not None:
             return
-        self.first, breaks = self.graphs_and_breaks()
+        self.first, breaks = self.graphs[True], self.graphs_and_breaks()[1]
         if self.first == 0:
             die("--compile compiled no graph in the first step: compile each block in place (block.compile()), or "
                 "put the module torch.compile(block) returns back in the model", all_ranks=True)
         print0(f"compile: {self.first} graph(s) in {time.perf_counter() - self.started:.1f} s (the first step; tok/s "
                f"leaves it out), {sum(breaks.values())} graph break(s)")
 
-    @contextlib.contextmanager
-    def evaluating(self):
-        before = self.graphs_and_breaks()[0]
-        try:
-            yield
-        finally:
-            self.eval += self.graphs_and_breaks()[0] - before
-
     def gather_fields(self):
         if not self.enabled:
             return {}
-        graphs, breaks = self.graphs_and_breaks()
-        mine = [graphs, self.eval, graphs - self.first - self.eval, sum(breaks.values())]
-        everyone = gather_values(mine, self.device)
-        return {key: [int(rank[i]) for rank in everyone] for i, key in enumerate(self.KEYS)}
-
-    def line(self, fields):
-        if not fields:
-            return ""
         breaks = self.graphs_and_breaks()[1]
+        mine = [sum(self.graphs.values()), self.graphs[False], self.graphs[True] - (self.first or 0),
+                sum(breaks.values())]
+        fields = {key: [int(rank[i]) for rank in gather_values(mine, self.device)] for i, key in enumerate(self.KEYS)}
         said = {key: str(v[0]) if len(set(v)) == 1 else f"{min(v)}-{max(v)}" for key, v in fields.items()}
         why = "; ".join(f"{count} x {reason}" for reason, count in breaks.items())
-        return (f"compile: {said['compiled_graphs']} graph(s) a rank, {said['eval_graphs']} of them for evaluation; "
-                f"{said['recompiles']} compiled again during training; {said['graph_breaks']} graph break(s)"
-                + (f" (rank 0: {why}; TORCH_LOGS=graph_breaks shows where)" if breaks else ""))
+        print0(f"compile: {said['compiled_graphs']} graph(s) a rank, {said['eval_graphs']} of them for evaluation; "
+               f"{said['recompiles']} compiled again during training; {said['graph_breaks']} graph break(s)"
+               + (f" (rank 0: {why}; TORCH_LOGS=graph_breaks shows where)" if breaks else ""))
+        return fields
 
 
 __all__ = ["CompileCounts", "DivergenceCheck", "Profiler", "StepMeter", "StopVote", "TensorBoard", "Throughput",

@@ -22,9 +22,8 @@ What it shows, against ddp_torchrun.py (diff them: the lesson is what a transfor
 - --activation-checkpointing: each block's activations are recomputed in backward instead of kept (the
   non-reentrant torch.utils.checkpoint: under DDP the reentrant one fails with "Expected to mark a variable ready
   only once" when a block is checkpointed twice or a parameter is unused; docs/lm.md).
-- --compile: each block compiled in place (block.compile()) before the DDP wrap, torchtitan's order: DDP's hooks and
-  all-reduces stay eager between compiled blocks, which share one graph. The first step pays the compile (the
-  `compile:` line says how long; tok/s leaves it out); at the end, the graphs, recompiles and graph breaks (0 here).
+- --compile: each block compiled in place before the DDP wrap (DDP's all-reduces stay eager, between blocks); the
+  first step compiles (its `compile:` line: how long); at the end the graphs, recompiles and graph breaks (0 here).
 Plumbing, not the lesson: `harness.` lines and the two harness objects `meter` (the loss, the clock, the NaN watch,
 --profile) and `vote` (SIGUSR1's stop vote); common/harness.py. The siblings of lm_ddp.py mark theirs `# New:`.
 What each rank computes, holds and sends, each claim with the test that measures it: docs/lm.md.
@@ -123,8 +122,6 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32: fast, fp32's curves
     else:
         device, backend = torch.device("cpu"), "gloo"
-    if args.compile:  # inductor builds kernels: a C++ compiler (CPU), a C compiler and Python.h (GPU); one line if not
-        harness.check_compiler(device)
     if args.debug_collectives:  # each collective first checks that every rank called the same one (slow: debugging)
         dist.set_debug_level(dist.DebugLevel.DETAIL)  # before init: TORCH_DISTRIBUTED_DEBUG is read only at import
     timeout = datetime.timedelta(seconds=args.dist_timeout)  # torch's 30 min would leave the others hanging that long
@@ -156,10 +153,10 @@ def main():
             model.blocks[name] = checkpoint_wrapper(block)  # state_dict keys stay as without it
         wrapped = sum(isinstance(b, CheckpointWrapper) for b in model.blocks.values())
         print0(f"activation checkpointing: {wrapped} of {len(model.blocks)} blocks recompute their forward in backward")
-    if args.compile:  # each block in place, before the DDP wrap (torchtitan's order): DDP's hooks stay eager, and its
-        # all-reduces overlap the backward block by block. The blocks share one graph: the same code, the same shapes.
-        for block in model.blocks.values():
-            block.compile(dynamic=False)  # dynamic=False: a new batch shape (evaluation's last) gets its own graph
+    if args.compile:  # each block in place, before the DDP wrap (torchtitan's order): DDP's hooks stay eager
+        for block in model.blocks.values():  # one graph they share; dynamic=False: evaluation's batch, one of its own
+            block.compile(dynamic=False)
+    compiled = harness.CompileCounts(args.compile, device)  # its toolchain; graphs, breaks, recompiles; a clock
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                 process_group=harness.ddp_process_group(timeout))
     # Weight decay on the matrices (2-D) only: decaying biases, norms' gains or embeddings only hurts (GPT-2, nanoGPT).
@@ -180,8 +177,7 @@ def main():
         # DDP lays its gradient buckets out again after its first backward, in the order the gradients came, and on
         # 3+ ranks where an element sits in a bucket changes how the all-reduce rounds its sum. One backward now (no
         # step) gives the resumed run the layout the uninterrupted one trained with: its weights stay bitwise the same.
-        # The training batch's shape: --compile then compiles the graph the first step uses, not one of its own.
-        model(torch.zeros(batch_per_process, args.seq_len, dtype=torch.long, device=device)).sum().backward()
+        model(torch.zeros(batch_per_process, args.seq_len, dtype=torch.long, device=device)).sum().backward()  # order
         optimizer.zero_grad(set_to_none=True)
     # The rate per step: warm-up, then cosine over --steps; a resumed run takes up the schedule where it stopped.
     scheduler = warmup_cosine(optimizer, 1, args.steps, args.warmup_steps / args.steps, start_step=start_step)
@@ -193,7 +189,6 @@ def main():
     # The loss, the clock (tokens/s, own_ms: each rank's own work), the NaN watch, --profile; the clock starts.
     meter = harness.StepMeter(model, device, args.profile, args.out_dir, rank, forward=model.module)  # data + forward
     vote = harness.StopVote(preempt, stop_group)  # SIGUSR1: every rank stops after the same step
-    compiled = harness.CompileCounts(args.compile, device)  # --compile: graphs, breaks, recompiles; its clock
     step, stop, train_loss, val_loss = start_step, False, None, None
     # --async-save: rank 0's writer thread, and the save it is writing (one at a time: the next waits for it).
     saver, in_flight = concurrent.futures.ThreadPoolExecutor(max_workers=1) if args.async_save else None, None
@@ -211,8 +206,7 @@ def main():
         scheduler.step()
         step += 1
         meter.step(step, loss, args.batch_size * args.seq_len)  # tokens (bytes); no host sync
-        if step == start_step + 1:
-            compiled.first_step()  # --compile: the first step compiled the blocks; none compiled: exit 2
+        compiled.step()  # --compile: after the first step, which compiled the blocks, the 'compile:' line
         if in_flight is not None and in_flight[0].done():  # written: said (a failure raised) at the step that sees it
             in_flight = finish_async_save(in_flight, latest)
         stop = vote.all_reduce_max()  # the vote started a step ago: every rank the same answer at the same step
@@ -222,8 +216,7 @@ def main():
             if evaluating:
                 # -------------------------------------------------------------------------------- eval
                 train_loss = meter.all_reduce_loss()  # the mean since the last eval; the clock stops
-                with compiled.evaluating():  # --compile: no_grad's graphs are evaluation's
-                    val_loss = evaluate(model.module, val_x, val_y, rank, world_size, batch_per_process, device, amp)
+                val_loss = evaluate(model.module, val_x, val_y, rank, world_size, batch_per_process, device, amp)
                 print0(f"step={step}/{args.steps} train_loss={train_loss:.4f} val_loss={val_loss:.4f} "
                        f"val_bpb={lm.bits_per_byte(val_loss):.4f} lr={scheduler.get_last_lr()[0]:.2e} "
                        f"{meter.fields(last - step)}")
@@ -260,11 +253,8 @@ def main():
         sys.exit(EX_TEMPFAIL)
     # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
     if val_loss is None:  # resumed at or past --max-steps / --steps: nothing left to train
-        with compiled.evaluating():
-            val_loss = evaluate(model.module, val_x, val_y, rank, world_size, batch_per_process, device, amp)
-    compile_fields = compiled.gather_fields()  # --compile: a collective (all-gather): every rank's counts
-    if args.compile:
-        print0(compiled.line(compile_fields))
+        val_loss = evaluate(model.module, val_x, val_y, rank, world_size, batch_per_process, device, amp)
+    compile_fields = compiled.gather_fields()  # --compile: every rank's counts (an all-gather), the 'compile:' line
     if args.profile:  # a collective (all-gather): every rank's compute, communication, data, idle
         print0(meter.gather_profile_table())
     print0(meter.gather_result_line(model, optimizer, recipe="lm_ddp", steps=step, start_step=start_step,

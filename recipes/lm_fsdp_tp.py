@@ -40,7 +40,7 @@ What it shows, against lm_tp.py (diff them: the lesson is what a second, data-pa
   another mesh: --dp, --tp, --sequence-parallel and --accum-steps may change (DCP reshards: 2 x 2 onto 1 x 2, 4 x 1,
   2 x 1), the model's shape may not. OUT_DIR/model.pt: full weights for common.lm.Transformer, one process.
 - --compile: each block compiled in place after the TP plan and before fully_shard (torchtitan's order): FSDP2's
-  all-gathers and reduce-scatters run eagerly around each compiled block (0 graph breaks). lm_ddp.py's lines.
+  all-gathers and reduce-scatters run eagerly around each compiled block (0 graph breaks).
 - Not here: HSDP (FSDP2 within a node, replicated across nodes: fully_shard on a 2-D (replicate, shard) mesh).
 
 One weight on a 2 x 2 mesh: wq.weight (D, D), cut by rows: ColwiseParallel across tp, then FSDP2 across dp
@@ -243,8 +243,6 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32: fast, fp32's curves
     else:
         device, backend = torch.device("cpu"), "gloo"
-    if args.compile:  # inductor builds kernels: a C++ compiler (CPU), a C compiler and Python.h (GPU); one line if not
-        harness.check_compiler(device)
     if args.debug_collectives:  # each collective first checks that every rank called the same one (slow: debugging)
         dist.set_debug_level(dist.DebugLevel.DETAIL)  # before init: TORCH_DISTRIBUTED_DEBUG is read only at import
     timeout = datetime.timedelta(seconds=args.dist_timeout)  # torch's 30 min would leave the others hanging that long
@@ -289,10 +287,10 @@ def main():
             model.blocks[name] = checkpoint_wrapper(block)  # state_dict keys stay as without it
         wrapped = sum(isinstance(b, CheckpointWrapper) for b in model.blocks.values())
         print0(f"activation checkpointing: {wrapped} of {len(model.blocks)} blocks recompute their forward in backward")
-    if args.compile:  # New: each block in place, after TP and before FSDP2 (torchtitan's order): FSDP2's all-gathers
-        # and reduce-scatters stay eager around each compiled block; the blocks share one graph.
-        for block in model.blocks.values():
-            block.compile(dynamic=False)  # dynamic=False: a new batch shape (evaluation's last) gets its own graph
+    if args.compile:  # New: each block in place, after the plan, before fully_shard (torchtitan's order): FSDP2 eager
+        for block in model.blocks.values():  # one graph they share; dynamic=False: evaluation's batch, one of its own
+            block.compile(dynamic=False)
+    compiled = harness.CompileCounts(args.compile, device)  # its toolchain; graphs, breaks, recompiles; a clock
     # New: FSDP2 across dp, on each block (two all-gathers and one reduce-scatter a step), then the root.
     for block in model.blocks.values():
         fully_shard(block, mesh=mesh["dp"])
@@ -333,7 +331,6 @@ def main():
     # The loss, the clock (tokens/s, own_ms: each rank's own work), the NaN watch, --profile; the clock starts.
     meter = harness.StepMeter(model, device, args.profile, args.out_dir, rank)  # own_ms: the data wait (forward: FSDP2)
     vote = harness.StopVote(preempt, stop_group)  # SIGUSR1: every rank stops after the same step
-    compiled = harness.CompileCounts(args.compile, device)  # --compile: graphs, breaks, recompiles; its clock
     step, stop, train_loss, val_loss = start_step, False, None, None
     while step < last:
         # New: this dp rank's share of the batch (its tp group's ranks take the same), in --accum-steps micro-batches.
@@ -356,8 +353,7 @@ def main():
         scheduler.step()
         step += 1
         meter.step(step, loss, args.batch_size * args.seq_len)  # tokens (bytes); no host sync
-        if step == start_step + 1:
-            compiled.first_step()  # --compile: the first step compiled the blocks; none compiled: exit 2
+        compiled.step()  # --compile: after the first step, which compiled the blocks, the 'compile:' line
         saves.finish_async(only_if_done=True)  # written? latest.pt names it now (each rank at its own step)
         stop = vote.all_reduce_max()  # the vote started a step ago: every rank the same answer at the same step
         evaluating = step % args.eval_every == 0 or step == last
@@ -366,9 +362,8 @@ def main():
             if evaluating:
                 # -------------------------------------------------------------------------------- eval
                 train_loss = meter.all_reduce_loss()  # the mean since the last eval; the clock stops
-                with compiled.evaluating():  # --compile: no_grad's graphs are evaluation's
-                    val_loss = evaluate(model, val_x, val_y, dp_rank, args.dp, mesh.get_group("dp"), per_dp, device,
-                                        amp)  # New
+                val_loss = evaluate(model, val_x, val_y, dp_rank, args.dp, mesh.get_group("dp"), per_dp, device,
+                                    amp)  # New
                 print0(f"step={step}/{args.steps} train_loss={train_loss:.4f} val_loss={val_loss:.4f} "
                        f"val_bpb={lm.bits_per_byte(val_loss):.4f} lr={scheduler.get_last_lr()[0]:.2e} "
                        f"{meter.fields(last - step)}")
@@ -416,11 +411,8 @@ def main():
         sys.exit(EX_TEMPFAIL)
     # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
     if val_loss is None:  # resumed at or past --max-steps / --steps: nothing left to train
-        with compiled.evaluating():
-            val_loss = evaluate(model, val_x, val_y, dp_rank, args.dp, mesh.get_group("dp"), per_dp, device, amp)
-    compile_fields = compiled.gather_fields()  # --compile: a collective (all-gather): every rank's counts
-    if args.compile:
-        print0(compiled.line(compile_fields))
+        val_loss = evaluate(model, val_x, val_y, dp_rank, args.dp, mesh.get_group("dp"), per_dp, device, amp)
+    compile_fields = compiled.gather_fields()  # --compile: every rank's counts (an all-gather), the 'compile:' line
     if args.profile:  # a collective (all-gather): every rank's compute, communication, data, idle
         print0(meter.gather_profile_table())
     # New: state_bytes_per_rank counts each rank's shards: 1 / (dp x tp) of the cut layers, 1 / dp of the norms.

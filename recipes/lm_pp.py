@@ -43,7 +43,7 @@ What it shows, against lm_ddp.py (diff them: the lesson is what cutting the mode
   recv, and gloo's hand the tensor's address to its host transport with no device check (ProcessGroupGloo::send);
   one rank per GPU (NCCL), or cpu:N.
 - --compile: each stage compiles its own blocks in place before the schedule takes the stage; the sends and receives
-  between stages stay eager. lm_ddp.py's lines.
+  between stages stay eager.
 Plumbing, not the lesson: `harness.` lines and the two harness objects `meter` (the loss, the clock, the NaN watch,
 --profile) and `vote` (SIGUSR1's stop vote); common/harness.py. The siblings of lm_ddp.py mark theirs `# New:`.
 What each rank computes, holds and sends, each claim with the test that measures it: docs/lm.md.
@@ -242,8 +242,6 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32: fast, fp32's curves
     else:
         device, backend = torch.device("cpu"), "gloo"
-    if args.compile:  # inductor builds kernels: a C++ compiler (CPU), a C compiler and Python.h (GPU); one line if not
-        harness.check_compiler(device)
     if args.debug_collectives:  # each collective first checks that every rank called the same one (slow: debugging)
         dist.set_debug_level(dist.DebugLevel.DETAIL)  # before init: TORCH_DISTRIBUTED_DEBUG is read only at import
     timeout = datetime.timedelta(seconds=args.dist_timeout)  # torch's 30 min would leave the others hanging that long
@@ -281,10 +279,10 @@ def main():
         wrapped = sum(isinstance(b, CheckpointWrapper) for b in model.blocks.values())
         print0(f"activation checkpointing: {wrapped} of {len(model.blocks)} blocks recompute their forward in backward "
                "(stage 0's)")  # New
-    if args.compile:  # New: this stage's blocks, each in place, before the pipeline schedule takes the stage: the
-        # micro-batches' sends and receives stay eager between compiled blocks, which share one graph.
-        for block in model.blocks.values():
-            block.compile(dynamic=False)  # dynamic=False: a new batch shape (evaluation's last) gets its own graph
+    if args.compile:  # New: this stage's blocks, each in place, before the schedule takes it: its sends stay eager
+        for block in model.blocks.values():  # one graph they share; dynamic=False: evaluation's batch, one of its own
+            block.compile(dynamic=False)
+    compiled = harness.CompileCounts(args.compile, device)  # its toolchain; graphs, breaks, recompiles; a clock
     stage, schedule = pipeline(model, rank, args.pp, device, args.schedule, args.microbatches)  # New
     # Weight decay on the matrices (2-D) only: decaying biases, norms' gains or embeddings only hurts (GPT-2, nanoGPT).
     matrices = [p for n, p in model.named_parameters() if p.dim() >= 2 and "emb" not in n]
@@ -316,7 +314,6 @@ def main():
     # New: None: no own_ms (a stage's forward waits for the one before it; --profile shows each stage's time).
     meter = harness.StepMeter(None, device, args.profile, args.out_dir, rank)
     vote = harness.StopVote(preempt, stop_group)  # SIGUSR1: every rank stops after the same step
-    compiled = harness.CompileCounts(args.compile, device)  # --compile: graphs, breaks, recompiles; its clock
     step, stop, train_loss, val_loss = start_step, False, None, None
     while step < last:
         # New: dp_rank 0 of 1: every stage takes the whole batch of (seed, step), the one lm_ddp.py splits; the first
@@ -336,8 +333,7 @@ def main():
         # New: the loss is the last stage's alone, the mean of m equal pieces' means: the batch's mean.
         loss = torch.stack(losses).mean() if stage.is_last else None
         meter.step(step, loss, args.batch_size * args.seq_len)  # tokens (bytes); no host sync
-        if step == start_step + 1:
-            compiled.first_step()  # --compile: the first step compiled the blocks; none compiled: exit 2
+        compiled.step()  # --compile: after the first step, which compiled the blocks, the 'compile:' line
         saves.finish_async(only_if_done=True)  # New: written? latest.pt names it now (each rank at its own step)
         stop = vote.all_reduce_max()  # the vote started a step ago: every rank the same answer at the same step
         evaluating = step % args.eval_every == 0 or step == last
@@ -346,8 +342,7 @@ def main():
             if evaluating:
                 # -------------------------------------------------------------------------------- eval
                 train_loss = meter.all_reduce_loss()  # New: the last stage's sum and count, onto every rank
-                with compiled.evaluating():  # --compile: no_grad's graphs are evaluation's
-                    val_loss = evaluate(schedule, stage, val_x, val_y, args.batch_size, device)  # New: the stages
+                val_loss = evaluate(schedule, stage, val_x, val_y, args.batch_size, device)  # New: the stages
                 print0(f"step={step}/{args.steps} train_loss={train_loss:.4f} val_loss={val_loss:.4f} "
                        f"val_bpb={lm.bits_per_byte(val_loss):.4f} lr={scheduler.get_last_lr()[0]:.2e} "
                        f"{meter.fields(last - step)}")
@@ -394,11 +389,8 @@ def main():
         sys.exit(EX_TEMPFAIL)
     # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
     if val_loss is None:  # resumed at or past --max-steps / --steps: nothing left to train
-        with compiled.evaluating():
-            val_loss = evaluate(schedule, stage, val_x, val_y, args.batch_size, device)  # New
-    compile_fields = compiled.gather_fields()  # --compile: a collective (all-gather): every rank's counts
-    if args.compile:
-        print0(compiled.line(compile_fields))
+        val_loss = evaluate(schedule, stage, val_x, val_y, args.batch_size, device)  # New
+    compile_fields = compiled.gather_fields()  # --compile: every rank's counts (an all-gather), the 'compile:' line
     if args.profile:  # a collective (all-gather): every rank's compute, communication, data, idle
         print0(meter.gather_profile_table())
     # New: state_bytes_per_rank counts each rank's stage (lm_ddp.py holds the whole model everywhere).

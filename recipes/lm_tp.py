@@ -24,8 +24,8 @@ What it shows, against lm_ddp.py (diff them: the lesson is what cutting every la
   --resume on any number of ranks (DCP reshards; bitwise on the same). --async-save: dcp.async_save, a thread writing
   on a gloo group of its own, one in flight. OUT_DIR/model.pt: full weights for common.lm.Transformer, one process
   (with --async-save at the end or a stop).
-- --compile: each block compiled in place after parallelize_module (torchtitan's order): dynamo traces the slices'
-  DTensor ops, their collectives included, into one graph the blocks share (0 graph breaks). lm_ddp.py's lines.
+- --compile: each block compiled in place after parallelize_module: dynamo traces its DTensor ops, collectives
+  included, into one graph the blocks share (0 graph breaks).
 
 One block on 2 ranks (D = --d-model, H = --n-head; nn.Linear weights are (out, in)); [SP: ...] = --sequence-parallel
                 rank 0                              rank 1
@@ -204,8 +204,6 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32: fast, fp32's curves
     else:
         device, backend = torch.device("cpu"), "gloo"
-    if args.compile:  # inductor builds kernels: a C++ compiler (CPU), a C compiler and Python.h (GPU); one line if not
-        harness.check_compiler(device)
     if args.debug_collectives:  # each collective first checks that every rank called the same one (slow: debugging)
         dist.set_debug_level(dist.DebugLevel.DETAIL)  # before init: TORCH_DISTRIBUTED_DEBUG is read only at import
     timeout = datetime.timedelta(seconds=args.dist_timeout)  # torch's 30 min would leave the others hanging that long
@@ -239,10 +237,10 @@ def main():
             model.blocks[name] = checkpoint_wrapper(block)  # state_dict keys stay as without it
         wrapped = sum(isinstance(b, CheckpointWrapper) for b in model.blocks.values())
         print0(f"activation checkpointing: {wrapped} of {len(model.blocks)} blocks recompute their forward in backward")
-    if args.compile:  # New: each block in place, after parallelize_module (torchtitan's order): dynamo traces its
-        # slices' DTensor ops, their collectives included, into one graph the blocks share.
-        for block in model.blocks.values():
-            block.compile(dynamic=False)  # dynamic=False: a new batch shape (evaluation's last) gets its own graph
+    if args.compile:  # New: each block in place, after the plan (torchtitan's order): its collectives traced too
+        for block in model.blocks.values():  # one graph they share; dynamic=False: evaluation's batch, one of its own
+            block.compile(dynamic=False)
+    compiled = harness.CompileCounts(args.compile, device)  # its toolchain; graphs, breaks, recompiles; a clock
     # Weight decay on the matrices (2-D) only: decaying biases, norms' gains or embeddings only hurts (GPT-2, nanoGPT).
     matrices = [p for n, p in model.named_parameters() if p.dim() >= 2 and "emb" not in n]
     others = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "emb" not in n)]
@@ -274,7 +272,6 @@ def main():
     # The loss, the clock (tokens/s, own_ms: each rank's own work), the NaN watch, --profile; the clock starts.
     meter = harness.StepMeter(model, device, args.profile, args.out_dir, rank)  # New: the data wait alone (forward: TP)
     vote = harness.StopVote(preempt, stop_group)  # SIGUSR1: every rank stops after the same step
-    compiled = harness.CompileCounts(args.compile, device)  # --compile: graphs, breaks, recompiles; its clock
     step, stop, train_loss, val_loss = start_step, False, None, None
     while step < last:
         # New: dp_rank 0 of 1: every rank takes the whole batch of (seed, step), the one lm_ddp.py splits.
@@ -296,8 +293,7 @@ def main():
         scheduler.step()
         step += 1
         meter.step(step, loss, args.batch_size * args.seq_len)  # tokens (bytes); no host sync
-        if step == start_step + 1:
-            compiled.first_step()  # --compile: the first step compiled the blocks; none compiled: exit 2
+        compiled.step()  # --compile: after the first step, which compiled the blocks, the 'compile:' line
         saves.finish_async(only_if_done=True)  # New: written? latest.pt names it now (each rank at its own step)
         stop = vote.all_reduce_max()  # the vote started a step ago: every rank the same answer at the same step
         evaluating = step % args.eval_every == 0 or step == last
@@ -306,8 +302,7 @@ def main():
             if evaluating:
                 # -------------------------------------------------------------------------------- eval
                 train_loss = meter.all_reduce_loss()  # the mean since the last eval; the clock stops
-                with compiled.evaluating():  # --compile: no_grad's graphs are evaluation's
-                    val_loss = evaluate(model, val_x, val_y, args.batch_size, device, amp)  # New: all windows
+                val_loss = evaluate(model, val_x, val_y, args.batch_size, device, amp)  # New: all windows
                 print0(f"step={step}/{args.steps} train_loss={train_loss:.4f} val_loss={val_loss:.4f} "
                        f"val_bpb={lm.bits_per_byte(val_loss):.4f} lr={scheduler.get_last_lr()[0]:.2e} "
                        f"{meter.fields(last - step)}")
@@ -355,11 +350,8 @@ def main():
         sys.exit(EX_TEMPFAIL)
     # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
     if val_loss is None:  # resumed at or past --max-steps / --steps: nothing left to train
-        with compiled.evaluating():
-            val_loss = evaluate(model, val_x, val_y, args.batch_size, device, amp)  # New
-    compile_fields = compiled.gather_fields()  # --compile: a collective (all-gather): every rank's counts
-    if args.compile:
-        print0(compiled.line(compile_fields))
+        val_loss = evaluate(model, val_x, val_y, args.batch_size, device, amp)  # New
+    compile_fields = compiled.gather_fields()  # --compile: every rank's counts (an all-gather), the 'compile:' line
     if args.profile:  # a collective (all-gather): every rank's compute, communication, data, idle
         print0(meter.gather_profile_table())
     # New: state_bytes_per_rank counts each rank's slices (lm_ddp.py holds the whole model everywhere).

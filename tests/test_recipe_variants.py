@@ -90,15 +90,16 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # CPU copy, theirs dcp.async_save's (its group, the stager, latest.pt named once written, model.pt at the end):
     # both sides of the save block show, and the docstrings' lines. 300 with the plumbing as named calls (issue 58:
     # meter, vote, saves, the family's flags in common/lm.py): the parallelism, its checkpoints, its docstring.
-    ("lm_ddp", "lm_tp", 300),
+    # 308 with --compile (issue 66): where each block is compiled differs (before DDP, after the plan).
+    ("lm_ddp", "lm_tp", 308),
     # lm_pp: the stages, the schedule, the loss on the last stage, the clip across stages, DCP checkpoints (lm_tp's).
     # 323 until the preemption save: the wrapped import and the backward, as lm_tp; 427 until issue 58 (the plumbing
     # as named calls, as lm_tp's).
-    ("lm_ddp", "lm_pp", 352),
+    ("lm_ddp", "lm_pp", 360),  # 352 until --compile (issue 66)
     # lm_fsdp_tp: lm_tp's with a dp dimension: the mesh, meta init, FSDP2, accumulation, the clip across meshes.
     # 302 until --async-save: lm_tp's lines for it, without their `# New` tags (here they are lm_tp's). 324 until
     # issue 58; about 25 of its 309 lines are lm_tp's `# New` tags, which this file leaves off the lines it shares.
-    ("lm_tp", "lm_fsdp_tp", 309)])
+    ("lm_tp", "lm_fsdp_tp", 316)])  # 309 until --compile (issue 66)
 def test_diff_against_its_sibling_stays_small(base, recipe, max_changed):
     diff = subprocess.run(["diff", f"recipes/{base}.py", f"recipes/{recipe}.py"], cwd=REPO,
                           capture_output=True, text=True).stdout
@@ -108,8 +109,9 @@ def test_diff_against_its_sibling_stays_small(base, recipe, max_changed):
 
 # Issue 58: the language models as lessons a researcher can copy. Before it: lm_ddp 322 lines, lm_tp 481, lm_pp 513,
 # lm_fsdp_tp 537 (docs/recipe_shape.md); the plumbing is now one named call each (harness.StepMeter, harness.StopVote,
-# common/checkpoint.py's ShardFolders, common/lm.py's flags).
-@pytest.mark.parametrize(("recipe", "most"), [("lm_ddp", 260), ("lm_tp", 380), ("lm_pp", 400), ("lm_fsdp_tp", 420)])
+# common/checkpoint.py's ShardFolders, common/lm.py's flags). Issue 66's --compile: 8-9 lines each (lm_ddp 260, lm_pp
+# 400 and lm_fsdp_tp 420 before it).
+@pytest.mark.parametrize(("recipe", "most"), [("lm_ddp", 270), ("lm_tp", 380), ("lm_pp", 410), ("lm_fsdp_tp", 430)])
 def test_the_language_models_stay_lean(recipe, most):
     assert len((REPO / "recipes" / f"{recipe}.py").read_text().splitlines()) <= most
 
