@@ -18,7 +18,7 @@ from tools import gpu_bench
 
 STEPS, WARMUP = 3, 1
 TIMED = {"throughput": [()], "overhead": [("recipe",), ("bare",)], "compile": [("eager",), ("compiled",)],
-         "lm": [("lm_ddp",), ("lm_tp",)], "amp": [("tf32",), ("bf16",)]}
+         "lm": [("lm_ddp",), ("lm_tp",), ("lm_ddp_compiled",), ("lm_tp_compiled",)], "amp": [("tf32",), ("bf16",)]}
 
 
 def gpu_bench_cli(*args, timeout=240, cwd=REPO):
@@ -75,8 +75,16 @@ def test_the_json_has_its_keys(run):
     assert s["compile"]["compiled"]["graphs"] >= 1
     assert {"lm_ddp", "lm_tp", "references", "tp_over_ddp_step"} <= set(s["lm"])
     assert {"tf32", "bf16", "speedup"} <= set(s["amp"])
-    for name in ("lm_ddp", "lm_tp"):
-        assert {"tokens_per_sec", "mfu", "flops_per_token", "n_matmul_params", "achieved_tflops"} <= set(s["lm"][name])
+    for name in ("lm_ddp", "lm_tp", "lm_ddp_compiled", "lm_tp_compiled"):
+        assert {"tokens_per_sec", "mfu", "flops_per_token", "n_matmul_params", "achieved_tflops",
+                "first_step_s"} <= set(s["lm"][name])
+    # issue 66: the recipes' --compile (each block in place): graphs compiled, none broken; the ratios of the steps
+    for name in ("lm_ddp_compiled", "lm_tp_compiled"):
+        assert s["lm"][name]["graphs"] >= 1 and s["lm"][name]["graph_breaks"] == 0, s["lm"][name]
+    lm = s["lm"]
+    assert lm["compile_error"] is None
+    assert lm["tp_over_ddp_step_compiled"] == lm["lm_tp_compiled"]["median_ms"] / lm["lm_ddp_compiled"]["median_ms"]
+    assert lm["compiled_speedup"] == lm["lm_ddp"]["median_ms"] / lm["lm_ddp_compiled"]["median_ms"]
     # where a step's time goes, for a missed goal's cause: the profiled ops of each measurement
     for ops in (s["throughput"]["top_ops"], s["overhead"]["top_ops"]["recipe"], s["overhead"]["top_ops"]["bare"],
                 s["compile"]["compiled"]["top_ops"], s["lm"]["lm_ddp"]["top_ops"], s["lm"]["lm_tp"]["top_ops"]):
@@ -155,6 +163,8 @@ def test_the_table_has_each_sections_row(run):
             assert "failed" not in line
     assert "2,470 img/s" in rows["1 throughput"] and "n/a (not a GPU)" in rows["1 throughput"]
     assert "llm.c: up to ~60%" in rows["4 lm_ddp"] and "nanoGPT: not verified" in rows["4 lm_ddp"]
+    assert "goal: compiled MFU >= 45%" in rows["4 lm_ddp"] and "compiled " in rows["4 lm_ddp"]
+    assert "<= 1.6 eager, <= 1.1 compiled" in rows["4 lm_tp"] and "n/a (not a GPU)" in rows["4 lm_tp"]
     assert "2.63x" in rows["5 amp"]
 
 
