@@ -208,3 +208,16 @@ def compiled_matches_eager(proc, eager_proc, world, out=None, eager_out=None):
         assert result["val_loss"] == pytest.approx(eager["val_loss"], rel=COMPILED_RTOL)
         assert max_diff(params(out / "model.pt"), params(eager_out / "model.pt")) <= COMPILED_ATOL
     return result
+
+
+def kept_at_the_defaults(recipe, tmp_path, *flags):
+    """Each rank's bytes autograd saved for backward (tests/instrument's COUNT_SAVED_DIR) in one step of `recipe` on 2
+    processes at its defaults (4 blocks of width 128, 32 sequences of 128 bytes): [(saved, saved inside blocks)]."""
+    out = tmp_path / "_".join(["run", *flags])
+    folder = out.with_name(f"{out.name}_claims")
+    proc = launch(f"recipes/{recipe}.py", "cpu:2", "--max-steps", "1", *flags, "--out-dir", out,
+                  env=claims_env(folder, comms=False))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [saved_per_step(folder, rank) for rank in (0, 1)]
+    assert all(len(s) == 1 and len(s[0]) == 1 for s in steps), steps  # one step, one backward
+    return [(s[0][0]["saved"], s[0][0]["saved_in_blocks"]) for s in steps]

@@ -39,6 +39,7 @@ from lm_checks import (
     claims_env,
     comms_per_step,
     compiled_matches_eager,
+    kept_at_the_defaults,
     killed_while_saving_resumes_bitwise,
     killed_while_writing_model_pt_leaves_the_last_one,
     one_process_val_loss,
@@ -179,6 +180,18 @@ def test_tensor_parallel_on_3_ranks_cuts_the_bytes_and_positions_unevenly(runs):
     weights, val = trains_the_one_process_model(runs, "cpu:3", ["--n-head", 3, "--d-model", 24], TP3_MODEL, False)
     print(f"tp 3: model.pt {weights:.2e} from lm_ddp's, val_loss {val:.1e} relative")
     assert expected_state_bytes(3, TP3_MODEL) == [151316, 151316, 149396]  # the uneven slices: rank 2 holds less
+
+
+@SLOW  # two 1-step runs of the default model on 2 processes: 8-15 s
+def test_sequence_parallel_at_the_defaults_keeps_77_mib_where_86_were(tmp_path):
+    # docs/lm.md's figures, in the recipe's own processes at its defaults (every rank the whole batch of 32 sequences
+    # of 128 bytes, half of each block's heads and MLP): 86.5 MiB kept for backward a rank without
+    # --sequence-parallel, 77.3 MiB with it, the difference all outside attention and the MLP's cut layers.
+    whole = kept_at_the_defaults("lm_tp", tmp_path)
+    cut = kept_at_the_defaults("lm_tp", tmp_path, "--sequence-parallel")
+    print(f"activation bytes a rank: {whole[0][0] / 2**20:.2f} MiB, sequence-parallel {cut[0][0] / 2**20:.2f} MiB")
+    assert whole[0] == whole[1] and cut[0] == cut[1]  # every rank the same
+    assert round(whole[0][0] / 2**20, 1) == 86.5 and round(cut[0][0] / 2**20, 1) == 77.3
 
 
 @SLOW  # a 2-process launch with --compile: 15-50 s (inductor's cache cold: its C++ builds)
