@@ -179,7 +179,9 @@ def test_tensor_parallel_on_3_ranks_cuts_the_bytes_and_positions_unevenly(runs):
     # and each rank's state bytes its own slices': 151316, 151316 and 149396.
     weights, val = trains_the_one_process_model(runs, "cpu:3", ["--n-head", 3, "--d-model", 24], TP3_MODEL, False)
     print(f"tp 3: model.pt {weights:.2e} from lm_ddp's, val_loss {val:.1e} relative")
-    assert expected_state_bytes(3, TP3_MODEL) == [151316, 151316, 149396]  # the uneven slices: rank 2 holds less
+    # the uneven slices, from the run's own RESULT line: rank 2 holds less
+    assert result_of(runs("lm_tp", "cpu:3", "--n-head", 3, "--d-model", 24)[0])["state_bytes_per_rank"] == [
+        151316, 151316, 149396] == expected_state_bytes(3, TP3_MODEL)
 
 
 @SLOW  # two 1-step runs of the default model on 2 processes: 8-15 s
