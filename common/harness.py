@@ -31,7 +31,7 @@ as one name, so every such line reads `harness.NAME(...)` and shows itself for w
     harness.StepMeter(...)                the language models' loop plumbing in one object: the loss meter, the
                                           divergence watch, the clock (tokens/s, own_ms, ETA) and --profile; local
                                           but for its methods named for their collective
-    harness.CompileCounts(enabled, device)  the language models' --compile: the toolchain checked, the counts
+    harness.CompileCounts(enabled, device)  --compile's plumbing: the toolchain checked, the counts
                                           (graphs, breaks, recompiles, the first step's time); local but for its
                                           gather_fields(), a COLLECTIVE
 
@@ -299,11 +299,11 @@ class StepMeter:
 
 
 class CompileCounts:
-    """--compile's plumbing in the language models: its toolchain checked, and torch._dynamo's counters read as
-    ddp_compile.py reads them (which writes them out: the lesson is there). Local but for gather_fields; without
-    --compile every method does nothing.
+    """--compile's plumbing (the language models, torch_amp.py, gpu_decode.py): its toolchain checked, and
+    torch._dynamo's counters read as ddp_compile.py reads them (which writes them out: the lesson is there). Local
+    but for gather_fields; without --compile every method does nothing.
 
-        compiled = harness.CompileCounts(args.compile, device)  after block.compile(), before any step: the toolchain
+        compiled = harness.CompileCounts(args.compile, device)  after the compile call, before any step: the toolchain
                                          (one line and exit 2 without it); the compile's clock starts
         compiled.step()                  after each step; after this run's first, which compiled the blocks, the
                                          'compile:' line, and with no graph at all one line and exit 2 (the module
@@ -347,10 +347,10 @@ class CompileCounts:
             return
         self.first, breaks = self.graphs[True], self.graphs_and_breaks()[1]
         if self.first == 0:
-            die("--compile compiled no graph in the first step: compile each block in place (block.compile()), or "
-                "put the module torch.compile(block) returns back in the model", all_ranks=True)
-        print0(f"compile: {self.first} graph(s) in {time.perf_counter() - self.started:.1f} s (the first step; tok/s "
-               f"leaves it out), {sum(breaks.values())} graph break(s)")
+            die("--compile compiled no graph in the first step: compile in place (module.compile()), or put the "
+                "module torch.compile(module) returns back in the model", all_ranks=True)
+        print0(f"compile: {self.first} graph(s) in {time.perf_counter() - self.started:.1f} s (the first step; the "
+               f"rate leaves it out), {sum(breaks.values())} graph break(s)")
 
     def gather_fields(self):
         if not self.enabled:

@@ -163,7 +163,8 @@ def main():
     matrices = [p for n, p in model.named_parameters() if p.dim() >= 2 and "emb" not in n]
     others = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "emb" not in n)]
     optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": args.weight_decay},
-                                   {"params": others, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+                                   {"params": others, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95),
+                                   **lm.adamw_implementation(dtensor=False))  # fused, or foreach where it leaks
     start_step = 0
     latest = os.path.join(args.out_dir, "latest.pt")
     resume = find_resume(args.resume, latest) if args.resume else None

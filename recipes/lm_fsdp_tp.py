@@ -303,7 +303,8 @@ def main():
     matrices = [p for n, p in model.named_parameters() if p.dim() >= 2 and "emb" not in n]
     others = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "emb" not in n)]
     optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": args.weight_decay},
-                                   {"params": others, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+                                   {"params": others, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95),
+                                   **lm.adamw_implementation(dtensor=True))  # fused, or foreach where it leaks
     start_step = 0
     # Shard folders step_N-RUN: no save overwrites the one latest.pt points at, so a failed save leaves it whole.
     run_tag = [os.urandom(3).hex()]

@@ -66,6 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--clip-grad", type=float, help="clip the gradient norm to this (after unscaling)")
     p.add_argument("--channels-last", action="store_true", help="NHWC layout for model and inputs")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model in place before DDP, as "
+                   "ddp_compile.py (the step's speed, which the data must keep up with)")
     p.add_argument("--resume", help="a checkpoint.pt to continue from (model, optimizer, scheduler, scaler), "
                    "or 'auto': OUT_DIR/checkpoint.pt if it exists (for MAX_RESTARTS)")
     harness.add_flags(p)  # --max-steps, --tb-dir, --tb-every, --profile, --debug-collectives
@@ -167,6 +169,9 @@ def main():
     model = build_model(args.arch, num_classes, args.image_size).to(device, memory_format=memory_format)
     if args.sync_bn:  # before the DDP wrap; each BatchNorm all-gathers its statistics in every training forward
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if args.compile:  # in place, before the DDP wrap: ddp_compile.py's lesson, the step compiled, the data as it was
+        model.compile(dynamic=False)  # evaluation's last, smaller batch: a graph of its own
+    compiled = harness.CompileCounts(args.compile, device)  # its toolchain; graphs, breaks, recompiles; a clock
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                 find_unused_parameters=args.find_unused_parameters, process_group=harness.ddp_process_group(timeout))
     torch.manual_seed(args.seed + rank)  # from here on, augmentation and dropout differ per rank
@@ -207,7 +212,8 @@ def main():
     total_steps = min(args.epochs * steps_per_epoch, args.max_steps or float("inf"))
     speed = harness.Throughput(device)
     prof = harness.Profiler(args.profile, args.out_dir, rank, device)  # --profile: steps 3-6
-    speed.watch(model, forward=None if args.sync_bn else model.module)  # own_ms: data + forward (--sync-bn's waits)
+    # own_ms: data + forward; the data alone with --sync-bn (its waits) or --compile (the hooks would break its graph)
+    speed.watch(model, forward=None if args.sync_bn or args.compile else model.module)
     # New: resumed, the curves go on from `step`; what an interrupted run logged after its checkpoint is dropped.
     tb = harness.TensorBoard(args.tb_dir, args.tb_every, is_main, vars(args), start_step=step)  # rank 0 alone writes
     diverged = harness.DivergenceCheck(device)  # a NaN/inf loss stops the run before anything is saved
@@ -248,6 +254,7 @@ def main():
             scheduler.step()  # every optimizer step: warm-up, then cosine
             optimizer.zero_grad(set_to_none=True)
             step += 1
+            compiled.step()  # --compile: after the first step, which compiled the model, the 'compile:' line
             tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"],
                     loss_scale=scaler.get_scale if scaler.is_enabled() else None)
             if tb.on and step % args.tb_every == 0:  # values are read here anyway
@@ -265,8 +272,9 @@ def main():
         # explodes. Recompute them with the final weights from the last batches: every rank (--sync-bn: a collective).
         with recomputed_batchnorm(model.module), torch.autocast(device.type, dtype=amp_dtype,
                                                                enabled=amp_dtype != torch.float32):
-            while recent:  # popped: each batch leaves GPU memory once used
-                model.module(recent.popleft())
+            with torch.compiler.set_stance("force_eager"):  # --compile: these few batches want no graphs of their own
+                while recent:  # popped: each batch leaves GPU memory once used
+                    model.module(recent.popleft())
         # -------------------------------------------------------------------------------- eval
         # DDP copies rank 0's buffers (BatchNorm statistics) to the others as each forward starts, so after the last
         # step every rank holds its own: evaluate everywhere with rank 0's, which model.pt gets.
@@ -303,8 +311,10 @@ def main():
     if args.profile:  # a collective (all-gather): every rank's compute, communication, data, idle
         print0(harness.gather_profile_table(prof, device))
     tb.close()
+    compile_fields = compiled.gather_fields()  # --compile: every rank's counts (an all-gather), the 'compile:' line
     print0(harness.gather_result_line(device, speed, model, optimizer, recipe="torch_amp", steps=step,
-                                      train_loss=loss_meter.avg, val_acc1=val_acc1, val_samples=val_samples))
+                                      train_loss=loss_meter.avg, val_acc1=val_acc1, val_samples=val_samples,
+                                      **compile_fields))
     dist.destroy_process_group()
 
 

@@ -193,7 +193,7 @@ def compiled_matches_eager(proc, eager_proc, world, out=None, eager_out=None):
     assert min(result["compiled_graphs"]) >= 2 and min(result["eval_graphs"]) >= 1, result
     assert result["recompiles"] == [0] * world and result["graph_breaks"] == [0] * world, result
     assert "compiled_graphs" not in eager  # RESULT's compile fields: --compile's alone
-    assert len(re.findall(r"^compile: \d+ graph\(s\) in [\d.]+ s \(the first step; tok/s leaves it out\), 0 graph "
+    assert len(re.findall(r"^compile: \d+ graph\(s\) in [\d.]+ s \(the first step; the rate leaves it out\), 0 graph "
                           r"break\(s\)$", proc.stdout, re.M)) == 1, proc.stdout
     assert re.search(r"^compile: \d+(-\d+)? graph\(s\) a rank, \d+(-\d+)? of them for evaluation; 0 compiled "
                      r"again during training; 0 graph break\(s\)$", proc.stdout, re.M), proc.stdout
