@@ -18,7 +18,8 @@ and augments about 300 ImageNet JPEGs a second with PIL; one H200 trains resnet5
   decoded by PIL in the worker; a file nothing decodes stops the run with one line naming it;
 - each sample's box and flip drawn from its own seed (seed, epoch, index) with torchvision's RandomResizedCrop, so a
   run resumed mid-epoch (--save-every N: a checkpoint every N steps) trains as the uninterrupted run did.
---dataset synthetic encodes its images as JPEGs in the worker, as if read from files. Measured: docs/data.md.
+--dataset synthetic encodes its images as JPEGs in the worker, as if read from files. --compile (torch_amp.py's): the
+step compiled, so that the data path is measured against the fastest step. Measured: docs/data.md.
 
 `harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
 What each rank computes, holds and sends, each claim with the test that measures it: docs/recipes.md.

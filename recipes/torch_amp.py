@@ -11,7 +11,8 @@ only, and torch.amp.GradScaler(device_type) for fp16, not the deprecated torch.c
 underflow to zero; bf16 has fp32's range, needs no scaler; default fp16 on GPU, on CPU bf16 if native); clipping after
 scaler.unscale_; --accum-steps K with model.no_sync() on the first K-1 micro-batches (--batch-size stays the GLOBAL
 batch per optimizer step); --channels-last (NHWC, which tensor cores prefer); and the scaler's state in checkpoint.pt,
-which --resume restores (with the same --amp-dtype and --epochs only).
+which --resume restores (with the same --amp-dtype and --epochs only). --compile compiles the model in place before
+DDP (ddp_compile.py's lesson): the fp16 step at its fastest, which the data must keep up with (docs/data.md).
 
 `harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
 What each rank computes, holds and sends, each claim with the test that measures it: docs/recipes.md.

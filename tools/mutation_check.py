@@ -244,6 +244,8 @@ EDITS = [
          "model.blocks[name] = checkpoint_wrapper(block, checkpoint_fn=lambda block, *args, **kwargs: block(*args))"),
     # Issue 66: --compile in the language models, each block in place: torch.compile(block)'s result dropped leaves
     # the blocks eager, with no error (the test's run stops at its first step: no graph compiled).
+    Edit("compile_dropped", "torch.compile(model) with its result dropped: --compile trains the model eager",
+         "model.compile(dynamic=False)  # evaluation's", "torch.compile(model, dynamic=False)  # evaluation's"),
     Edit("lm_compile_dropped", "torch.compile(block) with its result dropped: --compile trains every block eager",
          "block.compile(dynamic=False)", "torch.compile(block, dynamic=False)"),
     # Issue 65: gpu_decode's workers hand over the files' bytes; the main process decodes.
@@ -364,6 +366,8 @@ GUARDS = {
                                          "lm_tp": ["tests/test_lm_tp.py", "-k", "reshards_onto"],
                                          "lm_fsdp_tp": ["tests/test_lm_fsdp_tp.py", "-k", "goes_on_at"]},
     "channels_last_eval": {"torch_amp": cases("torch_amp", "layout")},
+    "compile_dropped": {"torch_amp": ["tests/test_gpu_bench.py", "-k", "data_section"],
+                        "gpu_decode": ["tests/test_gpu_bench.py", "-k", "data_section"]},
     "lm_compile_dropped": {"lm_ddp": ["tests/test_lm.py", "-k", "compiled"],
                            "lm_tp": ["tests/test_lm_tp.py", "-k", "compiled"],
                            "lm_pp": ["tests/test_lm_pp.py", "-k", "compiled"],
