@@ -56,14 +56,14 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # resume with each sample's seed, the bucket layout's backward on resume, and its docstring); 220 with the
     # curves flushed before exit 75.
     # torch_amp: 176 until issue 57 found its evaluate() without --channels-last's memory_format (182).
-    # 200 with --compile (issue 65: the data path measured against a compiled step), torch_amp's and gpu_decode's.
-    ("ddp_torchrun", "torch_amp", 200), ("ddp_torchrun", "ddp_checkpoint", 220), ("ddp_torchrun", "apex_ddp", 63),
+    # 202 with --compile (issue 65: the data path measured against a compiled step), torch_amp's and gpu_decode's.
+    ("ddp_torchrun", "torch_amp", 202), ("ddp_torchrun", "ddp_checkpoint", 220), ("ddp_torchrun", "apex_ddp", 63),
     # gpu_decode (issue 65): torch_amp's, the data path moved to the main process's device (EncodedImages, collate,
     # decode_batch, DataLoaderX's on_device), --save-every's mid-epoch resume, its docstring, and torch_amp's
     # `# New` tags left off the lines it shares (here they are torch_amp's): 282; 283 without torch_amp's reseed on
     # resume (each sample's augmentation is seeded) and with torch_amp's device_normalize, which it does not need;
     # 280 with its decode_batch normalising by device_normalize too.
-    ("torch_amp", "gpu_decode", 280),
+    ("torch_amp", "gpu_decode", 282),  # 282: the docstrings' --compile sentences differ (issue 65)
     # mx_face_prefetch: 150, then 160 with issue 65's device_normalize in the flagship (its RecordIO transforms keep
     # insightface's ToTensor and Normalize(0.5, 0.5) in the workers: the flagship's 10 lines show as its difference).
     ("ddp_torchrun", "apex_amp", 259), ("ddp_torchrun", "mx_face_prefetch", 160),
