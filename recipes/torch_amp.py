@@ -170,7 +170,7 @@ def main():
     model = build_model(args.arch, num_classes, args.image_size).to(device, memory_format=memory_format)
     if args.sync_bn:  # before the DDP wrap; each BatchNorm all-gathers its statistics in every training forward
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if args.compile:  # in place, before the DDP wrap: ddp_compile.py's lesson, the step compiled, the data as it was
+    if args.compile:  # New: in place, before the DDP wrap (ddp_compile.py's lesson): the step compiled, the data not
         model.compile(dynamic=False)  # evaluation's last, smaller batch: a graph of its own
     compiled = harness.CompileCounts(args.compile, device)  # its toolchain; graphs, breaks, recompiles; a clock
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -273,7 +273,7 @@ def main():
         # explodes. Recompute them with the final weights from the last batches: every rank (--sync-bn: a collective).
         with recomputed_batchnorm(model.module), torch.autocast(device.type, dtype=amp_dtype,
                                                                enabled=amp_dtype != torch.float32):
-            with torch.compiler.set_stance("force_eager"):  # --compile: these few batches want no graphs of their own
+            with torch.compiler.set_stance("force_eager"):  # New: --compile: these few batches want no graphs
                 while recent:  # popped: each batch leaves GPU memory once used
                     model.module(recent.popleft())
         # -------------------------------------------------------------------------------- eval

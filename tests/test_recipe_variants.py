@@ -63,7 +63,7 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # `# New` tags left off the lines it shares (here they are torch_amp's): 282; 283 without torch_amp's reseed on
     # resume (each sample's augmentation is seeded) and with torch_amp's device_normalize, which it does not need;
     # 280 with its decode_batch normalising by device_normalize too.
-    ("torch_amp", "gpu_decode", 282),  # 282: the docstrings' --compile sentences differ (issue 65)
+    ("torch_amp", "gpu_decode", 286),  # 286: --compile (issue 65), the docstrings and torch_amp's 2 `# New` tags
     # mx_face_prefetch: 150, then 160 with issue 65's device_normalize in the flagship (its RecordIO transforms keep
     # insightface's ToTensor and Normalize(0.5, 0.5) in the workers: the flagship's 10 lines show as its difference).
     ("ddp_torchrun", "apex_amp", 259), ("ddp_torchrun", "mx_face_prefetch", 160),
