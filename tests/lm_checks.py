@@ -210,14 +210,21 @@ def compiled_matches_eager(proc, eager_proc, world, out=None, eager_out=None):
     return result
 
 
-def kept_at_the_defaults(recipe, tmp_path, *flags):
-    """Each rank's bytes autograd saved for backward (tests/instrument's COUNT_SAVED_DIR) in one step of `recipe` on 2
-    processes at its defaults (4 blocks of width 128, 32 sequences of 128 bytes): [(saved, saved inside blocks)]."""
-    out = tmp_path / "_".join(["run", *flags])
-    folder = out.with_name(f"{out.name}_claims")
-    proc = launch(f"recipes/{recipe}.py", "cpu:2", "--max-steps", "1", *flags, "--out-dir", out,
-                  env=claims_env(folder, comms=False))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    steps = [saved_per_step(folder, rank) for rank in (0, 1)]
-    assert all(len(s) == 1 and len(s[0]) == 1 for s in steps), steps  # one step, one backward
-    return [(s[0][0]["saved"], s[0][0]["saved_in_blocks"]) for s in steps]
+def kept_at_the_defaults(recipe, tmp_path, flag):
+    """The bytes autograd saved for backward (tests/instrument's COUNT_SAVED_DIR) in one step of `recipe` on 2
+    processes at its defaults (4 blocks of width 128, 32 sequences of 128 bytes), without `flag` and with it: two
+    (saved, saved inside blocks), each the same on both ranks (asserted), printed in MiB."""
+    kept = []
+    for flags in ((), (flag,)):
+        out = tmp_path / "_".join(["run", *flags])
+        folder = out.with_name(f"{out.name}_claims")
+        proc = launch(f"recipes/{recipe}.py", "cpu:2", "--max-steps", "1", *flags, "--out-dir", out,
+                      env=claims_env(folder, comms=False))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        steps = [saved_per_step(folder, rank) for rank in (0, 1)]
+        assert all(len(s) == 1 and len(s[0]) == 1 for s in steps), steps  # one step, one backward
+        ranks = [(s[0][0]["saved"], s[0][0]["saved_in_blocks"]) for s in steps]
+        assert ranks[0] == ranks[1], (flags, ranks)  # every rank the same
+        kept.append(ranks[0])
+    print(f"{recipe}: activation bytes a rank {kept[0][0] / 2**20:.2f} MiB, {flag} {kept[1][0] / 2**20:.2f} MiB")
+    return kept

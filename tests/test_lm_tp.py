@@ -189,11 +189,8 @@ def test_sequence_parallel_at_the_defaults_keeps_77_mib_where_86_were(tmp_path):
     # docs/lm.md's figures, in the recipe's own processes at its defaults (every rank the whole batch of 32 sequences
     # of 128 bytes, half of each block's heads and MLP): 86.5 MiB kept for backward a rank without
     # --sequence-parallel, 77.3 MiB with it, the difference all outside attention and the MLP's cut layers.
-    whole = kept_at_the_defaults("lm_tp", tmp_path)
-    cut = kept_at_the_defaults("lm_tp", tmp_path, "--sequence-parallel")
-    print(f"activation bytes a rank: {whole[0][0] / 2**20:.2f} MiB, sequence-parallel {cut[0][0] / 2**20:.2f} MiB")
-    assert whole[0] == whole[1] and cut[0] == cut[1]  # every rank the same
-    assert round(whole[0][0] / 2**20, 1) == 86.5 and round(cut[0][0] / 2**20, 1) == 77.3
+    whole, cut = kept_at_the_defaults("lm_tp", tmp_path, "--sequence-parallel")
+    assert round(whole[0] / 2**20, 1) == 86.5 and round(cut[0] / 2**20, 1) == 77.3
 
 
 @SLOW  # a 2-process launch with --compile: 15-50 s (inductor's cache cold: its C++ builds)

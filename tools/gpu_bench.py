@@ -604,6 +604,16 @@ def run_overhead(args, device, cache):
             "peak_mem_mb": peak_mb(device), "top_ops": {name: profiled(step, device) for name, step in steps.items()}}
 
 
+def first_step_s(step, device):
+    """Seconds of one call of step(), the device synchronized before and after: a compiled step's first, its compile."""
+    sync = torch.get_device_module(device.type).synchronize
+    sync()
+    started = time.perf_counter()
+    step()
+    sync()
+    return time.perf_counter() - started
+
+
 def run_compile(args, device, cache):
     missing = missing_compiler(device)
     if missing:
@@ -619,12 +629,7 @@ def run_compile(args, device, cache):
         torch._dynamo.reset()
         counters.clear()
         step = ddp_compile_step(args, device, compiled)
-        sync = torch.get_device_module(device.type).synchronize
-        sync()
-        started = time.perf_counter()
-        step()  # the first step: compiled, it traces and compiles forward and backward
-        sync()
-        first = time.perf_counter() - started
+        first = first_step_s(step, device)  # compiled, it traces and compiles forward and backward
         times = timed(step, args.warmup, args.steps, device)
         result[name] = {**summary(times, args.warmup, args.batch_size, "images"), "first_step_s": first,
                         "peak_mem_mb": peak_mb(device), "top_ops": profiled(step, device)}
@@ -698,17 +703,13 @@ def run_lm(args, device, cache, peak):
         torch._dynamo.reset()
         counters.clear()
         step, n_matmul = lm_step(args, device, tp, stop_group, compiled)
-        sync = torch.get_device_module(device.type).synchronize
-        sync()
-        started = time.perf_counter()
-        step()  # the first step: compiled, it traces and compiles the blocks' forward and backward
-        sync()
-        first = time.perf_counter() - started
+        first = first_step_s(step, device)  # compiled, it traces and compiles the blocks' forward and backward
         times = timed(step, args.warmup, args.steps, device)
         row = summary(times, args.warmup, args.lm_batch_size * args.lm_seq_len, "tokens")
         row["first_step_s"] = first
         if compiled:
-            row.update(graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values()))
+            graphs, breaks = harness.CompileCounts.graphs_and_breaks()  # the recipes' own count
+            row.update(graphs=graphs, graph_breaks=sum(breaks.values()))
         row["top_ops"] = profiled(step, device)
         flops = lm_flops_per_token(args, n_matmul)
         row.update(n_matmul_params=n_matmul, flops_per_token=flops, peak_mem_mb=peak_mb(device),
