@@ -145,24 +145,28 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, d_model):
+    """d_model -> hidden (4 d_model unless said: GPT-2's) -> d_model, GELU between. An expert of lm_moe.py's is one."""
+
+    def __init__(self, d_model, hidden=None):
         super().__init__()
-        self.fc = nn.Linear(d_model, 4 * d_model)
-        self.proj = nn.Linear(4 * d_model, d_model)
+        hidden = hidden or 4 * d_model
+        self.fc = nn.Linear(d_model, hidden)
+        self.proj = nn.Linear(hidden, d_model)
 
     def forward(self, x):
         return self.proj(F.gelu(self.fc(x)))
 
 
 class Block(nn.Module):
-    """Pre-norm: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+    """Pre-norm: x + attn(ln1(x)), then x + mlp(ln2(x)). mlp: a callable that makes the MLP (lm_moe.py's experts and
+    their router), else MLP(d_model)."""
 
-    def __init__(self, d_model, n_head):
+    def __init__(self, d_model, n_head, mlp=None):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
         self.attn = Attention(d_model, n_head)
         self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = MLP(d_model)
+        self.mlp = mlp() if mlp else MLP(d_model)
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -172,14 +176,14 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Token and position embeddings, n_layer blocks (a ModuleDict: names that survive cutting the model into
     pipeline stages), a final norm and an untied head. forward(tokens (B, T)) -> logits (B, T, VOCAB): the loss is
-    the recipe's, so tensor parallelism can compute it inside loss_parallel()."""
+    the recipe's, so tensor parallelism can compute it inside loss_parallel(). mlp: each block's MLP maker (Block)."""
 
-    def __init__(self, n_layer, n_head, d_model, block_size, vocab=VOCAB):
+    def __init__(self, n_layer, n_head, d_model, block_size, vocab=VOCAB, mlp=None):
         super().__init__()
         self.block_size = block_size
         self.tok_emb = nn.Embedding(vocab, d_model)
         self.pos_emb = nn.Embedding(block_size, d_model)
-        self.blocks = nn.ModuleDict({str(i): Block(d_model, n_head) for i in range(n_layer)})
+        self.blocks = nn.ModuleDict({str(i): Block(d_model, n_head, mlp) for i in range(n_layer)})
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
         self.init_weights(n_layer)

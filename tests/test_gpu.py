@@ -160,6 +160,7 @@ LM_ONE_GPU = {  # every recipes/lm_*.py (tests/test_gpu_tier.py checks): its ext
     "lm_ddp": [], "lm_tp": ["--sequence-parallel"],  # lm_tp on one GPU: --tp 1, its plan over a mesh of one
     "lm_pp": ["--schedule", "1f1b"],  # lm_pp on one GPU: --pp 1, one stage, its 2 microbatches accumulated
     "lm_fsdp_tp": ["--accum-steps", "2"],  # a 1 x 1 mesh on one GPU: FSDP2 over one rank, the gradient-sync switch
+    "lm_moe": [],  # lm_moe on one GPU: --ep 1, all 8 experts local, no exchange
 }
 LM_SHORT = ["--steps", "200", "--eval-every", "100"]  # the default model and batch, a third of the default schedule
 
@@ -564,6 +565,18 @@ def test_language_models_refuse_ranks_sharing_one_gpu(tmp_path, recipe, why):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert error_lines(proc.stderr) == [f"error: {recipe}.py cannot run 2 ranks on one GPU (launch.sh G:N, gloo over "
                                         f"CUDA): {why}; run one rank per GPU (0,1) or try it on cpu:N"], proc.stderr
+
+
+def test_lm_moe_exchanges_tokens_between_two_ranks_on_gpu(tmp_path):
+    # --ep 2 on two GPUs (NCCL's all-to-all), or two ranks sharing GPU 0 (0:2: gloo's all-to-all of CUDA tensors,
+    # staged through host memory): the loss lands where --ep 1 on one GPU does (TF32 matmuls: not bitwise; the CPU
+    # tests prove the layouts exact in fp32).
+    args = ["recipes/lm_moe.py", "--steps", "40", "--eval-every", "20"]
+    one = result_of(launch(args[0], "0", *args[1:], "--out-dir", tmp_path / "one"))
+    proc = launch(args[0], TWO_RANKS, *args[1:], "--out-dir", tmp_path / "two")
+    result = result_of(proc)
+    assert (result["ep"], one["ep"]) == (2, 1) and f"backend={TWO_RANKS_BACKEND} device=cuda" in proc.stdout
+    assert abs(result["val_loss"] - one["val_loss"]) <= 0.01 * one["val_loss"], (result, one)
 
 
 @pytest.mark.skipif(GPUS < 2, reason="the language models' multi-rank layouts need one GPU per rank (NCCL)")

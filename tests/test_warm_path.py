@@ -29,6 +29,7 @@ FLAGS = {  # recipe: (devices, flags): small, and each recipe's own launcher
     "lm_tp": ("cpu:2", LM),
     "lm_pp": ("cpu:2", [*LM[:1], "4", *LM[2:]]),  # a stage of 2 blocks on each of 2 ranks
     "lm_fsdp_tp": ("cpu:4", LM),
+    "lm_moe": ("cpu:2", LM),  # 4 of 8 experts on each of 2 ranks (--ep 2): the all-to-alls
 }
 TIMING = re.compile(r"per_sec|mem|unix|_ms$|seconds|time")  # RESULT fields that differ between any two runs
 

@@ -252,6 +252,25 @@ EDITS = [
     Edit("gpu_decode_pixels", "same numbers, the workers decode every file and hand over pixels: the GPU's work done "
          "by the CPU", 'if image.format == "JPEG" and image.mode in ("RGB", "L") and data.endswith(b"\\xff\\xd9"):',
          "if False:"),
+    # Issue 67: mixture of experts, expert parallelism (recipes/lm_moe.py).
+    Edit("lm_moe_expert_grads_everywhere", "each expert's gradient all-reduced over every rank: other ranks' experts "
+         "summed into it", "all_reduce_gradients(experts, dp_group, world_size)",
+         "all_reduce_gradients(experts, None, world_size)"),
+    Edit("lm_moe_expert_grads_by_dp", "the experts' gradients divided by their dp group's size, not the world's: "
+         "ep times too large", "all_reduce_gradients(experts, dp_group, world_size)",
+         "all_reduce_gradients(experts, dp_group, args.dp)"),
+    Edit("lm_moe_local_clip", "the clip's norm from this rank's experts alone, not every expert's",
+         "    dist.all_reduce(expert_sq, group=ep_group)\n", "\n"),
+    Edit("lm_moe_balance_local", "the balance loss from this rank's rows per expert, not the global batch's",
+         "    dist.all_reduce(load)  # every rank's rows per expert: the global batch's balance\n", "\n"),
+    Edit("lm_moe_same_experts_everywhere", "every rank of an ep group keeps the first E / ep experts",
+         "self.first, self.ep, self.group = ep_rank * share, ep, group",
+         "self.first, self.ep, self.group = 0, ep, group"),
+    Edit("lm_moe_gates_not_renormalised", "the top-k gates left as the softmax gave them, not renormalised over k",
+         "gates = gates / gates.sum(-1, keepdim=True)", "gates = gates"),
+    Edit("lm_moe_unsorted_dispatch", "rows sent in token order, not grouped by destination: tokens reach other "
+         "experts", "order = chosen.flatten().argsort(stable=True)",
+         "order = torch.arange(chosen.numel(), device=x.device)"),
     Edit("channels_last_eval", "same numbers, --channels-last in training alone: evaluation's convolutions get NCHW",
          "images = normalize(images.to(device, non_blocking=True, memory_format=memory_format))  # New: as in training",
          "images = normalize(images.to(device, non_blocking=True))  # New: as in training"),

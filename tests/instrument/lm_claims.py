@@ -136,6 +136,18 @@ def _patch_lm(lm):
         transformer.forward = logged_forward
     if _COMMS_DIR:
         transformer.__call__ = _within_forward(transformer.__call__)
+    if _COMMS_DIR:  # lm_moe.py: each MoE layer's routing, seen from its input, and the experts each rank runs
+        import torch
+
+        torch.nn.modules.module.register_module_forward_pre_hook(_route)
+        mlp_forward = lm.MLP.forward
+
+        def expert_forward(self, x):
+            if id(self) in _EXPERTS and torch.is_grad_enabled() and not _in_backward():
+                _STATE["comms"][-1].append(["expert", "forward", [], x.shape[0], _EXPERTS[id(self)]])
+            return mlp_forward(self, x)
+
+        lm.MLP.forward = expert_forward
     if _BLOCKS_DIR:
         block_forward = block.forward
 
@@ -162,6 +174,26 @@ def _patch_lm(lm):
                 _SAVING.in_block -= 1
 
         transformer.__call__, block.forward = saving_call, forward_in_block
+
+
+_EXPERTS = {}  # id(an expert of lm_moe.py's MoE layers) -> its global index, as seen in a training forward
+
+
+def _route(module, args):
+    """Before an lm_moe.py MoE layer's training forward: the experts its router chooses for each token (the top-k of
+    its gates, computed again here from the layer's input, apart from the recipe's own lines), counted per expert:
+    ["route", "forward", [], 0, [rows for expert 0, 1, ...]]; and its experts' global indices (for "expert" records:
+    ["expert", "forward", [], rows, index], one per expert's training forward)."""
+    import torch
+
+    if type(module).__name__ != "MoE" or not torch.is_grad_enabled() or _in_backward():
+        return
+    _EXPERTS.update({id(expert): int(name) for name, expert in module.experts.items()})
+    x = args[0]
+    with torch.no_grad():
+        chosen = module.router(x.reshape(-1, x.shape[-1])).float().topk(module.top_k, dim=-1).indices
+        counts = torch.bincount(chosen.flatten().cpu(), minlength=module.n_experts)
+    _STATE["comms"][-1].append(["route", "forward", [], 0, [int(c) for c in counts.numpy()]])
 
 
 def _patch_pipelining(stage_module, schedules):
@@ -245,9 +277,13 @@ def _comm_mode():
                 _STATE["comms"][-1].append([name, phase, [], args[0].element_size(), _caller()])
             elif name is not None:
                 phase = "backward" if _in_backward() else "forward" if getattr(_LOCAL, "forward", False) else "step"
-                inputs = args[1] if name in ("_allgather_base_", "_reduce_scatter_base_") else args[0]
+                inputs = args[1] if name in ("_allgather_base_", "_reduce_scatter_base_", "alltoall_base_") else \
+                    args[0]
                 size = sum(t.numel() * t.element_size() for t in tensors(inputs))
-                _STATE["comms"][-1].append([name, phase, group_ranks(name, args), size])
+                record = [name, phase, group_ranks(name, args), size]
+                if name == "alltoall_base_":  # (output, input, group, output splits, input splits, timeout): rows
+                    record += [list(args[4]), list(args[3])]  # sent to, received from each rank of the group
+                _STATE["comms"][-1].append(record)
             return func(*args, **(kwargs or {}))
 
     return Count()
