@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import launch, load_recipe, max_diff, params, result_of
+from jobs import error_lines
 from lm_checks import check_args_refuses, claims_env, compiled_matches_eager, step_lines, tokens_seen
 
 from common.lm import Transformer, read_text, split, train_batch, val_windows
@@ -296,3 +297,14 @@ def test_at_the_defaults_the_balance_loss_keeps_every_expert_fed(tmp_path):
     # Rank 0's rows sent to rank 1 and back, 128 fp32 numbers each, forward and backward: about half of its
     # 16 x 128 x 2 = 4096 rows a layer, 4 layers.
     assert 0.3 * 16.8 < float(line[3]) < 1.7 * 16.8, line[0]
+
+
+def test_a_diverged_run_stops_with_one_line_and_saves_nothing(tmp_path):
+    # An expert's NaN travels back through the combine to every rank of its ep group; the check's all-reduce stops
+    # them all before any save.
+    proc = launch("recipes/lm_moe.py", "cpu:2", *ARGS, "--lr", "1e30", "--out-dir", tmp_path / "out")
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    said = error_lines(proc.stderr)
+    assert len(said) == 1 and said[0].startswith("error: training diverged steps 1-4: the training loss stopped being "
+                                                 "finite at step"), proc.stderr[-2000:]
+    assert not (tmp_path / "out" / "model.pt").exists() and not (tmp_path / "out" / "checkpoint").exists()
