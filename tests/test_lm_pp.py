@@ -406,6 +406,7 @@ def test_the_measured_bubble_is_the_theorys_and_the_docstring_draws_the_tool():
                                                         "stage: --microbatches 2 is below --pp 4"),
     (8, [], "error: --pp 8 stages for --n-layer 4 blocks: each stage holds at least one whole block"),
     (2, ["--microbatches", "0"], "error: --microbatches 0 must be >= 1"),
+    (2, ["--n-layer", "0"], "error: --n-layer 0 must be >= 1"),  # the model's own checks (common.lm), as lm_ddp's
 ])
 def test_bad_pp_flags_fail_with_one_line_before_any_collective(world, flags, line, capsys, monkeypatch):
     check_args_refuses("lm_pp", [*ARGS, *flags], world, line, capsys, monkeypatch)

@@ -1,0 +1,75 @@
+"""The language models' branches that no other CPU test ran (docs/gpu_only_lines.md's list, issue 66), each run as a
+user meets it, on one process (`python recipes/lm_*.py`, forked warm; the branches are the same lines on any world
+size) with the tests' 2-layer model:
+- a --text that is not there: one line, exit 2;
+- a disk that fills as the second checkpoint is written (tests/faults' FAULT_DISK_FULL): one line, exit 1, and
+  latest.pt still names the first, which --resume auto goes on from, with --debug-collectives and --profile (their
+  lines: the debug level before init, the profile's table at the end);
+- --resume auto on a run that has ended: nothing to train, the evaluation alone, the same val_loss;
+- a shard cut in half: one line, exit 2;
+- lm_ddp (one file, not shards): --async-save's write seen done in the loop and waited for at the end, then the same
+  resume past the end.
+"""
+
+import re
+
+import pytest
+import torch
+from conftest import REPO, result_of, run_direct
+from jobs import error_lines
+
+TINY = ["--n-layer", 2, "--n-head", 4, "--d-model", 32, "--block-size", 32, "--seq-len", 16, "--batch-size", 8,
+        "--steps", 8, "--eval-every", 2, "--val-windows", 8]
+FAULTS = {"PYTHONPATH": str(REPO / "tests" / "faults")}
+SHARDED = ["lm_tp", "lm_pp", "lm_fsdp_tp", "lm_moe"]
+
+
+def one_error(proc, code, pattern):
+    assert proc.returncode == code, proc.stdout[-2000:] + proc.stderr[-3000:]
+    said = error_lines(proc.stderr)
+    assert len(said) == 1 and re.fullmatch(r"(\[rank 0\] )?error: " + pattern, said[0]), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+
+
+def profile_table(stdout):
+    return re.search(r"^profile: ", stdout, re.M) is not None
+
+
+@pytest.mark.parametrize("recipe", SHARDED)
+def test_a_sharded_language_model_s_failures_are_one_line_and_a_resume_past_the_end_evaluates(recipe, tmp_path):
+    out = tmp_path / "out"
+    missing = run_direct(recipe, *TINY, "--text", tmp_path / "nowhere", "--out-dir", out)
+    one_error(missing, 2, re.escape(f"--text {tmp_path / 'nowhere'}: no such file or folder"))
+    # Step 4's save: rank 0's second shard file takes 1 kB, then ENOSPC. Every rank gets dcp.save's exception.
+    full = run_direct(recipe, *TINY, "--debug-collectives", "--out-dir", out,
+                      env={**FAULTS, "FAULT_DISK_FULL": "__0_0.distcp:2:1024"})
+    one_error(full, 1, re.escape(f"cannot write the shards in {out / 'checkpoint'}/") + r"step_4-\S+ \(.*No space left "
+              r"on device.*\): " + re.escape(str(out / "checkpoint" / "latest.pt")) + r", if any, still points at the "
+              r"previous ones; free some space, then --resume")
+    latest = torch.load(out / "checkpoint" / "latest.pt", weights_only=True)
+    assert latest["step"] == 2
+    resumed = run_direct(recipe, *TINY, "--resume", "auto", "--debug-collectives", "--profile", "--out-dir", out)
+    result = result_of(resumed)
+    assert (result["start_step"], result["steps"]) == (2, 8) and profile_table(resumed.stdout), resumed.stdout
+    again = run_direct(recipe, *TINY, "--resume", "auto", "--out-dir", out)
+    ended = result_of(again)
+    assert (ended["start_step"], ended["steps"]) == (8, 8) and not re.search(r"^step=", again.stdout, re.M)
+    assert ended["val_loss"] == result["val_loss"]  # the same weights, evaluated again
+    shard = out / "checkpoint" / torch.load(out / "checkpoint" / "latest.pt", weights_only=True)["shards"] / \
+        "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    cut = run_direct(recipe, *TINY, "--resume", "auto", "--out-dir", out)
+    one_error(cut, 2, re.escape(f"cannot load the shards in {shard.parent} (") + r".*\): a shard file is missing or "
+              r"truncated, or they hold another model")
+
+
+def test_lm_ddp_waits_for_its_background_save_and_a_resume_past_the_end_evaluates(tmp_path):
+    out = tmp_path / "out"
+    run = run_direct("lm_ddp", *TINY, "--async-save", "--debug-collectives", "--profile", "--out-dir", out)
+    result = result_of(run)
+    written = re.findall(r"^saved: \S+ and model.pt at step (\d) \(written in the background\)$", run.stdout, re.M)
+    assert written == ["2", "4", "6", "8"], run.stdout  # each seen done in the loop or waited for, step 8's at the end
+    assert profile_table(run.stdout), run.stdout
+    again = run_direct("lm_ddp", *TINY, "--resume", "auto", "--out-dir", out)
+    ended = result_of(again)
+    assert (ended["start_step"], ended["steps"], ended["val_loss"]) == (8, 8, result["val_loss"])
