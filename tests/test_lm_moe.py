@@ -26,7 +26,14 @@ import torch
 import torch.nn.functional as F
 from conftest import launch, load_recipe, max_diff, params, result_of
 from jobs import error_lines
-from lm_checks import check_args_refuses, claims_env, compiled_matches_eager, step_lines, tokens_seen
+from lm_checks import (
+    check_args_refuses,
+    claims_env,
+    compiled_matches_eager,
+    step_lines,
+    stops_and_resumes_bitwise,
+    tokens_seen,
+)
 
 from common.lm import Transformer, read_text, split, train_batch, val_windows
 from common.schedule import warmup_cosine
@@ -193,6 +200,14 @@ def test_a_resume_on_another_ep_goes_on_to_the_uninterrupted_run(runs, tmp_path)
     weights = max_diff(params(out / "model.pt"), params(ref_out / "model.pt"))
     assert weights <= WEIGHTS_ATOL, weights
     print(f"resumed on --ep 4: model.pt {weights:.1e} from the one-process run's")
+
+
+def test_a_stop_on_sigusr1_with_async_saves_resumes_bitwise(runs, tmp_path):
+    # The preemption drill on --ep 2 with --async-save: SIGUSR1 to rank 0 at a random step; the vote stops every rank
+    # after the same step, each writes its experts' shards (dcp.async_save, then model.pt) and exits 75; --resume
+    # auto ends bitwise on the run never stopped.
+    _, out = runs("cpu:2")
+    stops_and_resumes_bitwise("lm_moe", "cpu:2", [*ARGS, "--async-save"], tmp_path, out, 8)
 
 
 @pytest.mark.slow  # a 2-process launch with --compile: 15-40 s (inductor's cache cold: its C++ builds)
