@@ -10,8 +10,9 @@
 What it shows, against lm_ddp.py (diff them: the lesson is what experts, a router and the all-to-all change):
 - The model: lm_ddp.py's transformer with each block's MLP replaced by --experts MLPs (of --expert-width units, by
   default 4 x --d-model / --top-k: the same active parameters per token as lm_ddp's one MLP of 4 x --d-model) and a
-  router: a softmax gate, each token's --top-k experts, their gates renormalised over the k. Dropless: an expert takes
-  every token routed to it, however many (no capacity, no token dropped), so the model is the one-process model.
+  router (fp32, under bf16 autocast too): a softmax gate, each token's --top-k experts, their gates renormalised
+  over the k. Dropless: an expert takes every token routed to it, however many (no capacity, no token dropped), so
+  every layout computes the one-process model.
 - The balance loss (Switch Transformer, GShard): --aux-loss-weight x E x sum_e f_e P_e, f_e the share of the global
   batch's routed tokens that expert e got (counts all-reduced over every rank: the global-batch balance), P_e its
   mean gate probability; 1.0 when balanced. --z-loss-weight: ST-MoE's router z-loss (logsumexp of the router's
@@ -123,17 +124,23 @@ class AllToAll(torch.autograd.Function):  # New
     """dist.all_to_all_single with uneven splits, differentiable: send[i] rows go to rank i of the group, receive[i]
     come from it. Backward: each row's gradient goes back to the rank it came from (the same call, splits swapped)."""
 
+    sent_bytes = 0  # what this rank sent to the other ranks, forward and backward (the experts' line)
+
     @staticmethod
     def forward(ctx, rows, send, receive, group):
         ctx.send, ctx.receive, ctx.group = send, receive, group
         arrived = rows.new_empty(sum(receive), rows.size(1))
         dist.all_to_all_single(arrived, rows.contiguous(), receive, send, group=group)
+        if ctx.needs_input_grad[0]:  # training (evaluation's exchanges are not counted)
+            AllToAll.sent_bytes += (sum(send) - send[dist.get_rank(group)]) * rows.size(1) * rows.element_size()
         return arrived
 
     @staticmethod
     def backward(ctx, grad):
         back = grad.new_empty(sum(ctx.send), grad.size(1))
         dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.receive, group=ctx.group)
+        AllToAll.sent_bytes += (sum(ctx.receive) - ctx.receive[dist.get_rank(ctx.group)]) * grad.size(1) * \
+            grad.element_size()
         return back, None, None, None
 
 
@@ -148,7 +155,7 @@ class MoE(nn.Module):  # New
         self.n_experts, self.top_k = experts, top_k
         self.router = nn.Linear(d_model, experts, bias=False)
         self.experts = nn.ModuleDict({str(e): lm.MLP(d_model, hidden) for e in range(experts)})  # global names
-        self.first, self.ep, self.group, self.sent_bytes, self.routed = 0, 1, None, 0, None
+        self.first, self.ep, self.group, self.routed = 0, 1, None, None
 
     def keep_experts(self, ep_rank, ep, group):
         """Rank ep_rank of the ep group keeps experts ep_rank E/ep .. (ep_rank + 1) E/ep - 1; the others are freed."""
@@ -161,7 +168,8 @@ class MoE(nn.Module):  # New
     def forward(self, x):
         B, T, D = x.shape
         x = x.reshape(B * T, D)
-        logits = self.router(x).float()  # fp32 softmax over the experts
+        with torch.autocast(x.device.type, enabled=False):  # the router in fp32 under --amp-dtype bf16 too (Switch's
+            logits = self.router(x.float())  # selective precision: bf16 logits would tie and flip experts)
         probs = logits.softmax(-1)
         gates, chosen = probs.topk(self.top_k, dim=-1)  # (S, k): each token's k experts
         gates = gates / gates.sum(-1, keepdim=True)  # renormalised over the k
@@ -187,11 +195,8 @@ class MoE(nn.Module):  # New
         if self.ep > 1:  # each output back to the rank its row came from
             out = AllToAll.apply(out, receive, send, self.group)
         out = out[order.argsort()].view(B * T, self.top_k, D)  # back in (token, choice) order
-        if torch.is_grad_enabled():  # training: the routing for the balance loss; the bytes sent to other ranks
+        if torch.is_grad_enabled():  # training: the routing, for the balance loss
             self.routed = (counts, probs.mean(0), torch.logsumexp(logits, -1).square().mean())
-            me = dist.get_rank(self.group) if self.ep > 1 else 0
-            self.sent_bytes += (sum(send) - send[me]) * D * rows.element_size() + (
-                sum(receive) - receive[me]) * D * out.element_size()  # dispatch, combine; backward the same again
         return (out * gates.unsqueeze(-1)).sum(1).view(B, T, D)
 
 
@@ -398,14 +403,13 @@ def main():
                 # New: the experts' load since the last line: the worst layer's max / min rows per expert.
                 balance = (load.max(-1).values / load.min(-1).values).max().item()
                 dist.all_reduce(aux_sum)  # each rank's balance loss weighs its own tokens' gates: their mean
-                sent = sum(b.mlp.sent_bytes for b in model.blocks.values()) - sent_bytes
-                sent_bytes += sent
+                sent, sent_bytes = AllToAll.sent_bytes - sent_bytes, AllToAll.sent_bytes
                 print0(f"step={step}/{args.steps} train_loss={train_loss:.4f} val_loss={val_loss:.4f} "
                        f"val_bpb={lm.bits_per_byte(val_loss):.4f} lr={scheduler.get_last_lr()[0]:.2e} "
                        f"{meter.fields(last - step)}")
                 print0(f"experts: rows max/min {balance:.2f} (the worst layer), balance loss "  # New
                        f"{aux_sum.item() / since / world_size:.4f} (1: even), all-to-all "
-                       f"{2 * sent / since / 1e6:.3f} MB a step sent by rank 0 (forward and backward)")
+                       f"{sent / since / 1e6:.3f} MB a step sent by rank 0 (forward and backward)")
                 load, aux_sum, since = 0, torch.zeros((), device=device), 0
             # -------------------------------------------------------------------------------- save
             # New: every rank writes its part (DCP), then rank 0 points latest.pt at them: weights, moments, step.

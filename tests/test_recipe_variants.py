@@ -103,7 +103,7 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     ("lm_tp", "lm_fsdp_tp", 316),  # 309 until --compile (issue 66)
     # lm_moe (issue 67): the MoE layer (router, experts, AllToAll), the dp x ep mesh, two gradient groups instead of
     # DDP, the clip across experts, lm_pp's DCP checkpoints (experts by their global names) and its block picture.
-    ("lm_ddp", "lm_moe", 375)])
+    ("lm_ddp", "lm_moe", 380)])  # 375 before the router in fp32 under autocast and the bytes counted as sent
 def test_diff_against_its_sibling_stays_small(base, recipe, max_changed):
     diff = subprocess.run(["diff", f"recipes/{base}.py", f"recipes/{recipe}.py"], cwd=REPO,
                           capture_output=True, text=True).stdout
@@ -116,7 +116,7 @@ def test_diff_against_its_sibling_stays_small(base, recipe, max_changed):
 # common/checkpoint.py's ShardFolders, common/lm.py's flags). Issue 66's --compile: 8-9 lines each (lm_ddp 260, lm_pp
 # 400 and lm_fsdp_tp 420 before it).
 @pytest.mark.parametrize(("recipe", "most"), [("lm_ddp", 270), ("lm_tp", 380), ("lm_pp", 410), ("lm_fsdp_tp", 430),
-                                             ("lm_moe", 470)])
+                                             ("lm_moe", 475)])
 def test_the_language_models_stay_lean(recipe, most):
     assert len((REPO / "recipes" / f"{recipe}.py").read_text().splitlines()) <= most
 
