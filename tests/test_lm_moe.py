@@ -1,8 +1,9 @@
 """recipes/lm_moe.py (mixture of experts, expert parallelism) trains the one-process model: the same recipe on 1
 process (--ep 1: every expert local, no exchange) is the reference, launched once. Its layouts, each against it
 (12 experts, so that --ep 2, 3 and 4 each divide them; 8 steps of a 2-layer model, 12 sequences a step):
-- --ep 2 on 2 processes, --ep 3 on 3, --ep 4 on 4, --dp 2 --ep 2 on 4: the printed losses, train_loss and val_loss
-  (the RESULT line's 6 decimals) equal the reference's, model.pt (every expert, gathered) within WEIGHTS_ATOL;
+- --ep 2 on 2 processes, --ep 3 on 3, --ep 4 on 4, --dp 2 --ep 2 on 4, --ep 1 on 3 (every expert on every rank,
+  data parallel alone): the printed losses, train_loss and val_loss (the RESULT line's 6 decimals) equal the
+  reference's, model.pt (every expert, gathered) within WEIGHTS_ATOL;
 - a run stopped at step 4 on --ep 2 goes on with --resume auto on --ep 4 (DCP, the experts by their global names)
   to the uninterrupted run's val_loss and weights, with --activation-checkpointing on the way.
 What each rank holds, computes and sends (docs/lm.md's table), measured inside the recipe's processes
@@ -149,10 +150,10 @@ def test_one_process_equals_a_plain_moe_loop_written_here(runs):
 
 
 LAYOUTS = [("cpu:2", (), 2, 1), ("cpu:3", ("--ep", 3), 3, 1), ("cpu:4", (), 4, 1),
-           ("cpu:4", ("--dp", 2, "--ep", 2), 2, 2)]
+           ("cpu:4", ("--dp", 2, "--ep", 2), 2, 2), ("cpu:3", ("--ep", 1), 1, 3)]
 
 
-@pytest.mark.parametrize(("devices", "flags", "ep", "dp"), LAYOUTS, ids=["ep2", "ep3", "ep4", "dp2xep2"])
+@pytest.mark.parametrize(("devices", "flags", "ep", "dp"), LAYOUTS, ids=["ep2", "ep3", "ep4", "dp2xep2", "dp3"])
 def test_expert_parallel_trains_the_one_process_model(runs, devices, flags, ep, dp):
     ref_proc, ref_out = runs("cpu:1")
     ref = result_of(ref_proc)
