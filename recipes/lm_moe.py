@@ -187,7 +187,7 @@ class MoE(nn.Module):  # New
             rows = AllToAll.apply(rows, send, receive, self.group)
         # Grouped by this rank's experts (sources in rank order within each): one matrix product per expert.
         per_expert = [sum(source[e] for source in arriving_) for e in range(self.n_experts // self.ep)]
-        chunk = torch.arange(arriving.numel(), device=x.device).repeat_interleave(arriving)
+        chunk = torch.arange(arriving.numel(), device=x.device).repeat_interleave(arriving, output_size=sum(receive))
         by_expert = (chunk % len(per_expert)).argsort(stable=True)
         pieces = rows[by_expert].split(per_expert)
         out = torch.cat([self.experts[str(self.first + e)](piece) for e, piece in enumerate(pieces)])

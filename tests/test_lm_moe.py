@@ -281,7 +281,8 @@ def test_each_rank_sends_what_its_router_chose_runs_its_own_experts_and_reduces_
     (1, ["--top-k", 9], "--top-k 9 must be between 1 and --experts 8"),
     (1, ["--top-k", 0], "--top-k 0 must be between 1 and --experts 8"),
     (4, ["--dp", 3], "--dp 3 x --ep 1 must be the number of processes, 4"),
-    (4, ["--dp", 2, "--ep", 4], "--dp 2 x --ep 4 must be the number of processes, 4")])
+    (4, ["--dp", 2, "--ep", 4], "--dp 2 x --ep 4 must be the number of processes, 4"),
+    (1, ["--n-head", 3], "--n-head 3 must divide --d-model 128")])  # the family's model checks
 def test_bad_expert_flags_fail_with_one_line_before_training(world, flags, line, capsys, monkeypatch):
     check_args_refuses("lm_moe", flags, world, f"error: {line}", capsys, monkeypatch)
 
