@@ -259,16 +259,19 @@ def gather_full_weights(model, is_main, world_size):  # New
 @torch.no_grad()
 def evaluate(model, inputs, targets, rank, world_size, batch, device, amp):
     """Mean loss per byte over every validation window: rank r scores windows r, r + N, ...; sums all-reduced.
-    New: every rank runs as many batches (the last ones may be empty): an ep group's forwards exchange rows."""
+    New: every rank runs as many batches: an ep group's forwards exchange rows, so they must pair up."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)  # summed loss, bytes
     mine_x, mine_y = inputs[rank::world_size], targets[rank::world_size]
     for i in range(0, -(-len(inputs) // world_size), batch):  # New: the most windows a rank has
         x, y = mine_x[i:i + batch].to(device), mine_y[i:i + batch].to(device)
+        scored = len(x) > 0  # New: this rank's windows ran out: window 0's forward all the same, not scored
+        x, y = (x, y) if scored else (inputs[:1].to(device), targets[:1].to(device))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             logits = model(x)
-        total[0] += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
-        total[1] += y.numel()
+        if scored:
+            total[0] += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+            total[1] += y.numel()
     dist.all_reduce(total)
     model.train()
     return (total[0] / total[1]).item()

@@ -42,7 +42,9 @@ from common.schedule import warmup_cosine
 MODEL = {"n_layer": 2, "n_head": 4, "d_model": 32, "block_size": 32}
 MOE = {"experts": 12, "top_k": 2, "hidden": 64}  # the recipe's default width: 4 x 32 / 2
 ARGS = ["--n-layer", 2, "--n-head", 4, "--d-model", 32, "--block-size", 32, "--seq-len", 16, "--batch-size", 12,
-        "--steps", 8, "--eval-every", 4, "--val-windows", 8, "--experts", 12]
+        "--steps", 8, "--eval-every", 4, "--val-windows", 13, "--experts", 12]
+# 13 windows: on 2, 3 and 4 ranks some rank's windows run out a batch before another's (7 and 6 in batches of 6;
+# 5, 4, 4 in batches of 4; 4, 3, 3, 3 in batches of 3): its last evaluation forward has none of its own to score.
 LOSS_ATOL = 1.5e-6  # the RESULT line's 6 decimals, one unit either way
 WEIGHTS_ATOL = 1e-5
 PRINTED_ATOL = 1.01e-4  # one unit of the printed 4th decimal
@@ -130,7 +132,7 @@ def reference(steps=8, aux_weight=0.01):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-    x, y = val_windows(val, 16, 8)
+    x, y = val_windows(val, 16, 13)
     with torch.no_grad():
         val_loss = F.cross_entropy(model.eval()(x).flatten(0, 1), y.flatten()).item()
     return model.state_dict(), val_loss
@@ -178,7 +180,7 @@ def test_expert_parallel_trains_the_one_process_model(runs, devices, flags, ep, 
     # model.pt is every expert: one process scores it as the run did.
     net = moe_model()
     net.load_state_dict(params(out / "model.pt"), strict=True)
-    x, y = val_windows(split(read_text()[0])[1], 16, 8)
+    x, y = val_windows(split(read_text()[0])[1], 16, 13)
     with torch.no_grad():
         scored = F.cross_entropy(net.eval()(x).flatten(0, 1), y.flatten()).item()
     assert abs(scored - result["val_loss"]) <= LOSS_ATOL

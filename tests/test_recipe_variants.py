@@ -103,7 +103,9 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     ("lm_tp", "lm_fsdp_tp", 316),  # 309 until --compile (issue 66)
     # lm_moe (issue 67): the MoE layer (router, experts, AllToAll), the dp x ep mesh, two gradient groups instead of
     # DDP, the clip across experts, lm_pp's DCP checkpoints (experts by their global names) and its block picture.
-    ("lm_ddp", "lm_moe", 380)])  # 375 before the router in fp32 under autocast and the bytes counted as sent
+    # 375 before the router in fp32 under autocast and the bytes counted as sent; 386 with evaluation's forwards
+    # paired up where a rank's windows run out (an empty batch cannot pass attention's view).
+    ("lm_ddp", "lm_moe", 386)])
 def test_diff_against_its_sibling_stays_small(base, recipe, max_changed):
     diff = subprocess.run(["diff", f"recipes/{base}.py", f"recipes/{recipe}.py"], cwd=REPO,
                           capture_output=True, text=True).stdout
