@@ -31,7 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import launch, load_recipe, max_diff, params, result_of, spawn_gloo
+from conftest import REPO, launch, load_recipe, max_diff, params, result_of, spawn_gloo
 from jobs import error_lines
 from lm_checks import (
     blocks_per_step,
@@ -47,6 +47,7 @@ from lm_checks import (
     tokens_seen,
 )
 
+from common.checkpoint import EX_TEMPFAIL
 from common.lm import Transformer, read_text, split, train_batch
 
 MODEL = {"n_layer": 4, "n_head": 4, "d_model": 32, "block_size": 32}
@@ -289,10 +290,14 @@ def test_bf16_autocast_runs_inside_each_stage(runs):
 def test_resume_is_exact_and_goes_on_with_another_number_of_stages(runs, reference, tmp_path):
     ref, _, ref_out = reference
     straight, straight_out = runs("lm_pp", "cpu:2", "--schedule", "1f1b")
-    # The step-4 checkpoint written by --async-save's thread (issue 43): the same shards as dcp.save writes.
-    half = launch("recipes/lm_pp.py", "cpu:2", *ARGS, "--schedule", "1f1b", "--max-steps", 4, "--async-save",
-                  "--out-dir", tmp_path / "same")
-    assert result_of(half)["steps"] == 4
+    # The step-4 checkpoint written by --async-save's thread (issue 43): the same shards as dcp.save writes. The run
+    # is stopped there as a scheduler stops it: SIGUSR1 to the first stage after its step 3 (tests/faults), the vote
+    # stops both stages after step 4; the save in flight is written, then exit 75.
+    signal_after_step_3 = {"PYTHONPATH": str(REPO / "tests" / "faults"), "FAULT_SIGNAL": "0:step=3:self"}
+    half = launch("recipes/lm_pp.py", "cpu:2", *ARGS, "--schedule", "1f1b", "--async-save", "--out-dir",
+                  tmp_path / "same", env=signal_after_step_3)
+    assert half.returncode == EX_TEMPFAIL and "RESULT" not in half.stdout, half.stdout + half.stderr[-3000:]
+    assert re.search(r"^preempt: SIGUSR1: saved \S+ at step 4; exit 75", half.stdout, re.M), half.stdout
     assert re.search(r"^saved: \S+/latest\.pt at step 4 \(written in the background\)$", half.stdout, re.M), half.stdout
     shutil.copytree(tmp_path / "same", tmp_path / "other")  # the same step-4 checkpoint, for 1 stage
     resumed = launch("recipes/lm_pp.py", "cpu:2", *ARGS, "--schedule", "1f1b", "--resume", "auto",
