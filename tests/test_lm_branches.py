@@ -8,7 +8,7 @@ size) with the tests' 2-layer model:
 - --resume auto on a run that has ended: nothing to train, the evaluation alone, the same val_loss;
 - a shard cut in half: one line, exit 2;
 - lm_ddp (one file, not shards): --async-save's write seen done in the loop and waited for at the end, then the same
-  resume past the end.
+  resume past the end; on a slow disk, each write waited for when the next save is due.
 """
 
 import re
@@ -73,3 +73,13 @@ def test_lm_ddp_waits_for_its_background_save_and_a_resume_past_the_end_evaluate
     again = run_direct("lm_ddp", *TINY, "--resume", "auto", "--out-dir", out)
     ended = result_of(again)
     assert (ended["start_step"], ended["steps"], ended["val_loss"]) == (8, 8, result["val_loss"])
+    # A slow disk (each latest.pt.tmp's open sleeps 1 s): each save is still being written when the next one is due,
+    # two steps on; training waits for it there (one save in flight), and the weights are the same.
+    slow = run_direct("lm_ddp", *TINY, "--async-save", "--out-dir", tmp_path / "slow",
+                      env={**FAULTS, "FAULT_SLOW_WRITE": "latest.pt.tmp:1.0"})
+    assert re.findall(r"^saved: \S+ and model.pt at step (\d) \(written in the background\)$", slow.stdout,
+                      re.M) == ["2", "4", "6", "8"], slow.stdout
+    waited = re.findall(r"^saving: \S+ and model.pt at step (\d) in the background; training waited ([\d.]+) s$",
+                        slow.stdout, re.M)
+    assert [step for step, _ in waited] == ["2", "4", "6", "8"] and all(float(s) >= 0.5 for _, s in waited[1:]), waited
+    assert result_of(slow)["val_loss"] == result["val_loss"]
