@@ -11,8 +11,8 @@ What it shows, against lm_ddp.py (diff them: the lesson is what experts, a route
 - The model: lm_ddp.py's transformer with each block's MLP replaced by --experts MLPs (of --expert-width units, by
   default 4 x --d-model / --top-k: the same active parameters per token as lm_ddp's one MLP of 4 x --d-model) and a
   router (fp32, under bf16 autocast too): a softmax gate, each token's --top-k experts, their gates renormalised
-  over the k. Dropless: an expert takes every token routed to it, however many (no capacity, no token dropped), so
-  every layout computes the one-process model.
+  over the k (k > 1). Dropless: an expert takes every token routed to it, however many (no capacity, no token
+  dropped), so every layout computes the one-process model.
 - The balance loss (Switch Transformer, GShard): --aux-loss-weight x E x sum_e f_e P_e, f_e the share of the global
   batch's routed tokens that expert e got (counts all-reduced over every rank: the global-batch balance), P_e its
   mean gate probability; 1.0 when balanced. --z-loss-weight: ST-MoE's router z-loss (logsumexp of the router's
@@ -172,11 +172,14 @@ class MoE(nn.Module):  # New
             logits = self.router(x.float())  # selective precision: bf16 logits would tie and flip experts)
         probs = logits.softmax(-1)
         gates, chosen = probs.topk(self.top_k, dim=-1)  # (S, k): each token's k experts
-        gates = gates / gates.sum(-1, keepdim=True)  # renormalised over the k
+        if self.top_k > 1:  # renormalised over the k (k = 1: the probability itself, Switch's: 1.0 has no gradient)
+            gates = gates / gates.sum(-1, keepdim=True)
         # Every (token, choice) pair sorted by expert (stable: tokens in order): one block of rows per destination rank.
         order = chosen.flatten().argsort(stable=True)
         counts = torch.bincount(chosen.flatten(), minlength=self.n_experts)  # rows for each expert, from this rank
         rows = x[order // self.top_k]
+        if torch.is_autocast_enabled(x.device.type):  # bf16 rows: the expert's first layer casts them so anyway
+            rows = rows.to(torch.get_autocast_dtype(x.device.type))  # half the bytes through the all-to-alls
         arriving = counts  # one rank holds every expert: nothing to exchange
         if self.ep > 1:  # the counts first: how many rows each rank of the group sends to each of this rank's experts
             arriving = torch.empty_like(counts)

@@ -327,3 +327,14 @@ def test_a_diverged_run_stops_with_one_line_and_saves_nothing(tmp_path):
     assert len(said) == 1 and said[0].startswith("error: training diverged steps 1-4: the training loss stopped being "
                                                  "finite at step"), proc.stderr[-2000:]
     assert not (tmp_path / "out" / "model.pt").exists() and not (tmp_path / "out" / "checkpoint").exists()
+
+
+def test_with_top_1_the_router_learns_from_the_loss():
+    # Switch's top-1: the token's output is its expert's, weighted by the gate probability itself. Renormalised over
+    # one expert that weight would be 1.0, constant: the router would get no gradient from the language model's loss.
+    recipe = load_recipe("lm_moe")
+    torch.manual_seed(0)
+    for k in (1, 2):
+        layer = recipe.MoE(8, 4, k, 16)
+        layer(torch.randn(2, 5, 8)).square().sum().backward()
+        assert layer.router.weight.grad.abs().sum() > 0, k

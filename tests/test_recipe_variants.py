@@ -104,8 +104,9 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # lm_moe (issue 67): the MoE layer (router, experts, AllToAll), the dp x ep mesh, two gradient groups instead of
     # DDP, the clip across experts, lm_pp's DCP checkpoints (experts by their global names) and its block picture.
     # 375 before the router in fp32 under autocast and the bytes counted as sent; 386 with evaluation's forwards
-    # paired up where a rank's windows run out (an empty batch cannot pass attention's view).
-    ("lm_ddp", "lm_moe", 386)])
+    # paired up where a rank's windows run out (an empty batch cannot pass attention's view); 389 with top-1's gate
+    # left unnormalised and the rows sent in bf16 under autocast.
+    ("lm_ddp", "lm_moe", 389)])
 def test_diff_against_its_sibling_stays_small(base, recipe, max_changed):
     diff = subprocess.run(["diff", f"recipes/{base}.py", f"recipes/{recipe}.py"], cwd=REPO,
                           capture_output=True, text=True).stdout
@@ -118,7 +119,7 @@ def test_diff_against_its_sibling_stays_small(base, recipe, max_changed):
 # common/checkpoint.py's ShardFolders, common/lm.py's flags). Issue 66's --compile: 8-9 lines each (lm_ddp 260, lm_pp
 # 400 and lm_fsdp_tp 420 before it).
 @pytest.mark.parametrize(("recipe", "most"), [("lm_ddp", 270), ("lm_tp", 380), ("lm_pp", 410), ("lm_fsdp_tp", 430),
-                                             ("lm_moe", 475)])
+                                             ("lm_moe", 478)])
 def test_the_language_models_stay_lean(recipe, most):
     assert len((REPO / "recipes" / f"{recipe}.py").read_text().splitlines()) <= most
 
