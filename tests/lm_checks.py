@@ -26,10 +26,10 @@ def step_lines(stdout):
             for m in re.finditer(r"^step=(\d+)/\d+ .*$", stdout, re.M)}
 
 
-def one_process_val_loss(path, model, seq_len, windows):
-    """model.pt loaded strictly into a plain Transformer(**model) and scored on the validation windows in one
-    process."""
-    net = Transformer(**model)
+def one_process_val_loss(path, model, seq_len, windows, mlp=None):
+    """model.pt loaded strictly into a plain Transformer(**model) (each block's MLP made by `mlp`, lm_moe.py's
+    experts, where given) and scored on the validation windows in one process."""
+    net = Transformer(**model, mlp=mlp)
     net.load_state_dict(params(path), strict=True)
     net.eval()
     x, y = val_windows(split(read_text()[0])[1], seq_len, windows)
@@ -47,6 +47,18 @@ def check_args_refuses(name, argv, world, line, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.strip().splitlines() == error_lines(err), err
     assert len(error_lines(err)) == 1 and error_lines(err)[0].startswith(line), err
+
+
+def diverged_run_stops_with_one_line(recipe, devices, args, out):
+    """`recipe` on `devices` with `args` and --lr 1e30: exit 3, one error line (the divergence check's, the loss not
+    finite from step 2 of the first 4), and no model.pt in `out`. Returns the CompletedProcess."""
+    proc = launch(f"recipes/{recipe}.py", devices, *args, "--lr", "1e30", "--out-dir", out)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    said = error_lines(proc.stderr)
+    assert len(said) == 1 and said[0].startswith("error: training diverged steps 1-4: the training loss stopped being "
+                                                 "finite at step 2."), proc.stderr[-2000:]
+    assert not (out / "model.pt").exists()
+    return proc
 
 
 def stops_and_resumes_bitwise(recipe, devices, args, out, straight_out, steps):
@@ -156,11 +168,18 @@ def saved_per_step(folder, rank):
     return json.loads((folder / "saved" / f"rank{rank}.json").read_text())["steps"]
 
 
+def comm_records(folder, rank):
+    """Rank `rank`'s COUNT_COMMS_DIR steps as recorded: [[op, phase, ranks, bytes, ...] per operation] per step (an
+    all-to-all's rows sent to and received from each rank after its bytes; lm_moe.py's "route" and "expert" records).
+    Step k (from 1) holds what ran after optimizer step k - 1 until step k's."""
+    return json.loads((folder / "comms" / f"rank{rank}.json").read_text())["steps"]
+
+
 def comms_per_step(folder, rank):
     """Rank `rank`'s COUNT_COMMS_DIR steps, each a Counter {(op, phase, ranks, bytes): n}; host reads as ("item",
     phase, caller, bytes). Step k (from 1) holds what ran after optimizer step k - 1 until step k's."""
-    steps = json.loads((folder / "comms" / f"rank{rank}.json").read_text())["steps"]
-    return [Counter((e[0], e[1], e[4] if e[0] == "item" else tuple(e[2]), e[3]) for e in step) for step in steps]
+    return [Counter((e[0], e[1], e[4] if e[0] == "item" else tuple(e[2]), e[3]) for e in step)
+            for step in comm_records(folder, rank)]
 
 
 def plain_steps(steps, eval_every, start=0):

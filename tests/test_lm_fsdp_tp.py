@@ -44,6 +44,7 @@ from lm_checks import (
     claims_env,
     comms_per_step,
     compiled_matches_eager,
+    diverged_run_stops_with_one_line,
     one_process_val_loss,
     only,
     plain_steps,
@@ -522,9 +523,4 @@ def test_a_mesh_that_is_not_the_world_stops_a_real_launch_with_one_line(tmp_path
 
 @SLOW  # a real 2-process launch: 10-15 s
 def test_a_diverged_run_stops_with_one_line_and_saves_nothing(tmp_path):
-    proc = launch("recipes/lm_fsdp_tp.py", "cpu:2", *ARGS, "--tp", 1, "--lr", "1e30", "--out-dir", tmp_path / "out")
-    assert proc.returncode == 3, proc.stderr[-2000:]
-    said = error_lines(proc.stderr)
-    assert len(said) == 1 and said[0].startswith("error: training diverged steps 1-4: the training loss stopped being "
-                                                 "finite at step 2."), proc.stderr[-2000:]
-    assert not (tmp_path / "out" / "model.pt").exists()
+    diverged_run_stops_with_one_line("lm_fsdp_tp", "cpu:2", [*ARGS, "--tp", 1], tmp_path / "out")

@@ -18,7 +18,6 @@ the router's choices recomputed from each MoE layer's input, each expert's forwa
   same experts), the clip's one float over the ep group.
 """
 
-import json
 import re
 import types
 
@@ -26,11 +25,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import launch, load_recipe, max_diff, params, result_of
-from jobs import error_lines
 from lm_checks import (
     check_args_refuses,
     claims_env,
+    comm_records,
     compiled_matches_eager,
+    diverged_run_stops_with_one_line,
+    one_process_val_loss,
     step_lines,
     stops_and_resumes_bitwise,
     tokens_seen,
@@ -71,10 +72,15 @@ def claims(out):
     return out.with_name(f"{out.name}_claims")
 
 
-def moe_model(experts=MOE["experts"]):
-    """The one-process model lm_moe.py builds (every expert), to load a model.pt into."""
+def moe_mlp():
+    """What makes each block's MLP in lm_moe.py's one-process model: its MoE layer, every expert."""
     recipe = load_recipe("lm_moe")
-    return Transformer(**MODEL, mlp=lambda: recipe.MoE(MODEL["d_model"], experts, MOE["top_k"], MOE["hidden"]))
+    return lambda: recipe.MoE(MODEL["d_model"], MOE["experts"], MOE["top_k"], MOE["hidden"])
+
+
+def moe_model():
+    """The one-process model lm_moe.py builds (every expert), to load a model.pt into."""
+    return Transformer(**MODEL, mlp=moe_mlp())
 
 
 def expected_state_bytes(ep):
@@ -85,11 +91,6 @@ def expected_state_bytes(ep):
     expert = [p for n, p in net.named_parameters() if ".experts." in n]
     held = sum(p.numel() for p in dense) + sum(p.numel() for p in expert) // ep
     return 16 * held + 4 * (len(dense) + len(expert) // ep)
-
-
-def raw_comms(folder, rank):
-    """Rank `rank`'s COUNT_COMMS_DIR records, per step: [[op, phase, ranks, bytes, ...], ...]."""
-    return json.loads((folder / "comms" / f"rank{rank}.json").read_text())["steps"]
 
 
 def plain_moe_forward(self, x):
@@ -178,11 +179,7 @@ def test_expert_parallel_trains_the_one_process_model(runs, devices, flags, ep, 
     assert ref["state_bytes_per_rank"] == [expected_state_bytes(1)]
     assert result["state_bytes_per_rank"] == [expected_state_bytes(ep)] * (ep * dp)
     # model.pt is every expert: one process scores it as the run did.
-    net = moe_model()
-    net.load_state_dict(params(out / "model.pt"), strict=True)
-    x, y = val_windows(split(read_text()[0])[1], 16, 13)
-    with torch.no_grad():
-        scored = F.cross_entropy(net.eval()(x).flatten(0, 1), y.flatten()).item()
+    scored = one_process_val_loss(out / "model.pt", MODEL, 16, 13, mlp=moe_mlp())
     assert abs(scored - result["val_loss"]) <= LOSS_ATOL
 
 
@@ -231,7 +228,7 @@ def test_each_rank_sends_what_its_router_chose_runs_its_own_experts_and_reduces_
     net = moe_model()
     dense = sum(p.numel() for n, p in net.named_parameters() if ".experts." not in n)
     expert = sum(p.numel() for n, p in net.named_parameters() if ".experts." in n)
-    steps = [raw_comms(claims(out), rank) for rank in range(world)]
+    steps = [comm_records(claims(out), rank) for rank in range(world)]
     train = split(read_text()[0])[0]
     for rank in range(world):  # every rank its own slice of each step's batch: data parallel over all ranks
         seen = [t["rows"] for t in tokens_seen(claims(out), rank) if t["train"]]
@@ -321,12 +318,8 @@ def test_at_the_defaults_the_balance_loss_keeps_every_expert_fed(tmp_path):
 def test_a_diverged_run_stops_with_one_line_and_saves_nothing(tmp_path):
     # An expert's NaN travels back through the combine to every rank of its ep group; the check's all-reduce stops
     # them all before any save.
-    proc = launch("recipes/lm_moe.py", "cpu:2", *ARGS, "--lr", "1e30", "--out-dir", tmp_path / "out")
-    assert proc.returncode == 3, proc.stderr[-2000:]
-    said = error_lines(proc.stderr)
-    assert len(said) == 1 and said[0].startswith("error: training diverged steps 1-4: the training loss stopped being "
-                                                 "finite at step"), proc.stderr[-2000:]
-    assert not (tmp_path / "out" / "model.pt").exists() and not (tmp_path / "out" / "checkpoint").exists()
+    diverged_run_stops_with_one_line("lm_moe", "cpu:2", ARGS, tmp_path / "out")
+    assert not (tmp_path / "out" / "checkpoint").exists()
 
 
 def test_with_top_1_the_router_learns_from_the_loss():

@@ -32,13 +32,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from conftest import REPO, launch, load_recipe, max_diff, params, result_of, spawn_gloo
-from jobs import error_lines
 from lm_checks import (
     blocks_per_step,
     check_args_refuses,
     claims_env,
     comms_per_step,
     compiled_matches_eager,
+    diverged_run_stops_with_one_line,
     one_process_val_loss,
     only,
     plain_steps,
@@ -429,9 +429,4 @@ def test_the_defaults_divide_on_any_number_of_stages():
 @pytest.mark.slow  # a real 2-process launch: 8-15 s
 def test_a_diverged_pipeline_stops_with_one_line_and_saves_nothing(tmp_path):
     # The loss is the last stage's alone: the check's all-reduce stops the first stage too, before any save.
-    proc = launch("recipes/lm_pp.py", "cpu:2", *ARGS, "--lr", "1e30", "--out-dir", tmp_path / "out")
-    assert proc.returncode == 3, proc.stderr[-2000:]
-    said = error_lines(proc.stderr)
-    assert len(said) == 1 and said[0].startswith("error: training diverged steps 1-4: the training loss stopped being "
-                                                 "finite at step 2."), proc.stderr[-2000:]
-    assert not (tmp_path / "out" / "model.pt").exists()
+    diverged_run_stops_with_one_line("lm_pp", "cpu:2", ARGS, tmp_path / "out")

@@ -39,6 +39,7 @@ from lm_checks import (
     claims_env,
     comms_per_step,
     compiled_matches_eager,
+    diverged_run_stops_with_one_line,
     kept_at_the_defaults,
     killed_while_saving_resumes_bitwise,
     killed_while_writing_model_pt_leaves_the_last_one,
@@ -435,12 +436,7 @@ def test_a_tp_that_is_not_the_world_size_stops_a_real_launch_with_one_line(tmp_p
 
 @pytest.mark.slow  # a real 2-process launch: 15 s
 def test_a_diverged_tensor_parallel_run_stops_with_one_line_and_saves_nothing(tmp_path):
-    proc = launch("recipes/lm_tp.py", "cpu:2", *ARGS, "--lr", "1e30", "--out-dir", tmp_path / "out")
-    assert proc.returncode == 3, proc.stderr[-2000:]
-    said = error_lines(proc.stderr)
-    assert len(said) == 1 and said[0].startswith("error: training diverged steps 1-4: the training loss stopped being "
-                                                 "finite at step 2."), proc.stderr[-2000:]
-    assert not (tmp_path / "out" / "model.pt").exists()
+    diverged_run_stops_with_one_line("lm_tp", "cpu:2", ARGS, tmp_path / "out")
 
 
 @pytest.mark.slow  # two spawned processes: 15 s

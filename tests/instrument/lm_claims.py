@@ -134,11 +134,10 @@ def _patch_lm(lm):
             return logits
 
         transformer.forward = logged_forward
-    if _COMMS_DIR:
-        transformer.__call__ = _within_forward(transformer.__call__)
-    if _COMMS_DIR:  # lm_moe.py: each MoE layer's routing, seen from its input, and the experts each rank runs
+    if _COMMS_DIR:  # and lm_moe.py's: each MoE layer's routing, seen from its input, and the experts each rank runs
         import torch
 
+        transformer.__call__ = _within_forward(transformer.__call__)
         torch.nn.modules.module.register_module_forward_pre_hook(_route)
         mlp_forward = lm.MLP.forward
 
