@@ -178,6 +178,43 @@ def ddp_counts(folder):
     return [json.loads(f.read_text()) for f in sorted(Path(folder).glob("rank*.json"))]
 
 
+# --profile's table: a row per rank (tests/test_profile.py reads it as `table`).
+PROFILE_ROW = re.compile(r"^ +(\d+) +([\d.]+) +([\d.]+)% +([\d.]+)% +\(([\d.]+)%\) +([\d.]+)% +([\d.]+)% +([\d.]+)%$",
+                         re.M)
+
+
+def profile_table(stdout):
+    """The profile table's rows: {rank: {step_ms, compute, communication, overlapped, data, optimizer, idle}}."""
+    names = ("step_ms", "compute", "communication", "overlapped", "data", "optimizer", "idle")
+    return {int(m[0]): dict(zip(names, map(float, m[1:]), strict=True)) for m in PROFILE_ROW.findall(stdout)}
+
+
+# The debugging flags, given to one multi-process test run of each image recipe (test_conformance.py's cases,
+# test_gpu_decode.py's and test_uneven.py's 3-process runs), which then checks both the lesson's numbers and each
+# flag's own effect (debugging_took_effect).
+DEBUGGING = ("--debug-collectives", "--profile")
+
+
+def debugging_took_effect(proc, out, counts, world, flags):
+    """--debug-collectives: torch's DETAIL level in every rank as its process group ends (tests/instrument's
+    COUNT_DDP_DIR=counts; None: a recipe without one); --profile: the table with a row of every rank whose shares add
+    up to 100%, and a trace file of each rank in out/profile. Without a flag: no trace of it."""
+    if counts is not None:
+        levels = [count["debug_level"] for count in ddp_counts(counts)]
+        assert levels == ["DETAIL" if "--debug-collectives" in flags else "OFF"] * world, levels
+    rows = profile_table(proc.stdout)
+    if "--profile" not in flags:
+        assert rows == {} and not (Path(out) / "profile").exists(), proc.stdout
+        return
+    assert "profile: this run's steps 3-6, traces in " in proc.stdout, proc.stdout
+    assert sorted(rows) == list(range(world)), proc.stdout
+    for row in rows.values():
+        shares = row["compute"] + row["communication"] + row["data"] + row["optimizer"] + row["idle"]
+        assert row["step_ms"] > 0 and shares == pytest.approx(100, abs=0.3), row
+    assert sorted(p.name for p in (Path(out) / "profile").glob("trace_rank*.json")) == [
+        f"trace_rank{rank}.json" for rank in range(world)]
+
+
 def epoch_lines(stdout):
     """A recipe's per-epoch lines without the timing fields and the planned step total, which differ between runs
     (a --max-steps run plans fewer steps)."""

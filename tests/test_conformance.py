@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from conftest import (
+    DEBUGGING,
     ddp_counts,
+    debugging_took_effect,
     epoch_losses,
     fsdp_blocks,
     fsdp_counts,
@@ -73,37 +75,39 @@ class Case:
         return math.ceil(ARGS["train"] / self.world) // (self.batch // self.world)
 
 
+# conftest's DEBUGGING in one case of each recipe: --debug-collectives (torch's DETAIL level: every collective on the
+# default group is checked first, and DDP gets a plain group of its own, harness.ddp_process_group) and --profile
+# (steps 3-6 recorded, every rank's row in the table): the same arithmetic, the same one all-reduce a step.
 CASES = {
-    "dp": Case("dp", devices="cpu"),
+    "dp": Case("dp", ("--profile",), devices="cpu"),
     "ddp_torchrun": Case("ddp_torchrun"),
     "ddp_launch": Case("ddp_launch"),
     "ddp_spawn": Case("ddp_spawn"),
     "ddp_spawn:model-parallel": Case("ddp_spawn", ("--model-parallel",)),
-    "ddp_checkpoint": Case("ddp_checkpoint"),
-    "mx_face_prefetch": Case("mx_face_prefetch", ("--rec", "synthetic")),
-    "apex_ddp": Case("apex_ddp"),  # torch's DDP: apex needs a GPU
+    "ddp_checkpoint": Case("ddp_checkpoint", DEBUGGING),
+    "mx_face_prefetch": Case("mx_face_prefetch", ("--rec", "synthetic", *DEBUGGING)),
+    "apex_ddp": Case("apex_ddp", DEBUGGING),  # torch's DDP: apex needs a GPU
     # An odd world: the batch split by 3 (30 = 3 x 10), 43 training samples per rank (one padded), validation
     # shards of 13, 12 and 12, under each launcher.
     "ddp_torchrun:3": Case("ddp_torchrun", devices="cpu:3", batch=30),
-    # --debug-collectives (torch's DETAIL level): every collective on the default group is checked first, and DDP
-    # gets a plain group of its own (harness.ddp_process_group): the same arithmetic, the same one all-reduce a step.
-    "ddp_launch:3": Case("ddp_launch", ("--debug-collectives",), devices="cpu:3", batch=30),
-    "ddp_spawn:3": Case("ddp_spawn", devices="cpu:3", batch=30),
+    "ddp_launch:3": Case("ddp_launch", DEBUGGING, devices="cpu:3", batch=30),
+    "ddp_spawn:3": Case("ddp_spawn", DEBUGGING, devices="cpu:3", batch=30),
     # inductor's CPU kernels are less exact than eager's: one process, one step of tiny_bn on rank 0's first batch of
     # the 3-process run gives gradients 1.3e-3 from float64's where eager's are 7e-8 away (aot_eager: 0, the
     # decompositions alone: 3e-8, so it is inductor's generated code); after 8 steps the weights are 1.7e-4 and the
     # BatchNorm statistics 7.7e-4 from the reference on 3 processes, 2.4e-7 and 7.3e-6 on 2.
-    "ddp_compile": Case("ddp_compile", weights_atol=1e-5, stats_atol=5e-5),
+    "ddp_compile": Case("ddp_compile", DEBUGGING, weights_atol=1e-5, stats_atol=5e-5),
     "ddp_compile:3": Case("ddp_compile", devices="cpu:3", batch=30, weights_atol=1e-3, stats_atol=2e-3),
     # ZeRO-1: each rank steps its shard of the parameters with SGD and broadcasts it: plain DDP's arithmetic.
     "ddp_zero": Case("ddp_zero"),
-    "ddp_zero:3": Case("ddp_zero", devices="cpu:3", batch=30),
+    "ddp_zero:3": Case("ddp_zero", DEBUGGING, devices="cpu:3", batch=30),
     # DDP's own fp32 all-reduce: the hooks' distance from it is tests/test_comm_hooks.py's, PowerSGD's resume too.
     "ddp_comm_hooks": Case("ddp_comm_hooks", ("--comm-hook", "none")),
-    "ddp_comm_hooks:3": Case("ddp_comm_hooks", ("--comm-hook", "none"), devices="cpu:3", batch=30),
-    "fsdp": Case("fsdp"),  # sharded: the same arithmetic as DDP (its gradients are reduce-scattered, not all-reduced)
+    "ddp_comm_hooks:3": Case("ddp_comm_hooks", ("--comm-hook", "none", *DEBUGGING), devices="cpu:3", batch=30),
+    # sharded: the same arithmetic as DDP (its gradients are reduce-scattered, not all-reduced)
+    "fsdp": Case("fsdp", DEBUGGING),
     "apex_amp:O0": Case("apex_amp", ("--opt-level", "O0"), precision="O0"),
-    "apex_amp:O1": Case("apex_amp", ("--opt-level", "O1"), precision="O1"),
+    "apex_amp:O1": Case("apex_amp", ("--opt-level", "O1", *DEBUGGING), precision="O1"),
     "apex_amp:O2": Case("apex_amp", ("--opt-level", "O2"), precision="O2"),  # fp16 weights, fp32 masters
     # fp16 weights updated in fp16: the ranks' fp16 gradients add in another order, one fp16 step (2^-10) apart.
     # Its BatchNorm statistics, fp16 too, are recomputed at each epoch's end from activations through those weights.
@@ -116,8 +120,8 @@ CASES = {
     # bf16 activations: a last-bit difference in an fp32 gradient can flip a bf16 rounding (2^-8) downstream.
     "torch_amp:bf16": Case("torch_amp", ("--amp-dtype", "bf16", "--accum-steps", "2", "--clip-grad", "1.0"),
                            precision="bf16", accum=2, clip=1.0, weights_atol=1e-5),
-    "torch_amp:fp16": Case("torch_amp", ("--amp-dtype", "fp16", "--accum-steps", "2", "--clip-grad", "1.0"),
-                           precision="fp16", accum=2, clip=1.0),
+    "torch_amp:fp16": Case("torch_amp", ("--amp-dtype", "fp16", "--accum-steps", "2", "--clip-grad", "1.0",
+                                         *DEBUGGING), precision="fp16", accum=2, clip=1.0),
 }
 # The quick tier (pytest -m "not slow") keeps one real 2-process job per launcher: torchrun, the legacy
 # torch.distributed.launch, and mp.spawn.
@@ -217,6 +221,8 @@ def test_eval_is_exact_with_batchnorm(run):
 def test_ddp_reduces_once_per_step_evaluates_outside_the_wrapper_and_never_reads_the_scaler_flag(run):
     case = run["case"]
     counts = ddp_counts(run["counts"])
+    for count in counts:
+        count.pop("debug_level")  # test_the_debugging_flags_take_effect's
     if case.recipe not in DDP:  # DataParallel: no process group; fsdp: a process group but no DDP wrapper
         assert counts == ([] if case.recipe == "dp" else [
             {"grad_allreduces": 0, "eval_forwards": 0, "scaler_host_reads": 0, "allreduce_bytes_per_step": [],
@@ -242,6 +248,13 @@ def test_ddp_reduces_once_per_step_evaluates_outside_the_wrapper_and_never_reads
     assert counts == [{"grad_allreduces": steps * buckets, "eval_forwards": 0, "scaler_host_reads": 0,
                        "buffer_syncs": steps, "common_rank_agreements": 0,
                        "zero_broadcasts_per_step": zero}] * case.world, counts
+
+
+def test_the_debugging_flags_take_effect(run):
+    # The same run as the checks above (so the flags change nothing they check), and each flag's own effect there.
+    case = run["case"]
+    debugging_took_effect(run["proc"], run["out"], None if case.recipe == "dp" else run["counts"], case.world,
+                          case.flags)  # dp: one process, no process group
 
 
 def test_each_rank_computes_a_disjoint_share_of_each_global_batch_and_of_the_validation_set(run):

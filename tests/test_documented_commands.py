@@ -31,9 +31,8 @@ from pathlib import Path
 
 import pytest
 import warm
-from conftest import REPO, launch_env
+from conftest import REPO, launch_env, profile_table
 from test_defaults import THREE_HERE
-from test_profile import table as profile_table
 
 from common.harness import cpu_amp_default
 from tools.free_port import free_port

@@ -20,7 +20,17 @@ import time
 import pytest
 import torch
 import torchvision.transforms as T
-from conftest import ddp_counts, epoch_losses, instrument_env, launch, load_recipe, result_of, samples_seen
+from conftest import (
+    DEBUGGING,
+    ddp_counts,
+    debugging_took_effect,
+    epoch_losses,
+    instrument_env,
+    launch,
+    load_recipe,
+    result_of,
+    samples_seen,
+)
 from jobs import error_lines
 from PIL import Image
 from reference import Autocast, Plain, evaluate, train
@@ -35,7 +45,7 @@ FLAGS = ["--dataset", "imagefolder", "--arch", "tiny_bn", "--workers", "0", "--e
 # As torch_amp's conformance cases: fp16 with its scaler, 2 micro-batches a step (no_sync, the loss / 2) and clipping
 # after unscale_ on 2 ranks; fp32 in channels-last on 3.
 MODES = {"cpu:2": ["--amp-dtype", "fp16", "--accum-steps", 2, "--clip-grad", 1.0],
-         "cpu:3": ["--amp-dtype", "fp32", "--channels-last"]}
+         "cpu:3": ["--amp-dtype", "fp32", "--channels-last", *DEBUGGING]}  # and conftest's debugging flags
 ODD = {"cmyk_0.JPEG", "png_0.JPEG"}  # the files PIL decodes in the worker (gray and progressive go to the decoder)
 
 
@@ -146,6 +156,8 @@ def test_ddp_reduces_once_a_step_and_evaluation_goes_around_the_wrapper(run):
     for count in ddp_counts(run["out"] / "ddp"):
         assert (count["grad_allreduces"], count["eval_forwards"], count["scaler_host_reads"]) == (steps, 0, 0), count
         assert [b > 0 for b in count["allreduce_bytes_per_step"]] == ([False] * (run["accum"] - 1) + [True]) * steps
+    # The debugging flags on 3 ranks (the same run: they change none of the numbers checked here).
+    debugging_took_effect(run["proc"], run["out"], run["out"] / "ddp", run["world"], MODES[f"cpu:{run['world']}"])
 
 
 @pytest.mark.parametrize("run", [("cpu:2", BATCH)], indirect=True, ids=["cpu:2"])

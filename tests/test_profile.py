@@ -6,19 +6,13 @@ import re
 
 import pytest
 from conftest import REPO, launch, result_of, run_direct
+from conftest import profile_table as table  # the profile table's rows
 
 from common.profiling import LABELS, breakdown
 from tools.plot_profile import main as plot_profile
 
 TINY = ("--dataset", "synthetic", "--arch", "tiny", "--epochs", "1")
-ROW = re.compile(r"^ +(\d+) +([\d.]+) +([\d.]+)% +([\d.]+)% +\(([\d.]+)%\) +([\d.]+)% +([\d.]+)% +([\d.]+)%$", re.M)
 OWN = re.compile(r" own_ms=([\d.]+)-([\d.]+)\(max/min ([\d.]+), rank (\d+)\)$", re.M)
-
-
-def table(stdout):
-    """The profile table's rows: {rank: {step_ms, compute, communication, overlapped, data, optimizer, idle}}."""
-    names = ("step_ms", "compute", "communication", "overlapped", "data", "optimizer", "idle")
-    return {int(m[0]): dict(zip(names, map(float, m[1:]), strict=True)) for m in ROW.findall(stdout)}
 
 
 def x(name, ts, dur, tid=1, cat="cpu_op", **args):

@@ -14,8 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import (
+    DEBUGGING,
     REPO,
     ddp_counts,
+    debugging_took_effect,
     epoch_losses,
     instrument_env,
     launch,
@@ -85,7 +87,8 @@ def test_join_finishes_and_equals_the_reference_over_every_ranks_batches(tmp_pat
     world = int(devices.split(":")[1])
     counted = tmp_path / "counts"
     counted.mkdir()
-    proc = launch("recipes/ddp_uneven.py", devices, *FLAGS, "--batch-size", batch, "--out-dir", tmp_path,
+    debugging = DEBUGGING if world == 3 else ()  # conftest's debugging flags: the same numbers, and their effect
+    proc = launch("recipes/ddp_uneven.py", devices, *FLAGS, "--batch-size", batch, *debugging, "--out-dir", tmp_path,
                   env=rng_env(tmp_path / "rng", instrument_env(COUNT_DDP_DIR=counted,
                                                                LOG_SAMPLES_DIR=tmp_path / "samples")))
     losses, model, counts = reference(world, batch)
@@ -122,6 +125,7 @@ def test_join_finishes_and_equals_the_reference_over_every_ranks_batches(tmp_pat
     loss, acc1, samples = evaluate(model, Plain(), datasets()[1])
     assert (result["val_samples"], result["val_acc1"]) == (samples, pytest.approx(acc1, abs=1e-3))
     assert float(re.findall(r"val_loss=([\d.]+)", proc.stdout)[-1]) == pytest.approx(loss, abs=1.5e-4)
+    debugging_took_effect(proc, tmp_path, counted, world, debugging)
 
 
 @pytest.mark.slow

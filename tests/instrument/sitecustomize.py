@@ -21,6 +21,7 @@ With COUNT_DDP_DIR set, once torch's DistributedDataParallel is imported, each p
                    that pick the rank to copy buffers (each forward, with forward_sync_buffers) or final weights from,
   zero_broadcasts_per_step: per ZeroRedundancyOptimizer step, the broadcasts that share the stepped parameters
                    (its _sync_params: one per parameter tensor, or one per rank with parameters_as_bucket_view),
+  debug_level:     torch.distributed's debug level as the process group ends ("DETAIL" under --debug-collectives),
 and writes them to COUNT_DDP_DIR/rank<R>.json when the recipe calls dist.destroy_process_group().
 With LOG_RNG_DIR set, each time a DataLoader whose sampler has an epoch (DistributedSampler: the training loader)
 starts an epoch, the process appends {"world", "rank", "epoch", "rng"} to LOG_RNG_DIR/<pid>.jsonl, "rng" a digest
@@ -140,7 +141,7 @@ def _patch(ddp_module):
 
     def patched_destroy(*args, **kwargs):
         with open(os.path.join(_DIR, f"rank{dist.get_rank()}.json"), "w") as f:
-            json.dump({**counts, "allreduce_bytes_per_step": per_step}, f)
+            json.dump({**counts, "allreduce_bytes_per_step": per_step, "debug_level": dist.get_debug_level().name}, f)
         # Let the reducer, which holds the Python hook, go now: destroyed at interpreter exit instead, after Python
         # has shut down, it can abort the process ("terminate called without an active exception", seen twice).
         for model in wrapped:
