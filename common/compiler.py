@@ -11,6 +11,10 @@ import sysconfig
 
 def missing_compiler(device):
     """Why torch.compile cannot build kernels for `device` here (one line), or None."""
+    import torch._dynamo.config  # imported by DDP anyway
+
+    if torch._dynamo.config.disable:  # torch.compile returns the module as it was: every step would run eager
+        return "torch.compile is switched off in this environment (TORCH_COMPILE_DISABLE=1): unset it to compile"
     if device.type == "cpu":
         from torch._inductor import cpp_builder  # here: inductor's import is not free, and only ddp_compile needs it
         from torch._inductor.exc import InvalidCxxCompiler

@@ -8,14 +8,15 @@ size) with the tests' 2-layer model:
 - --resume auto on a run that has ended: nothing to train, the evaluation alone, the same val_loss;
 - a shard cut in half: one line, exit 2;
 - lm_ddp (one file, not shards): --async-save's write seen done in the loop and waited for at the end, then the same
-  resume past the end; on a slow disk, each write waited for when the next save is due.
+  resume past the end; on a slow disk, each write waited for when the next save is due;
+- --compile that compiles nothing (the compiled block dropped; TORCH_COMPILE_DISABLE=1): one line, exit 2.
 """
 
 import re
 
 import pytest
 import torch
-from conftest import REPO, result_of, run_direct
+from conftest import REPO, result_of, run_direct, run_script
 from jobs import error_lines
 
 TINY = ["--n-layer", 2, "--n-head", 4, "--d-model", 32, "--block-size", 32, "--seq-len", 16, "--batch-size", 8,
@@ -83,3 +84,26 @@ def test_lm_ddp_waits_for_its_background_save_and_a_resume_past_the_end_evaluate
                         slow.stdout, re.M)
     assert [step for step, _ in waited] == ["2", "4", "6", "8"] and all(float(s) >= 0.5 for _, s in waited[1:]), waited
     assert result_of(slow)["val_loss"] == result["val_loss"]
+
+
+def test_a_compile_that_compiles_nothing_stops_with_one_line(tmp_path):
+    # torch.compile(block) with its result dropped (the mistake compiling in place, block.compile(), avoids): every
+    # block trains eager without an error, so harness.CompileCounts stops the run after the first step, with one line.
+    # Run from a copy of lm_ddp with that one line edited (tools/gpu_only_lines.py credits the copy's other lines).
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "common").symlink_to(REPO / "common")
+    text = (REPO / "recipes" / "lm_ddp.py").read_text()
+    assert text.count("            block.compile(dynamic=False)\n") == 1
+    dropped = tmp_path / "recipes" / "lm_ddp.py"
+    dropped.write_text(text.replace("            block.compile(dynamic=False)\n",
+                                    "            torch.compile(block, dynamic=False)\n"))
+    proc = run_script([dropped, *TINY, "--compile", "--out-dir", tmp_path / "out"])
+    one_error(proc, 2, re.escape("--compile compiled no graph in the first step: compile in place "
+                                 "(module.compile()), or put the module torch.compile(module) returns back in the "
+                                 "model"))
+    assert re.findall(r"^step=\S+", proc.stdout, re.M) == [] and not (tmp_path / "out" / "model.pt").exists()
+    # TORCH_COMPILE_DISABLE=1 makes torch.compile hand every module back as it was: said before any step.
+    off = run_direct("lm_ddp", *TINY, "--compile", "--out-dir", tmp_path / "off", env={"TORCH_COMPILE_DISABLE": "1"})
+    one_error(off, 2, re.escape("torch.compile is switched off in this environment (TORCH_COMPILE_DISABLE=1): unset "
+                                "it to compile"))
+    assert "step=" not in off.stdout

@@ -403,6 +403,28 @@ def test_init_from_weights_with_module_prefix_and_a_wrong_arch(checkpoint_runs, 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["ddp_comm_hooks", "ddp_zero"])
+def test_init_from_and_a_resume_with_other_epochs_in_the_checkpoint_lessons_siblings(recipe, tmp_path):
+    # ddp_checkpoint's --init-from and its --epochs check, as its siblings with checkpoints have them (on one
+    # process: the same lines on any world size). --init-from the first run's model.pt at a learning rate too small
+    # to move it: the first run's accuracy again.
+    args = [*TINY, "--synthetic-train", "64", "--synthetic-val", "32", "--batch-size", "32", "--image-size", "16",
+            "--epochs", "1"]
+    first = run_direct(recipe, *args, "--out-dir", tmp_path / "first")
+    start = tmp_path / "first" / "model.pt"
+    init = run_direct(recipe, *args, "--lr", "1e-9", "--max-steps", "1", "--init-from", start,
+                      "--out-dir", tmp_path / "init")
+    assert f"init: weights from {start}" in init.stdout, init.stdout
+    assert result_of(init)["val_acc1"] == result_of(first)["val_acc1"]
+    more = run_direct(recipe, *args[:-1], "2", "--resume", tmp_path / "first" / "latest.pt",
+                      "--out-dir", tmp_path / "more")
+    assert more.returncode == 2 and error_lines(more.stderr) == [
+        f"error: {tmp_path / 'first' / 'latest.pt'} was trained with --epochs 1; resume with the same --epochs"
+    ], more.stderr
+    assert "Traceback" not in more.stderr and not (tmp_path / "more" / "latest.pt").exists()
+
+
+@pytest.mark.slow
 def test_a_truncated_checkpoint_is_refused_and_nothing_is_overwritten(checkpoint_runs, tmp_path):
     good = (checkpoint_runs["tmp"] / "straight/latest.pt").read_bytes()
     (tmp_path / "latest.pt").write_bytes(good[: len(good) // 2])
@@ -439,6 +461,11 @@ def test_ddp_compile_stops_when_torch_compile_compiled_nothing_and_without_a_cpp
         "error: torch.compile on the CPU needs a C++ compiler and none works here: install g++ (apt install g++) or "
         "point CXX at one"], proc.stderr
     assert time.time() - started < 60
+    # TORCH_COMPILE_DISABLE=1 makes torch.compile hand the model back as it was: said there too, not after step 1.
+    off = run_direct("ddp_compile", *TINY, "--out-dir", tmp_path / "off", env={"TORCH_COMPILE_DISABLE": "1"})
+    assert off.returncode == 2 and error_lines(off.stderr) == [
+        "error: torch.compile is switched off in this environment (TORCH_COMPILE_DISABLE=1): unset it to compile"
+    ], off.stderr
 
 
 def test_compile_on_a_gpu_needs_a_c_compiler_and_python_headers(monkeypatch, tmp_path):

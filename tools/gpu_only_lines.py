@@ -84,8 +84,12 @@ def measure(pytest_args, data_dir):
     rc = data_dir / "coveragerc"
     # sigterm: a rank the launcher stops (SIGTERM) once another has exited still saves what it ran. fork: the warm
     # path's ranks (tests/warm.py) are forked from a server that imported torch, not started as new interpreters.
+    # A recipe copied with one line edited (test_recipe_variants' compile whose result is dropped, test_uneven's Join
+    # taken out: each edit keeps the line count) runs the recipe's other lines: measured in the copy (`include`) and
+    # credited to the recipe line for line ([paths]).
     rc.write_text("[run]\npatch = subprocess\n    _exit\n    fork\nparallel = true\nsigterm = true\n"
-                  f"source =\n    {REPO / 'recipes'}\n    {REPO / 'common'}\ndata_file = {data_dir / '.coverage'}\n")
+                  f"include =\n    */recipes/*.py\n    {REPO / 'common'}/*.py\ndata_file = {data_dir / '.coverage'}\n"
+                  f"[paths]\nrecipes =\n    {REPO / 'recipes'}/\n    */recipes/\n")
     code = subprocess.call([sys.executable, "-m", "coverage", "run", f"--rcfile={rc}", "-m", "pytest",
                             "-p", "no:cacheprovider", *pytest_args], cwd=REPO)
     cov = coverage.Coverage(config_file=str(rc))
