@@ -126,9 +126,9 @@ def _size_error(arch, size):
         model = _meta_model(arch, size < SMALL_IMAGES)
         with torch.no_grad():  # eval mode: train mode's batch norm runs in Python on meta, 3x slower; same shapes
             model(torch.empty(2, 3, size, size, device="meta"))
-    except (AssertionError, RuntimeError, ValueError) as exc:  # ViT asserts, convolutions and pools raise these
-        return exc
-    except Exception:  # an op without a meta kernel, a builder that needs real tensors: the real run will tell
+    except (AssertionError, RuntimeError, ValueError) as exc:  # ViT asserts, convolutions and pools raise these; so
+        return exc  # does an op without a meta kernel (NotImplementedError) at every size: image_size_needed lets it by
+    except Exception:  # anything else (a builder that needs real tensors: a TypeError, say): the real run will tell
         return None
     return None
 

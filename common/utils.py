@@ -408,11 +408,11 @@ class Throughput:
 
     def _stamp(self):
         """The forward's marks: a recorded CUDA event on a GPU, else the clock."""
-        if self.device.type != "cuda":
-            return time.monotonic()  # (perf_counter is the epoch's clock, read after a sync)
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.monotonic()  # (perf_counter is the epoch's clock, read after a sync)
 
     def _called(self, *_):
         if self._step_end is not None:  # the step's first call (micro-batches: later calls follow a backward)

@@ -111,10 +111,16 @@ def test_an_arch_the_meta_device_cannot_run_is_let_through_for_the_real_run_to_j
     monkeypatch.setattr(models, "_meta_model", cannot)
     models.image_size_needed.cache_clear()
     try:
-        assert models.image_size_needed("vit_b_16", 32) is None
+        assert models.image_size_needed("vit_b_16", 32) is None  # NotImplementedError fails every size: let through
         check_image_size("vit_b_16", 32, "synthetic")  # no error: the real run says what is wrong
     finally:
         models.image_size_needed.cache_clear()
+
+    def needs_real_tensors(arch, small):  # not a size error at all: no size is judged
+        raise TypeError("expected a real tensor")
+
+    monkeypatch.setattr(models, "_meta_model", needs_real_tensors)
+    assert models._size_error("vit_b_16", 32) is None
 
 
 def test_an_arch_that_fails_at_every_size_tried_is_let_through_too(monkeypatch):

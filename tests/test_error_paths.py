@@ -15,12 +15,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import load_recipe, spawn_gloo
+from conftest import REPO, load_recipe, run_script, spawn_gloo
 from torch.utils.data import TensorDataset
 
-from common import apex_compat, checkpoint, data, loader, recordio, utils
+from common import apex_compat, checkpoint, data, lm, loader, recordio, utils
 from common.apex_compat import ApexUnavailable, load_apex
 from common.checkpoint import CheckpointError, check_epochs_left, load_checkpoint, save_atomic
+from common.comm_hooks import PowerSGDByParameter
 from common.data import (
     DataError,
     NameFailingSamples,
@@ -203,6 +204,68 @@ def test_die_says_a_shared_error_once_and_the_other_ranks_wait_quietly(tmp_path)
     assert err.count("error: the same verdict on every rank\n") == 1 and "[rank" not in err, err
 
 
+def _quiet_die_worker(folder, rank, port, results):
+    err = os.open(f"{folder}/{rank}.err", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(err, 2)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    if rank == 1:  # alone: rank 0 goes on (it would say the same verdict when it got there)
+        utils.DIE_GRACE_SECONDS = 0.2
+        started = time.monotonic()
+        try:
+            utils.die("a verdict rank 0 says")
+        finally:  # not reached: die leaves with os._exit
+            results[rank] = time.monotonic() - started
+    dist.destroy_process_group()
+
+
+def test_die_on_another_rank_waits_its_grace_then_leaves_without_a_word(tmp_path):
+    # A shared error (all_ranks=False) met first by rank 1: it waits DIE_GRACE_SECONDS for rank 0 to say it, then
+    # leaves with the code, having printed nothing.
+    with pytest.raises(mp.ProcessExitedException) as ended:
+        spawn_gloo(partial(_quiet_die_worker, tmp_path))
+    assert (ended.value.exit_code, ended.value.error_index) == (2, 1)
+    assert (tmp_path / "1.err").read_text() == ""
+
+
+CTRL_C_WITH_A_GROUP = """
+import torch.distributed as dist
+from common.utils import one_line_errors
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+with one_line_errors():
+    raise KeyboardInterrupt  # as it reaches main() where the recipe's own SIGINT handler is not installed
+"""
+
+
+def test_small_error_lines_and_exits(tmp_path):
+    # DETAIL's mismatch text without the ranks' fingerprints: its first line, no invented detail.
+    assert utils.mismatch_line("Detected mismatch between collectives on ranks.\nmore") == (
+        "the ranks called different collectives (Detected mismatch between collectives on ranks.)")
+    assert utils._own_stack(RuntimeError("never raised")) == []  # no traceback: no frames of this rank to show
+    # Ctrl-C with a process group up: exit 130 quietly, through os._exit (a normal exit can abort in the group's
+    # destructors).
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(CTRL_C_WITH_A_GROUP)
+    proc = run_script([script], env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert (proc.returncode, proc.stdout, proc.stderr) == (130, "", "")
+    with pytest.raises(ValueError, match="keys P and Q by parameter: batch_tensors_with_same_shape=False"):
+        PowerSGDByParameter(torch.nn.Linear(2, 2), matrix_approximation_rank=1, batch_tensors_with_same_shape=True)
+
+
+def test_a_text_that_is_empty_or_a_default_corpus_this_python_lacks_is_one_line(tmp_path, monkeypatch):
+    (tmp_path / "blank.txt").write_text(" \n\n")
+    with pytest.raises(lm.TextError, match=f"^--text {tmp_path / 'blank.txt'}: empty$"):
+        lm.read_text(tmp_path / "blank.txt")
+    files, version, size, digest = lm.corpus_files()
+    monkeypatch.setattr(lm, "corpus_files", lambda: ([*files[:2], tmp_path / "gone.py", tmp_path / "gone2.py"],
+                                                     version, size, digest))
+    with pytest.raises(lm.TextError) as why:
+        lm.read_text(None)
+    assert str(why.value) == (f"the default corpus needs {tmp_path / 'gone.py'} (and 1 more), which this Python does "
+                              f"not have (listed in {lm.CORPUS_LIST.name} from Python {version}); pass --text FILE|DIR")
+
+
 # ----------------------------------------------------------------------------------- apex
 def test_an_apex_that_does_not_import_is_one_line_with_the_build_command(tmp_path, monkeypatch):
     for name in ("amp", "parallel", "optimizers"):  # NVIDIA's layout; its amp fails as a build for another CUDA does
@@ -239,7 +302,6 @@ def test_an_apex_that_does_not_import_is_one_line_with_the_build_command(tmp_pat
      "error: --powersgd-rank must be >= 1 and --powersgd-start >= 2 (DDP settles its buckets after step 1)"),
     ("ddp_zero", ["--resume", "/no/such.pt"], "[rank 0] error: --resume /no/such.pt: no such file"),
     ("gpu_decode", ["--resume", "/no/such.pt"], "[rank 0] error: --resume /no/such.pt: no such file"),
-    ("gpu_decode", ["--save-every", "0"], "error: --save-every 0 must be >= 1"),
     ("ddp_spawn", ["--model-parallel", "--arch", "resnet18"],
      "error: --model-parallel splits the tiny CNN (features | fc); use --arch tiny, or split your model likewise"),
     ("mx_face_prefetch", ["--rec", "/no/faces"],

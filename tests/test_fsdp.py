@@ -198,9 +198,14 @@ def test_a_crash_while_an_async_save_writes_leaves_the_last_checkpoint_to_resume
     assert pointer["epoch"] == 1 and (checkpoints / pointer["shards"] / ".metadata").exists()
     (half,) = [d for d in checkpoints.glob("epoch_2-*")]
     assert not (half / ".metadata").exists()  # the killed save: no metadata, never named by latest.pt
-    resumed = launch(*run, "--resume", "auto")
+    # Resumed on a slow disk (rank 0's shard file opens 4 s late): epoch 2's save is still being written when epoch
+    # 3's is due, and training waits for it there (one save in flight); the weights are the same.
+    resumed = launch(*run, "--resume", "auto", env={"PYTHONPATH": str(REPO / "tests" / "faults"),
+                                                   "FAULT_SLOW_WRITE": "__0_0.distcp:4"})
     assert result_of(resumed)["steps"] == 3 * PER_EPOCH and f"at epoch 1 step {PER_EPOCH}" in resumed.stdout, (
         resumed.stdout)
+    waited = [float(w) for w in re.findall(r"in the background; training waited ([\d.]+) s", resumed.stdout)]
+    assert len(waited) == 2 and waited[1] > 1, resumed.stdout  # epochs 2 and 3; at epoch 3's, epoch 2's write
     assert not half.exists() and [d.name for d in checkpoints.glob("epoch_*")] == [
         torch.load(checkpoints / "latest.pt", weights_only=True)["shards"]]
     assert max_diff(params(tmp_path / "model.pt"), params(runs["tmp"] / "straight" / "model.pt")) == 0

@@ -34,6 +34,7 @@ from conftest import (
 from jobs import error_lines
 from PIL import Image
 from reference import Autocast, Plain, evaluate, train
+from test_conformance import read_curves
 
 from common.data import IMAGENET_MEAN, IMAGENET_STD, NameFailingSamples, SampleError, SeededSamples, build_datasets
 from common.models import build_model
@@ -45,7 +46,8 @@ FLAGS = ["--dataset", "imagefolder", "--arch", "tiny_bn", "--workers", "0", "--e
 # As torch_amp's conformance cases: fp16 with its scaler, 2 micro-batches a step (no_sync, the loss / 2) and clipping
 # after unscale_ on 2 ranks; fp32 in channels-last on 3.
 MODES = {"cpu:2": ["--amp-dtype", "fp16", "--accum-steps", 2, "--clip-grad", 1.0],
-         "cpu:3": ["--amp-dtype", "fp32", "--channels-last", *DEBUGGING]}  # and conftest's debugging flags
+         "cpu:3": ["--amp-dtype", "fp32", "--channels-last", *DEBUGGING, "--tb-every", 2]}  # and conftest's
+# debugging flags, and TensorBoard's curves (--tb-dir: each run's out/tb), whose steps check the run for divergence
 ODD = {"cmyk_0.JPEG", "png_0.JPEG"}  # the files PIL decodes in the worker (gray and progressive go to the decoder)
 
 
@@ -102,7 +104,7 @@ def run(request, photos, tmp_path_factory):
     world = int(devices.split(":")[1])
     out = tmp_path_factory.mktemp(f"gpu_decode_{world}")
     proc = launch("recipes/gpu_decode.py", devices, *FLAGS, *MODES[devices], "--data-root", photos, "--batch-size",
-                  batch, "--out-dir", out,
+                  batch, "--out-dir", out, "--tb-dir", out / "tb",
                   env=instrument_env(LOG_SAMPLES_DIR=out / "samples", COUNT_DDP_DIR=out / "ddp"))
     mixed, accum = (Autocast(torch.float16, 1.0), 2) if world == 2 else (Plain(), 1)
     torch.manual_seed(0)
@@ -158,6 +160,9 @@ def test_ddp_reduces_once_a_step_and_evaluation_goes_around_the_wrapper(run):
         assert [b > 0 for b in count["allreduce_bytes_per_step"]] == ([False] * (run["accum"] - 1) + [True]) * steps
     # The debugging flags on 3 ranks (the same run: they change none of the numbers checked here).
     debugging_took_effect(run["proc"], run["out"], run["out"] / "ddp", run["world"], MODES[f"cpu:{run['world']}"])
+    every = 2 if run["world"] == 3 else 20  # --tb-every (20: the default)
+    curves = read_curves(run["out"] / "tb")
+    assert [s for s, _ in curves.get("train/loss", [])] == list(range(every, steps + 1, every)), sorted(curves)
 
 
 @pytest.mark.parametrize("run", [("cpu:2", BATCH)], indirect=True, ids=["cpu:2"])
@@ -235,6 +240,25 @@ def test_a_jpeg_broken_inside_is_named_by_the_main_process(photos):
     samples = [good[0], (broken, *good[7][1:])]
     with pytest.raises(SampleError, match=rf"^train sample 7 \({re.escape(files.samples[7][0])}\) does not decode: "):
         decoded(recipe, samples, SIZE, files)
+
+
+def test_a_batch_that_fails_to_decode_with_every_file_whole_passes_the_decoders_error_on(photos, monkeypatch):
+    # The batch's decode fails while each file decodes alone (nvjpeg out of memory on a GPU; here a double of the
+    # decoder, named so): no file to blame, so the decoder's own error goes on, not a made-up one about a file.
+    recipe = load_recipe("gpu_decode")
+    real = recipe.decode_jpeg
+
+    def decode_jpeg_double(data, **kwargs):
+        if isinstance(data, list):
+            raise RuntimeError("nvjpeg: out of memory (a test double)")
+        return real(data, **kwargs)
+
+    monkeypatch.setattr(recipe, "decode_jpeg", decode_jpeg_double)
+    files = sources(photos)[0]
+    good = recipe.EncodedImages(files, SIZE, False, False)
+    assert all(good[i][0].dim() == 1 for i in (0, 1))  # both handed over as the files' bytes
+    with pytest.raises(RuntimeError, match=r"^nvjpeg: out of memory \(a test double\)$"):
+        decoded(recipe, [good[0], good[1]], SIZE, files)
 
 
 def test_cifar100_and_a_bad_save_every_are_refused_in_one_line(capsys):

@@ -107,3 +107,20 @@ def test_a_compile_that_compiles_nothing_stops_with_one_line(tmp_path):
     one_error(off, 2, re.escape("torch.compile is switched off in this environment (TORCH_COMPILE_DISABLE=1): unset "
                                 "it to compile"))
     assert "step=" not in off.stdout
+
+
+def test_lm_fsdp_tp_stops_on_sigusr1_with_exit_75_and_resumes_to_the_same_weights(tmp_path):
+    # The scheduler's warning (tests/faults: SIGUSR1 to the rank after its step 3): the vote stops it after step 4,
+    # saved; exit 75 (requeue me). lm_fsdp_tp's multi-rank runs are shared by its claims tests, which a stop would
+    # change: its exit's lines are the same on one process. --resume auto then ends where the run never stopped ends.
+    straight = run_direct("lm_fsdp_tp", *TINY, "--out-dir", tmp_path / "straight")
+    stopped = run_direct("lm_fsdp_tp", *TINY, "--out-dir", tmp_path / "stopped",
+                         env={**FAULTS, "FAULT_SIGNAL": "0:step=3:self"})
+    assert stopped.returncode == 75 and "RESULT" not in stopped.stdout, stopped.stdout + stopped.stderr[-3000:]
+    assert re.search(r"^preempt: SIGUSR1: saved \S+ at step 4; exit 75", stopped.stdout, re.M), stopped.stdout
+    resumed = run_direct("lm_fsdp_tp", *TINY, "--resume", "auto", "--out-dir", tmp_path / "stopped")
+    result = result_of(resumed)
+    assert (result["start_step"], result["steps"]) == (4, 8)
+    assert result["val_loss"] == result_of(straight)["val_loss"]
+    saved, whole = (torch.load(tmp_path / run / "model.pt", weights_only=True) for run in ("stopped", "straight"))
+    assert all(torch.equal(saved[k], whole[k]) for k in whole) and saved.keys() == whole.keys()

@@ -3,12 +3,15 @@ traces built by hand (test doubles of torch.profiler's output, named so) and on 
 
 import json
 import re
+from functools import partial
 
 import pytest
-from conftest import REPO, launch, result_of, run_direct
+import torch
+import torch.distributed as dist
+from conftest import REPO, launch, result_of, run_direct, spawn_gloo
 from conftest import profile_table as table  # the profile table's rows
 
-from common.profiling import LABELS, breakdown
+from common.profiling import LABELS, STEPS_SKIPPED, Profiler, breakdown, gather_profile_table
 from tools.plot_profile import main as plot_profile
 
 TINY = ("--dataset", "synthetic", "--arch", "tiny", "--epochs", "1")
@@ -127,6 +130,31 @@ def test_a_run_shorter_than_the_schedule_writes_what_it_recorded(tmp_path):
     assert ("profile: nothing recorded: the run ended before step 3, the first one profiled (steps 1-2 are warm-up); "
             "run at least 3 steps") in none.stdout
     assert not (tmp_path / "two" / "profile").exists()
+
+
+def _uneven_profile_worker(out, rank, port, results):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    profiler = Profiler(True, out, rank, torch.device("cpu"))
+    for _ in range(6 if rank == 0 else STEPS_SKIPPED):  # rank 1: uneven inputs ran out before the first profiled step
+        torch.ones(64, 64) @ torch.ones(64, 64)
+        profiler.step()
+    profiler.stop()
+    results[rank] = gather_profile_table(profiler, torch.device("cpu"))
+    dist.destroy_process_group()
+
+
+def test_a_rank_that_recorded_no_step_has_a_row_that_says_so(tmp_path):
+    # ddp_uneven's ranks take as many steps as their shards hold: one may end before step 3, the first profiled, while
+    # another records steps 3-6. The real profiler on 2 gloo ranks, the table every rank gathers.
+    results = spawn_gloo(partial(_uneven_profile_worker, tmp_path))
+    assert results[0] == results[1]
+    lines = results[0].splitlines()
+    assert lines[0].startswith("profile: this run's steps 3-6, traces in "), lines
+    assert re.fullmatch(r" +0 +[\d.]+ +[\d.]+% .*", lines[2]) and lines[3] == (
+        f"   1 nothing recorded: it took fewer than {STEPS_SKIPPED + 1} steps"), lines
+    assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["trace_rank0.json"]
+    assert breakdown({"traceEvents": []}) is None  # a trace without a step
 
 
 @pytest.mark.slow
