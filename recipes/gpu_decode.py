@@ -114,8 +114,6 @@ def check_args(args, world_size):
     if args.dataset == "cifar100":  # New
         harness.die("--dataset cifar100 holds pixels, not files: this recipe reads image files (--dataset "
                     "imagefolder) or makes JPEGs (--dataset synthetic); CIFAR-100 trains in recipes/torch_amp.py")
-    if args.save_every is not None and args.save_every < 1:  # New
-        harness.die(f"--save-every {args.save_every} must be >= 1")
 
 
 # ------------------------------------------------------------------------------------------- data

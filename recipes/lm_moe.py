@@ -250,12 +250,13 @@ def load_shards(model, optimizer, path, saves):  # New, as lm_pp.py's
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=FLAT)
 
 
-def gather_full_weights(model, is_main, world_size):  # New
-    """The full weights, every rank's experts gathered onto rank 0's CPU (a collective: every rank calls it; the
-    others get None): they load into common.lm.Transformer with MoE blocks (a replicated one: any copy)."""
-    parts = [None] * world_size if is_main else None
-    dist.gather_object({k: v.cpu() for k, v in model.state_dict().items()}, parts, dst=0)
-    return {k: v for part in parts for k, v in part.items()} if is_main else None
+def gather_full_weights(model, rank, ep, world_size):  # New
+    """The full weights onto rank 0's CPU (a collective; the others get None), for common.lm.Transformer: its own state
+    and its ep group's experts (ranks 1 .. ep - 1; every other rank holds copies of those and sends nothing)."""
+    mine = {k: v.cpu() for k, v in model.state_dict().items() if rank == 0 or (rank < ep and ".experts." in k)}
+    parts = [None] * world_size if rank == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    return {k: v for part in parts for k, v in part.items()} if rank == 0 else None
 
 
 # ------------------------------------------------------------------------------------------- eval
@@ -435,7 +436,7 @@ def main():
                     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=folder)
                 except dcp.CheckpointException as exc:  # a full disk, on any rank: every rank gets it
                     raise saves.failure(exc, folder) from exc
-                full = gather_full_weights(model, is_main, world_size)  # New: a collective
+                full = gather_full_weights(model, rank, args.ep, world_size)  # New: a collective
                 if is_main:  # dcp.save returned on every rank: all shards are written. Now point latest.pt at them.
                     saves.point_latest(pointer)
                     save_atomic(full, os.path.join(args.out_dir, "model.pt"))  # New: every expert
@@ -448,7 +449,7 @@ def main():
     vote.wait()  # the last vote; every rank started as many
     saves.finish_async()  # New: the last save in flight ends (and latest.pt names it) before the job does
     if args.async_save:  # New: the full weights once, at the end or a stop (gathered at every save: a wait for all)
-        full = gather_full_weights(model, is_main, world_size)
+        full = gather_full_weights(model, rank, args.ep, world_size)
         if is_main:
             save_atomic(full, os.path.join(args.out_dir, "model.pt"))  # every expert
             print0(f"saved: model.pt at step {step}")

@@ -124,3 +124,17 @@ def test_lm_fsdp_tp_stops_on_sigusr1_with_exit_75_and_resumes_to_the_same_weight
     assert result["val_loss"] == result_of(straight)["val_loss"]
     saved, whole = (torch.load(tmp_path / run / "model.pt", weights_only=True) for run in ("stopped", "straight"))
     assert all(torch.equal(saved[k], whole[k]) for k in whole) and saved.keys() == whole.keys()
+
+
+def test_a_background_save_that_fills_the_disk_is_one_line_and_latest_keeps_the_last_whole_one(tmp_path):
+    # --async-save: step 4's shards are written by a thread while training goes on, and the disk fills as rank 0's
+    # file is written; the failure reaches the loop when the save is next looked at (ShardFolders.finish_async): the
+    # same one line, exit 1, and latest.pt still names step 2's shards, written whole.
+    out = tmp_path / "out"
+    full = run_direct("lm_tp", *TINY, "--async-save", "--out-dir", out,
+                      env={**FAULTS, "FAULT_DISK_FULL": "__0_0.distcp:2:1024"})
+    one_error(full, 1, re.escape(f"cannot write the shards in {out / 'checkpoint'}/") + r"step_4-\S+ \(.*No space left "
+              r"on device.*\): " + re.escape(str(out / "checkpoint" / "latest.pt")) + r", if any, still points at the "
+              r"previous ones; free some space, then --resume")
+    latest = torch.load(out / "checkpoint" / "latest.pt", weights_only=True)
+    assert latest["step"] == 2 and (out / "checkpoint" / latest["shards"] / ".metadata").is_file()

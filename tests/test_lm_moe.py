@@ -49,7 +49,8 @@ ARGS = ["--n-layer", 2, "--n-head", 4, "--d-model", 32, "--block-size", 32, "--s
 LOSS_ATOL = 1.5e-6  # the RESULT line's 6 decimals, one unit either way
 WEIGHTS_ATOL = 1e-5
 PRINTED_ATOL = 1.01e-4  # one unit of the printed 4th decimal
-COUNTED = {("cpu:2",), ("cpu:4", "--dp", "2", "--ep", "2")}  # the runs whose collectives a test reads
+COUNTED = {("cpu:2",), ("cpu:4", "--dp", "2", "--ep", "2"), ("cpu:2", "--amp-dtype", "bf16", "--max-steps", "2")}
+# the runs whose collectives a test reads
 
 
 @pytest.fixture(scope="module")
@@ -272,6 +273,18 @@ def test_each_rank_sends_what_its_router_chose_runs_its_own_experts_and_reduces_
             for layer in range(2):
                 for e, rows in ran[layer * share:(layer + 1) * share]:
                     assert rows == sum(routes[d * ep + i, layer][0][e] for i in range(ep)), (k, rank, layer, e)
+
+
+def test_under_bf16_autocast_the_rows_travel_in_bf16(runs):
+    # The expert's first layer would cast its rows to bf16 anyway: cast before the dispatch, they cross the
+    # all-to-alls at half fp32's bytes (the combine's expert outputs are bf16 already), forward and backward.
+    proc, out = runs("cpu:2", "--amp-dtype", "bf16", "--max-steps", 2)
+    assert result_of(proc)["steps"] == 2
+    for rank in range(2):
+        for k in range(2):  # each training step: of each layer the dispatch and the combine, forward and backward
+            rows = [r for r in comm_records(claims(out), rank)[k] if r[0] == "alltoall_base_" and r[1] != "step"
+                    and r[4]]  # with splits: the rows (the counts' exchange has none)
+            assert len(rows) == 8 and all(r[3] == sum(r[4]) * 32 * 2 for r in rows), rows
 
 
 @pytest.mark.parametrize(("world", "flags", "line"), [

@@ -271,6 +271,9 @@ EDITS = [
     Edit("lm_moe_unsorted_dispatch", "rows sent in token order, not grouped by destination: tokens reach other "
          "experts", "order = chosen.flatten().argsort(stable=True)",
          "order = torch.arange(chosen.numel(), device=x.device)"),
+    Edit("lm_moe_rows_fp32", "same numbers, the rows cross the all-to-alls in fp32 under bf16 autocast: twice the "
+         "bytes",
+         "rows = rows.to(torch.get_autocast_dtype(x.device.type))", "rows = rows"),
     Edit("channels_last_eval", "same numbers, --channels-last in training alone: evaluation's convolutions get NCHW",
          "images = normalize(images.to(device, non_blocking=True, memory_format=memory_format))  # New: as in training",
          "images = normalize(images.to(device, non_blocking=True))  # New: as in training"),
