@@ -21,6 +21,7 @@ from common.utils import OneLineError
 
 CIFAR_MEAN, CIFAR_STD = (0.507, 0.487, 0.441), (0.267, 0.256, 0.276)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+FACES_MEAN, FACES_STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)  # insightface's: (x - 127.5) / 127.5
 DEFAULT_IMAGE_SIZE = {"synthetic": 32, "cifar100": 32, "imagefolder": 224}
 
 
@@ -246,11 +247,13 @@ def transforms(size, flip):
 
 def device_normalize(name, device):
     """What the workers' transforms no longer do (they end at uint8 pixels, 0-255): a function from a batch on
-    `device` to float32, x / 255 less the dataset's mean over its std (CIFAR-100's, else ImageNet's), per channel, in
-    the batch's memory format. Synthetic images are made as floats: they pass unchanged."""
+    `device` to float32, x / 255 less the dataset's mean over its std (CIFAR-100's; "faces": insightface's 0.5 and
+    0.5, mx_face_prefetch.py's RecordIO; else ImageNet's), per channel, in the batch's memory format. Synthetic images
+    are made as floats: they pass unchanged."""
     if name == "synthetic":
         return lambda images: images
-    mean, std = (CIFAR_MEAN, CIFAR_STD) if name == "cifar100" else (IMAGENET_MEAN, IMAGENET_STD)
+    mean, std = {"cifar100": (CIFAR_MEAN, CIFAR_STD), "faces": (FACES_MEAN, FACES_STD)}.get(
+        name, (IMAGENET_MEAN, IMAGENET_STD))
     mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) * 255 for v in (mean, std))
     return lambda images: (images.float() - mean) / std
 

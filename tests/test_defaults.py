@@ -150,7 +150,8 @@ def test_the_transforms_follow_the_image_size_and_the_flip_switch():
 def test_device_normalize_is_the_workers_old_to_tensor_and_normalize():
     # Issue 65: the workers hand over uint8; the recipes normalise on the device what ToTensor and Normalize made.
     pixels = torch.randint(0, 256, (2, 3, 5, 7), dtype=torch.uint8)
-    for name, (mean, std) in (("imagefolder", (IMAGENET_MEAN, IMAGENET_STD)), ("cifar100", (CIFAR_MEAN, CIFAR_STD))):
+    for name, (mean, std) in (("imagefolder", (IMAGENET_MEAN, IMAGENET_STD)), ("cifar100", (CIFAR_MEAN, CIFAR_STD)),
+                              ("faces", ([0.5] * 3, [0.5] * 3))):  # mx_face_prefetch's RecordIO: insightface's
         ours = device_normalize(name, torch.device("cpu"))(pixels)
         theirs = T.Normalize(mean, std)(pixels.float() / 255)
         assert ours.dtype == torch.float32 and (ours - theirs).abs().max() < 1e-5, name
