@@ -21,7 +21,7 @@ TIMED = {"throughput": [()], "overhead": [("recipe",), ("bare",)], "compile": [(
          "lm": [("lm_ddp",), ("lm_tp",), ("lm_ddp_compiled",), ("lm_tp_compiled",)], "amp": [("tf32",), ("bf16",)]}
 
 
-def gpu_bench_cli(*args, timeout=240, cwd=REPO):
+def gpu_bench_cli(*args, timeout=480, cwd=REPO):
     """The tool's command line, forked from the warm server (tests/warm.py: torch already imported)."""
     return run_script([REPO / "tools" / "gpu_bench.py", *args], timeout=timeout, cwd=cwd)
 
