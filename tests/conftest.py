@@ -178,6 +178,19 @@ def ddp_counts(folder):
     return [json.loads(f.read_text()) for f in sorted(Path(folder).glob("rank*.json"))]
 
 
+def recipe_with_one_line_edited(tmp_path, recipe, line, instead):
+    """A copy of recipes/RECIPE.py in tmp_path/recipes (common/ linked beside it, as the recipe imports it) with
+    `line`, found there once, replaced by `instead`: a test's way to run a mistake. Line for line (the same count):
+    tools/gpu_only_lines.py credits the copy's other lines to the recipe. Returns the copy's path."""
+    text = (REPO / "recipes" / f"{recipe}.py").read_text()
+    assert text.count(line) == 1 and line.count("\n") == instead.count("\n"), (recipe, line)
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "common").symlink_to(REPO / "common")
+    copy = tmp_path / "recipes" / f"{recipe}.py"
+    copy.write_text(text.replace(line, instead))
+    return copy
+
+
 # --profile's table: a row per rank (tests/test_profile.py reads it as `table`).
 PROFILE_ROW = re.compile(r"^ +(\d+) +([\d.]+) +([\d.]+)% +([\d.]+)% +\(([\d.]+)%\) +([\d.]+)% +([\d.]+)% +([\d.]+)%$",
                          re.M)

@@ -187,11 +187,16 @@ def test_result_line_writes_a_non_finite_value_as_null():
         'RESULT {"loss": null, "values": [1.0, null]}'
 
 
-def _die_worker(folder, rank, port, results):
+def _rank_with_its_stderr_in(folder, rank, port):
+    """One of two gloo ranks, whose stderr goes to folder/RANK.err from here on."""
     err = os.open(f"{folder}/{rank}.err", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(err, 2)  # everything the rank prints on stderr from here on, its Python and C++ alike, into a file
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+
+
+def _die_worker(folder, rank, port, results):
+    _rank_with_its_stderr_in(folder, rank, port)
     dist.barrier()  # both reach die() together: rank 0 says it and exits, rank 1 waits its grace quietly
     utils.die("the same verdict on every rank")
 
@@ -205,10 +210,7 @@ def test_die_says_a_shared_error_once_and_the_other_ranks_wait_quietly(tmp_path)
 
 
 def _quiet_die_worker(folder, rank, port, results):
-    err = os.open(f"{folder}/{rank}.err", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.dup2(err, 2)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    _rank_with_its_stderr_in(folder, rank, port)
     if rank == 1:  # alone: rank 0 goes on (it would say the same verdict when it got there)
         utils.DIE_GRACE_SECONDS = 0.2
         utils.die("a verdict rank 0 says")  # leaves with os._exit

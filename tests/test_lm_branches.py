@@ -16,7 +16,7 @@ import re
 
 import pytest
 import torch
-from conftest import REPO, result_of, run_direct, run_script
+from conftest import REPO, recipe_with_one_line_edited, result_of, run_direct, run_script
 from jobs import error_lines
 
 TINY = ["--n-layer", 2, "--n-head", 4, "--d-model", 32, "--block-size", 32, "--seq-len", 16, "--batch-size", 8,
@@ -32,6 +32,13 @@ def one_error(proc, code, pattern):
     assert "Traceback" not in proc.stderr
 
 
+def step_4s_disk_is_full(out):
+    """The one line (a pattern) of a run whose disk filled as step 4's shards were written in out/checkpoint."""
+    return (re.escape(f"cannot write the shards in {out / 'checkpoint'}/") + r"step_4-\S+ \(.*No space left on "
+            r"device.*\): " + re.escape(str(out / "checkpoint" / "latest.pt")) + r", if any, still points at the "
+            r"previous ones; free some space, then --resume")
+
+
 def profile_table(stdout):
     return re.search(r"^profile: ", stdout, re.M) is not None
 
@@ -44,9 +51,7 @@ def test_a_sharded_language_model_s_failures_are_one_line_and_a_resume_past_the_
     # Step 4's save: rank 0's second shard file takes 1 kB, then ENOSPC. Every rank gets dcp.save's exception.
     full = run_direct(recipe, *TINY, "--debug-collectives", "--out-dir", out,
                       env={**FAULTS, "FAULT_DISK_FULL": "__0_0.distcp:2:1024"})
-    one_error(full, 1, re.escape(f"cannot write the shards in {out / 'checkpoint'}/") + r"step_4-\S+ \(.*No space left "
-              r"on device.*\): " + re.escape(str(out / "checkpoint" / "latest.pt")) + r", if any, still points at the "
-              r"previous ones; free some space, then --resume")
+    one_error(full, 1, step_4s_disk_is_full(out))
     latest = torch.load(out / "checkpoint" / "latest.pt", weights_only=True)
     assert latest["step"] == 2
     resumed = run_direct(recipe, *TINY, "--resume", "auto", "--debug-collectives", "--profile", "--out-dir", out)
@@ -90,13 +95,8 @@ def test_a_compile_that_compiles_nothing_stops_with_one_line(tmp_path):
     # torch.compile(block) with its result dropped (the mistake compiling in place, block.compile(), avoids): every
     # block trains eager without an error, so harness.CompileCounts stops the run after the first step, with one line.
     # Run from a copy of lm_ddp with that one line edited (tools/gpu_only_lines.py credits the copy's other lines).
-    (tmp_path / "recipes").mkdir()
-    (tmp_path / "common").symlink_to(REPO / "common")
-    text = (REPO / "recipes" / "lm_ddp.py").read_text()
-    assert text.count("            block.compile(dynamic=False)\n") == 1
-    dropped = tmp_path / "recipes" / "lm_ddp.py"
-    dropped.write_text(text.replace("            block.compile(dynamic=False)\n",
-                                    "            torch.compile(block, dynamic=False)\n"))
+    dropped = recipe_with_one_line_edited(tmp_path, "lm_ddp", "            block.compile(dynamic=False)\n",
+                                          "            torch.compile(block, dynamic=False)\n")
     proc = run_script([dropped, *TINY, "--compile", "--out-dir", tmp_path / "out"])
     one_error(proc, 2, re.escape("--compile compiled no graph in the first step: compile in place "
                                  "(module.compile()), or put the module torch.compile(module) returns back in the "
@@ -133,8 +133,6 @@ def test_a_background_save_that_fills_the_disk_is_one_line_and_latest_keeps_the_
     out = tmp_path / "out"
     full = run_direct("lm_tp", *TINY, "--async-save", "--out-dir", out,
                       env={**FAULTS, "FAULT_DISK_FULL": "__0_0.distcp:2:1024"})
-    one_error(full, 1, re.escape(f"cannot write the shards in {out / 'checkpoint'}/") + r"step_4-\S+ \(.*No space left "
-              r"on device.*\): " + re.escape(str(out / "checkpoint" / "latest.pt")) + r", if any, still points at the "
-              r"previous ones; free some space, then --resume")
+    one_error(full, 1, step_4s_disk_is_full(out))
     latest = torch.load(out / "checkpoint" / "latest.pt", weights_only=True)
     assert latest["step"] == 2 and (out / "checkpoint" / latest["shards"] / ".metadata").is_file()

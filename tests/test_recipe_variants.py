@@ -20,6 +20,7 @@ from conftest import (
     load_recipe,
     make_imagefolder,
     params,
+    recipe_with_one_line_edited,
     replayed,
     result_of,
     rng_env,
@@ -444,12 +445,8 @@ def test_a_truncated_checkpoint_is_refused_and_nothing_is_overwritten(checkpoint
 def test_ddp_compile_stops_when_torch_compile_compiled_nothing_and_without_a_cpp_compiler(tmp_path):
     # The order a probe found to compile zero graphs under DDP without an error: torch.compile(model), its result
     # dropped (as if it compiled in place, as model.compile() does). The recipe counts dynamo's graphs after step 1.
-    (tmp_path / "recipes").mkdir()
-    (tmp_path / "common").symlink_to(REPO / "common")
-    text = (REPO / "recipes" / "ddp_compile.py").read_text()
-    assert text.count("    model.compile(dynamic=False)\n") == 1
-    dropped = tmp_path / "recipes" / "ddp_compile.py"
-    dropped.write_text(text.replace("    model.compile(dynamic=False)\n", "    torch.compile(model, dynamic=False)\n"))
+    dropped = recipe_with_one_line_edited(tmp_path, "ddp_compile", "    model.compile(dynamic=False)\n",
+                                          "    torch.compile(model, dynamic=False)\n")
     proc = launch(dropped, "cpu:2", *TINY, "--max-steps", "2", "--out-dir", tmp_path / "out")
     assert proc.returncode == 2, proc.stderr
     says = ("error: torch.compile compiled no graph: compile in place (model.compile()), or train through the module "

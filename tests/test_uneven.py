@@ -15,13 +15,13 @@ import torch
 import torch.nn.functional as F
 from conftest import (
     DEBUGGING,
-    REPO,
     ddp_counts,
     debugging_took_effect,
     epoch_losses,
     instrument_env,
     launch,
     load_recipe,
+    recipe_with_one_line_edited,
     result_of,
     rng_env,
     samples_seen,
@@ -130,12 +130,7 @@ def test_join_finishes_and_equals_the_reference_over_every_ranks_batches(tmp_pat
 
 @pytest.mark.slow
 def test_without_join_the_rank_left_waiting_ends_the_job_at_the_timeout(tmp_path):
-    text = (REPO / "recipes" / "ddp_uneven.py").read_text()
-    assert text.count("        with Join([model]):\n") == 1
-    (tmp_path / "recipes").mkdir()
-    (tmp_path / "common").symlink_to(REPO / "common")
-    recipe = tmp_path / "recipes" / "ddp_uneven.py"
-    recipe.write_text(text.replace("        with Join([model]):\n", "        if True:\n"))
+    recipe = recipe_with_one_line_edited(tmp_path, "ddp_uneven", "        with Join([model]):\n", "        if True:\n")
     proc = launch(recipe, "cpu:2", *FLAGS, "--batch-size", 32, "--dist-timeout", 5, "--out-dir", tmp_path / "out")
     assert proc.returncode != 0 and "RESULT" not in proc.stdout
     # The short rank went on to the epoch's end and its next collective; the long rank waited in its gradient
