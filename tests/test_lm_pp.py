@@ -238,12 +238,15 @@ def test_each_stage_runs_its_blocks_on_every_microbatch_and_sends_only_to_its_ne
                 (("item", "step", "common/harness.py:all_reduce_max", 4), 1)], (rank, k, steps[k - 1])
 
 
-@pytest.mark.slow  # a 2-process launch with --compile: 15-50 s (inductor's cache cold: its C++ builds)
-def test_compiled_stages_train_as_eager(runs, tmp_path):
-    # issue 66: --compile, each stage's blocks compiled before the schedule takes the stage (1F1B, 4 microbatches):
-    # the eager run's losses and weights, no recompile, no graph break, the sends and receives eager between them.
-    eager, eager_out = runs("lm_pp", "cpu:2", "--schedule", "1f1b")
-    proc = launch("recipes/lm_pp.py", "cpu:2", *ARGS, "--schedule", "1f1b", "--compile", "--out-dir", tmp_path)
+@pytest.mark.slow  # a 2-process launch with --compile: 10-50 s (inductor's cache cold: its C++ builds)
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_compiled_stages_train_as_eager(runs, tmp_path, schedule):
+    # issue 66: --compile, each stage's blocks compiled before the schedule takes the stage (4 microbatches; 1F1B
+    # interleaves their forwards and backwards, GPipe runs all forwards first): the eager run's losses and weights, no
+    # recompile, no graph break, the sends and receives eager between them. Both schedules on 2 stages; 4 stages run
+    # the same lines.
+    eager, eager_out = runs("lm_pp", "cpu:2", "--schedule", schedule)
+    proc = launch("recipes/lm_pp.py", "cpu:2", *ARGS, "--schedule", schedule, "--compile", "--out-dir", tmp_path)
     compiled_matches_eager(proc, eager, 2, tmp_path, eager_out)
 
 

@@ -195,11 +195,14 @@ def test_sequence_parallel_at_the_defaults_keeps_77_mib_where_86_were(tmp_path):
 
 
 @SLOW  # a 2-process launch with --compile: 15-50 s (inductor's cache cold: its C++ builds)
-def test_compiled_blocks_trace_the_slices_collectives_and_train_as_eager(runs, tmp_path):
+@pytest.mark.parametrize("flags", [["--sequence-parallel"], []], ids=["sp", "plain"])
+def test_compiled_blocks_trace_the_slices_collectives_and_train_as_eager(runs, tmp_path, flags):
     # issue 66: --compile after parallelize_module, with --sequence-parallel (each block's all-gathers and
-    # reduce-scatters inside its graph): the eager run's losses and weights, no recompile, no graph break.
-    eager, eager_out = runs("lm_tp", "cpu:2", "--sequence-parallel")
-    proc = launch("recipes/lm_tp.py", "cpu:2", *ARGS, "--sequence-parallel", "--compile", "--out-dir", tmp_path)
+    # reduce-scatters inside its graph) and without (the all-reduce of wo's and proj's partial sums inside it): the
+    # eager run's losses and weights, no recompile, no graph break. The plan's two programs, on 2 processes; 4 and 3
+    # (uneven slices) run the same lines.
+    eager, eager_out = runs("lm_tp", "cpu:2", *flags)
+    proc = launch("recipes/lm_tp.py", "cpu:2", *ARGS, *flags, "--compile", "--out-dir", tmp_path)
     compiled_matches_eager(proc, eager, 2, tmp_path, eager_out)
 
 
