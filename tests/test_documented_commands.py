@@ -35,6 +35,7 @@ from conftest import REPO, launch_env, profile_table
 from test_defaults import THREE_HERE
 
 from common.harness import cpu_amp_default
+from common.models import SMALL_IMAGES
 from tools.free_port import free_port
 from tools.procs import run_group
 from tools.real_data import export
@@ -270,6 +271,8 @@ def stand_in(command, data):
             rest += ["--image-size", "8"]
     if _flag(rest, "--dataset") == "imagefolder":
         rest[rest.index("--data-root") + 1] = str(data)
+        if "--image-size" not in rest:  # 64 px, not the default 224: the large-image stem and transforms all the same
+            rest += ["--image-size", str(SMALL_IMAGES)]  # (at 224 one step of 128 images took 45-50 core-seconds)
     if _flag(rest, "--amp-dtype") == "bf16" and "--batch-size" not in rest and cpu_amp_default() == "fp32":
         # No native bf16 on this CPU: a bf16 convolution takes aten's slow reference kernel, 8-12 s for resnet18's
         # backward on a micro-batch of 32 at 8 px (docs/testing.md). 8 images a process and micro-step, not 32.
@@ -331,7 +334,7 @@ def test_the_commands_are_read_from_the_files():
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory):
     folder = tmp_path_factory.mktemp("user_data")
-    assert export(folder, 16, per_class=20) == (200, 50)  # real scans, few: an ImageFolder defaults to 224 px
+    assert export(folder, 16, per_class=20) == (200, 50)  # real scans, few: one step of the default batch of 128
     return folder
 
 
