@@ -289,9 +289,10 @@ def test_a_tp_group_shares_its_dp_share_of_the_batch_and_each_dimension_sends_it
                          ids=["2x2", "fsdp2_alone"])
 def test_compiled_blocks_under_fsdp2_and_tp_train_as_eager(runs, tmp_path, devices, flags):
     # issue 66: --compile on the 2 x 2 mesh with 2 micro-batches a step, each block compiled after the TP plan and
-    # before fully_shard; and on a 2 x 1 mesh, FSDP2 alone (no plan: each block's weights plain tensors inside its
-    # graph, FSDP2's all-gathers and reduce-scatters in its hooks around it): the eager run's losses and weights, no
-    # recompile, no graph break (FSDP2's hooks eager). A 1 x 2 mesh runs the 2 x 2 one's lines with one dp rank.
+    # before fully_shard; and on a 2 x 1 mesh, where FSDP2 does all the cutting (the plan's tp groups are one rank
+    # each: its collectives none; FSDP2's all-gathers and reduce-scatters over both ranks): the eager run's losses and
+    # weights, no recompile, no graph break (FSDP2's hooks eager). A 1 x 2 mesh runs the 2 x 2 one's lines with one
+    # dp rank.
     eager, eager_out, _ = runs("lm_fsdp_tp", devices, *flags)
     world = int(devices.split(":")[1])
     proc = launch("recipes/lm_fsdp_tp.py", devices, *ARGS, *flags, "--compile", "--out-dir", tmp_path)
