@@ -136,20 +136,28 @@ def test_each_ddp_rank_computes_its_slice_and_sends_each_gradient_once_a_step(st
     model = Transformer(**TINY_MODEL)
     numel, tensors = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
     assert result_of(proc)["state_bytes_per_rank"] == [16 * numel + 4 * tensors] * 2
+    sends_every_gradient_once_a_step(claims(out), TINY["steps"])
     for rank in (0, 1):
-        steps = comms_per_step(claims(out), rank)
-        assert len(steps) == TINY["steps"]
-        for k in plain_steps(TINY["steps"], 4):
+        assert blocks_per_step(claims(out), rank) == [{"forward": TINY["n_layer"], "recomputed": 0}] * 8
+
+
+def sends_every_gradient_once_a_step(folder, steps):
+    """lm_ddp's sends, counted on 2 ranks into `folder` (claims_env) over `steps` steps: in each step of
+    plain_steps, one all-reduce of every gradient in backward and the stop vote, nothing else."""
+    numel = sum(p.numel() for p in Transformer(**TINY_MODEL).parameters())
+    for rank in (0, 1):
+        counted = comms_per_step(folder, rank)
+        assert len(counted) == steps
+        for k in plain_steps(steps, 4):
             # sends: DDP's all-reduce(s) of the gradients in backward, every gradient once (fp32), over both ranks
-            backward = only(steps[k - 1], "backward")
+            backward = only(counted[k - 1], "backward")
             # one bucket at this size (DDP's first holds 1 MB): one all-reduce of every gradient, in fp32
             assert backward == [(("allreduce_", "backward", (0, 1), 4 * numel), 1)], (k, backward)
-            assert only(steps[k - 1], "forward") == [], k  # no buffers to broadcast
+            assert only(counted[k - 1], "forward") == [], k  # no buffers to broadcast
             # and nothing else but the stop vote (an all-reduce on its own group, its CPU ballot read a step later):
             # the loss is summed on the device, no all-reduce and no host read of it per step
-            assert only(steps[k - 1], "step") == [(("allreduce_", "step", (0, 1), 4), 1),
-                                                  (("item", "step", "common/harness.py:all_reduce_max", 4), 1)], k
-        assert blocks_per_step(claims(out), rank) == [{"forward": TINY["n_layer"], "recomputed": 0}] * 8
+            assert only(counted[k - 1], "step") == [(("allreduce_", "step", (0, 1), 4), 1),
+                                                    (("item", "step", "common/harness.py:all_reduce_max", 4), 1)], k
 
 
 @pytest.mark.slow  # a 2-step run on one process: 5-10 s
@@ -233,16 +241,25 @@ def test_compiled_blocks_train_as_the_eager_run_and_resume_compiled(straight, tm
     # issue 66: --compile (each block compiled before the DDP wrap) stops at step 4 (--max-steps) and goes on to step
     # 8 with --resume auto; each run against the eager 2-process run above: the same losses and weights (measured
     # equal to 6 decimals, model.pt 3.8e-6 apart), one graph the blocks share, one more for evaluation, no recompile,
-    # no graph break. The resumed run's first backward (DDP's bucket order) runs at the training batch's shape: the
-    # first step's graph, not one of its own.
+    # no graph break; and the first run's sends are the eager run's claim (docs/lm.md's table). The resumed run's
+    # first backward (DDP's bucket order) runs at the training batch's shape: the first step's graph, not one of its
+    # own.
     eager, eager_out = straight(2)
-    run = ["recipes/lm_ddp.py", "cpu:2", *FLAGS, "--compile", "--out-dir", tmp_path]
-    first = launch(*run, "--max-steps", "4")
+    run = ["recipes/lm_ddp.py", "cpu:2", *FLAGS, "--compile", "--out-dir", tmp_path / "out"]
+    # The collectives counted (tests/instrument/lm_claims.py) and nothing else: its hooks on each block (the tokens',
+    # the forwards' counts) would run inside the compiled block and break its graph.
+    counting = {k: v for k, v in claims_env(tmp_path / "claims", saved=False).items()
+                if k not in ("LOG_TOKENS_DIR", "COUNT_BLOCKS_DIR")}
+    first = launch(*run, "--max-steps", "4", env=counting)
     assert result_of(first)["steps"] == 4
-    assert compiled_matches_eager(first, eager, 2)["compiled_graphs"] == [2, 2]  # the blocks' graph; evaluation's
+    # Under the counting mode each block compiles a graph of its own (measured: 2 for training, 2 for evaluation);
+    # without it (the resumed run below) the blocks share one.
+    assert compiled_matches_eager(first, eager, 2)["compiled_graphs"] == [4, 4]
+    sends_every_gradient_once_a_step(tmp_path / "claims", 4)  # the claim holds compiled: DDP's hooks stay eager
     resumed = launch(*run, "--resume", "auto")
     assert result_of(resumed)["start_step"] == 4
-    assert compiled_matches_eager(resumed, eager, 2, tmp_path, eager_out)["compiled_graphs"] == [2, 2]
+    # the blocks' one graph; evaluation's
+    assert compiled_matches_eager(resumed, eager, 2, tmp_path / "out", eager_out)["compiled_graphs"] == [2, 2]
 
 
 @pytest.mark.slow

@@ -49,7 +49,8 @@ ARGS = ["--n-layer", 2, "--n-head", 4, "--d-model", 32, "--block-size", 32, "--s
 LOSS_ATOL = 1.5e-6  # the RESULT line's 6 decimals, one unit either way
 WEIGHTS_ATOL = 1e-5
 PRINTED_ATOL = 1.01e-4  # one unit of the printed 4th decimal
-COUNTED = {("cpu:2",), ("cpu:4", "--dp", "2", "--ep", "2"), ("cpu:2", "--amp-dtype", "bf16", "--max-steps", "2")}
+COUNTED = {("cpu:2",), ("cpu:4", "--dp", "2", "--ep", "2"), ("cpu:2", "--amp-dtype", "bf16", "--max-steps", "2"),
+           ("cpu:2", "--compile")}
 # the runs whose collectives a test reads
 
 
@@ -220,9 +221,13 @@ def test_compiled_attention_trains_as_eager(runs):
     compiled_matches_eager(proc, eager, 2, out, eager_out)
 
 
-@pytest.mark.parametrize(("devices", "flags", "ep", "dp"), [LAYOUTS[0], LAYOUTS[3]], ids=["ep2", "dp2xep2"])
+@pytest.mark.parametrize(("devices", "flags", "ep", "dp"),
+                         [LAYOUTS[0], LAYOUTS[3], pytest.param("cpu:2", ("--compile",), 2, 1, marks=pytest.mark.slow)],
+                         ids=["ep2", "dp2xep2", "ep2_compiled"])
 def test_each_rank_sends_what_its_router_chose_runs_its_own_experts_and_reduces_them_over_its_dp_group(
         runs, devices, flags, ep, dp):
+    # ep2_compiled: the run test_compiled_attention_trains_as_eager holds to the eager one (issue 66: the claims hold
+    # with --compile; the MoE layer and its all-to-alls run eager between the compiled attentions).
     proc, out = runs(devices, *flags)
     result_of(proc)
     world, share = ep * dp, 12 // ep

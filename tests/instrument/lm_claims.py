@@ -265,6 +265,12 @@ def _comm_mode():
         return ranks
 
     class Count(TorchDispatchMode):
+        @classmethod
+        def ignore_compile_internals(cls):
+            # --compile: dynamo compiles under this mode (without it, it compiles nothing: "non-infra torch dispatch
+            # mode present"), the mode off while it traces and on while the compiled code runs.
+            return True
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if DTensor in types:
                 return NotImplemented  # DTensor first: it desugars into the collectives counted below
