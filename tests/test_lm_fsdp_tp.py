@@ -287,16 +287,21 @@ def test_a_tp_group_shares_its_dp_share_of_the_batch_and_each_dimension_sends_it
 @SLOW  # a 4-process launch with --compile: 25-90 s (4 ranks compile on 2 cores; inductor's cache cold or not)
 @pytest.mark.parametrize(("devices", "flags"), [("cpu:4", ["--accum-steps", 2]), ("cpu:2", ["--tp", 1])],
                          ids=["2x2", "fsdp2_alone"])
-def test_compiled_blocks_under_fsdp2_and_tp_train_as_eager(runs, tmp_path, devices, flags):
+def test_compiled_blocks_under_fsdp2_and_tp_train_as_eager(runs, counted, tmp_path, devices, flags):
     # issue 66: --compile on the 2 x 2 mesh with 2 micro-batches a step, each block compiled after the TP plan and
     # before fully_shard; and on a 2 x 1 mesh, where FSDP2 does all the cutting (the plan's tp groups are one rank
     # each: its collectives none; FSDP2's all-gathers and reduce-scatters over both ranks): the eager run's losses and
     # weights, no recompile, no graph break (FSDP2's hooks eager). A 1 x 2 mesh runs the 2 x 2 one's lines with one
-    # dp rank.
-    eager, eager_out, _ = runs("lm_fsdp_tp", devices, *flags)
+    # dp rank. And FSDP2's collectives (tests/instrument's COUNT_FSDP_DIR): each group's all-gathers and
+    # reduce-scatters a step, and evaluation's, the eager run's.
+    eager, eager_out, eager_counts = runs("lm_fsdp_tp", devices, *flags)
     world = int(devices.split(":")[1])
-    proc = launch("recipes/lm_fsdp_tp.py", devices, *ARGS, *flags, "--compile", "--out-dir", tmp_path)
+    env, counts = counted()
+    proc = launch("recipes/lm_fsdp_tp.py", devices, *ARGS, *flags, "--compile", "--out-dir", tmp_path, env=env)
     compiled_matches_eager(proc, eager, world, tmp_path, eager_out)
+    for compiled, plain in zip(fsdp_counts(counts, world), fsdp_counts(eager_counts, world), strict=True):
+        assert len(compiled["steps"]) == 8 and compiled["steps"] == plain["steps"], (compiled, plain)
+        assert compiled["eval_all_gathers"] == plain["eval_all_gathers"], (compiled, plain)
 
 
 @SLOW  # the module's two 2 x 2 runs, shared

@@ -220,22 +220,33 @@ def test_each_stage_runs_its_blocks_on_every_microbatch_and_sends_only_to_its_ne
             assert [row for rows in scored for row in rows] == (y if rank == p - 1 else []), (rank, step)
         first, end = blocks[rank]
         per_step = blocks_per_step(claims(out), rank)
-        steps = comms_per_step(claims(out), rank)
         for k in plain_steps(8, 4):
             assert per_step[k - 1] == {"forward": (end - first) * m, "recomputed": 0}, (rank, k, per_step)
-            p2p = sorted(((op, ranks, size), n) for (op, _, ranks, size), n in steps[k - 1].items()
+    sends_only_to_its_neighbours(claims(out), p, 8, activation)
+
+
+def sends_only_to_its_neighbours(folder, p, steps, activation):
+    """What each of p stages sent, counted into `folder` (claims_env) over `steps` steps: in each step of
+    plain_steps, each microbatch's activations to the next stage and their gradients back (m = 2p microbatches),
+    and the clip's all-reduce of one number with the stop vote's, nothing else."""
+    m = 2 * p
+    for rank in range(p):
+        counted = comms_per_step(folder, rank)
+        assert len(counted) == steps
+        for k in plain_steps(steps, 4):
+            p2p = sorted(((op, ranks, size), n) for (op, _, ranks, size), n in counted[k - 1].items()
                          if op in ("send", "recv_"))
             want = sorted([*([(("send", (rank, rank + 1), activation), m), (("recv_", (rank, rank + 1), activation), m)]
                              if rank < p - 1 else []),
                            *([(("send", (rank, rank - 1), activation), m), (("recv_", (rank, rank - 1), activation), m)]
                              if rank > 0 else [])])
-            assert p2p == want, (rank, k, steps[k - 1])
+            assert p2p == want, (rank, k, counted[k - 1])
             world = tuple(range(p))
-            assert only(steps[k - 1], ops={"allreduce_", "all_reduce", "broadcast_", "_allgather_base_",
-                                           "_reduce_scatter_base_", "allgather_"}) == [
-                (("allreduce_", "step", world, 4), 2)], (rank, k, steps[k - 1])  # the clip's norm, the stop vote
-            assert only(steps[k - 1], ops={"item"}) == [
-                (("item", "step", "common/harness.py:all_reduce_max", 4), 1)], (rank, k, steps[k - 1])
+            assert only(counted[k - 1], ops={"allreduce_", "all_reduce", "broadcast_", "_allgather_base_",
+                                             "_reduce_scatter_base_", "allgather_"}) == [
+                (("allreduce_", "step", world, 4), 2)], (rank, k, counted[k - 1])  # the clip's norm, the stop vote
+            assert only(counted[k - 1], ops={"item"}) == [
+                (("item", "step", "common/harness.py:all_reduce_max", 4), 1)], (rank, k, counted[k - 1])
 
 
 @pytest.mark.slow  # a 2-process launch with --compile: 10-50 s (inductor's cache cold: its C++ builds)
@@ -245,9 +256,15 @@ def test_compiled_stages_train_as_eager(runs, tmp_path, schedule):
     # interleaves their forwards and backwards, GPipe runs all forwards first): the eager run's losses and weights, no
     # recompile, no graph break, the sends and receives eager between them. Both schedules on 2 stages; 4 stages run
     # the same lines.
+    # and the claim holds compiled: each stage's sends and receives (counted by tests/instrument/lm_claims.py alone:
+    # its hooks on the blocks would run inside their graphs)
     eager, eager_out = runs("lm_pp", "cpu:2", "--schedule", schedule)
-    proc = launch("recipes/lm_pp.py", "cpu:2", *ARGS, "--schedule", schedule, "--compile", "--out-dir", tmp_path)
-    compiled_matches_eager(proc, eager, 2, tmp_path, eager_out)
+    counting = {k: v for k, v in claims_env(tmp_path / "claims", saved=False).items()
+                if k not in ("LOG_TOKENS_DIR", "COUNT_BLOCKS_DIR")}
+    proc = launch("recipes/lm_pp.py", "cpu:2", *ARGS, "--schedule", schedule, "--compile", "--out-dir",
+                  tmp_path / "out", env=counting)
+    compiled_matches_eager(proc, eager, 2, tmp_path / "out", eager_out)
+    sends_only_to_its_neighbours(tmp_path / "claims", 2, 8, 4 * 8 // 4 * 16 * MODEL["d_model"])  # (B / m, T, D) fp32
 
 
 @pytest.mark.slow  # a 1-step run on 2 stages (6-10 s), and the GPipe run above
