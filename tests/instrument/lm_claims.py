@@ -243,6 +243,9 @@ def _comm_mode():
     functional = {"all_reduce", "all_reduce_coalesced", "all_gather_into_tensor", "all_gather_into_tensor_coalesced",
                   "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_to_all_single", "broadcast"}
     ops.update({getattr(funcol, name): name for name in functional if hasattr(funcol, name)})
+    # inductor's in-place and out= variants (--compile: the functional ones re-inplaced), named as the ops they replace
+    ops.update({getattr(funcol, name): name.removesuffix("_").removesuffix("_out") for name in
+                ("all_reduce_", "all_reduce_coalesced_", "all_gather_into_tensor_out") if hasattr(funcol, name)})
     ProcessGroup = torch._C._distributed_c10d.ProcessGroup
 
     def tensors(value):
