@@ -134,14 +134,17 @@ def killed_while_writing_model_pt_leaves_the_last_one(recipe, devices, args, out
 CLAIMS = ("LOG_TOKENS_DIR", "COUNT_BLOCKS_DIR", "COUNT_COMMS_DIR", "COUNT_SAVED_DIR")  # lm_claims.py's variables
 
 
-def claims_env(folder, env=None, comms=True, saved=True):
-    """env for launch(): tests/instrument on PYTHONPATH and lm_claims.py's logs in folder/tokens, folder/blocks,
-    (if `comms`) folder/comms and (if `saved`) folder/saved, made here. The collectives' count costs the most (every
-    operator of the run passes through its dispatch mode: 10-30% more CPU on lm_fsdp_tp's runs): only the runs a test
-    reads it from take it. `env`: more variables (its PYTHONPATH goes after tests/instrument)."""
+def claims_env(folder, env=None, comms=True, saved=True, blocks=True):
+    """env for launch(): tests/instrument on PYTHONPATH and lm_claims.py's logs in (if `blocks`) folder/tokens and
+    folder/blocks, (if `comms`) folder/comms and (if `saved`) folder/saved, made here. The collectives' count costs the
+    most (every operator of the run passes through its dispatch mode: 10-30% more CPU on lm_fsdp_tp's runs): only the
+    runs a test reads it from take it. blocks=False for a --compile run: the tokens' and forwards' hooks on each block
+    would run inside its compiled graph and break it. `env`: more variables (its PYTHONPATH goes after
+    tests/instrument)."""
     env = dict(env or {})
     path = os.pathsep.join(filter(None, [str(REPO / "tests" / "instrument"), env.pop("PYTHONPATH", None)]))
-    left_out = {"COUNT_COMMS_DIR": not comms, "COUNT_SAVED_DIR": not saved}
+    left_out = {"COUNT_COMMS_DIR": not comms, "COUNT_SAVED_DIR": not saved, "LOG_TOKENS_DIR": not blocks,
+                "COUNT_BLOCKS_DIR": not blocks}
     logs = {name: folder / name.split("_")[1].lower() for name in CLAIMS if not left_out.get(name)}
     for log in logs.values():
         log.mkdir(parents=True, exist_ok=True)

@@ -246,10 +246,8 @@ def test_compiled_blocks_train_as_the_eager_run_and_resume_compiled(straight, tm
     # own.
     eager, eager_out = straight(2)
     run = ["recipes/lm_ddp.py", "cpu:2", *FLAGS, "--compile", "--out-dir", tmp_path / "out"]
-    # The collectives counted (tests/instrument/lm_claims.py) and nothing else: its hooks on each block (the tokens',
-    # the forwards' counts) would run inside the compiled block and break its graph.
-    counting = {k: v for k, v in claims_env(tmp_path / "claims", saved=False).items()
-                if k not in ("LOG_TOKENS_DIR", "COUNT_BLOCKS_DIR")}
+    # The collectives counted (tests/instrument/lm_claims.py) and nothing else (claims_env's blocks=False).
+    counting = claims_env(tmp_path / "claims", saved=False, blocks=False)
     first = launch(*run, "--max-steps", "4", env=counting)
     assert result_of(first)["steps"] == 4
     # Under the counting mode each block compiles a graph of its own (measured: 2 for training, 2 for evaluation);

@@ -202,9 +202,8 @@ def test_each_stage_runs_its_blocks_on_every_microbatch_and_sends_only_to_its_ne
     proc, out = runs("lm_pp", devices, "--schedule", schedule)
     assert result_of(proc)["steps"] == 8
     p = int(devices.split(":")[1])
-    m, batch, seq_len, d = 2 * p, 8, 16, MODEL["d_model"]
+    m, batch, seq_len = 2 * p, 8, 16
     train = split(read_text()[0])[0]
-    activation = 4 * batch // m * seq_len * d  # a microbatch's (B / m, T, D), fp32
     blocks = load_recipe("lm_pp").stage_blocks(MODEL["n_layer"], p)
     for rank in range(p):
         lines = tokens_seen(claims(out), rank)
@@ -222,14 +221,15 @@ def test_each_stage_runs_its_blocks_on_every_microbatch_and_sends_only_to_its_ne
         per_step = blocks_per_step(claims(out), rank)
         for k in plain_steps(8, 4):
             assert per_step[k - 1] == {"forward": (end - first) * m, "recomputed": 0}, (rank, k, per_step)
-    sends_only_to_its_neighbours(claims(out), p, 8, activation)
+    sends_only_to_its_neighbours(claims(out), p, 8)
 
 
-def sends_only_to_its_neighbours(folder, p, steps, activation):
-    """What each of p stages sent, counted into `folder` (claims_env) over `steps` steps: in each step of
-    plain_steps, each microbatch's activations to the next stage and their gradients back (m = 2p microbatches),
+def sends_only_to_its_neighbours(folder, p, steps):
+    """What each of p stages sent in an ARGS run, counted into `folder` (claims_env) over `steps` steps: in each step
+    of plain_steps, each microbatch's activations to the next stage and their gradients back (m = 2p microbatches),
     and the clip's all-reduce of one number with the stop vote's, nothing else."""
     m = 2 * p
+    activation = 4 * 8 // m * 16 * MODEL["d_model"]  # a microbatch's (B / m, T, D) of ARGS' 8 x 16, fp32
     for rank in range(p):
         counted = comms_per_step(folder, rank)
         assert len(counted) == steps
@@ -254,17 +254,14 @@ def sends_only_to_its_neighbours(folder, p, steps, activation):
 def test_compiled_stages_train_as_eager(runs, tmp_path, schedule):
     # issue 66: --compile, each stage's blocks compiled before the schedule takes the stage (4 microbatches; 1F1B
     # interleaves their forwards and backwards, GPipe runs all forwards first): the eager run's losses and weights, no
-    # recompile, no graph break, the sends and receives eager between them. Both schedules on 2 stages; 4 stages run
-    # the same lines.
-    # and the claim holds compiled: each stage's sends and receives (counted by tests/instrument/lm_claims.py alone:
-    # its hooks on the blocks would run inside their graphs)
+    # recompile, no graph break, the sends and receives eager between them, each stage's as the eager run's claim
+    # (counted by tests/instrument/lm_claims.py alone). Both schedules on 2 stages; 4 stages run the same lines.
     eager, eager_out = runs("lm_pp", "cpu:2", "--schedule", schedule)
-    counting = {k: v for k, v in claims_env(tmp_path / "claims", saved=False).items()
-                if k not in ("LOG_TOKENS_DIR", "COUNT_BLOCKS_DIR")}
+    counting = claims_env(tmp_path / "claims", saved=False, blocks=False)
     proc = launch("recipes/lm_pp.py", "cpu:2", *ARGS, "--schedule", schedule, "--compile", "--out-dir",
                   tmp_path / "out", env=counting)
     compiled_matches_eager(proc, eager, 2, tmp_path / "out", eager_out)
-    sends_only_to_its_neighbours(tmp_path / "claims", 2, 8, 4 * 8 // 4 * 16 * MODEL["d_model"])  # (B / m, T, D) fp32
+    sends_only_to_its_neighbours(tmp_path / "claims", 2, 8)
 
 
 @pytest.mark.slow  # a 1-step run on 2 stages (6-10 s), and the GPipe run above

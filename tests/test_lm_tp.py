@@ -201,11 +201,10 @@ def test_compiled_blocks_trace_the_slices_collectives_and_train_as_eager(runs, t
     # reduce-scatters inside its graph) and without (the all-reduce of wo's and proj's partial sums inside it): the
     # eager run's losses and weights, no recompile, no graph break. The plan's two programs, on 2 processes; 4 and 3
     # (uneven slices) run the same lines. And the collectives the compiled blocks run (tests/instrument/lm_claims.py,
-    # counting alone: its hooks on the blocks would run inside their graphs; inductor's in-place all_reduce_ counted
-    # as the all_reduce it replaces): each step's, by kind, phase, group and bytes, the eager run's.
+    # counting alone; inductor's in-place all_reduce_ counted as the all_reduce it replaces): each step's, by kind,
+    # phase, group and bytes, the eager run's.
     eager, eager_out = runs("lm_tp", "cpu:2", *flags)
-    counting = {k: v for k, v in claims_env(tmp_path / "claims", saved=False).items()
-                if k not in ("LOG_TOKENS_DIR", "COUNT_BLOCKS_DIR")}
+    counting = claims_env(tmp_path / "claims", saved=False, blocks=False)
     proc = launch("recipes/lm_tp.py", "cpu:2", *ARGS, *flags, "--compile", "--out-dir", tmp_path / "out",
                   env=counting)
     compiled_matches_eager(proc, eager, 2, tmp_path / "out", eager_out)
