@@ -12,10 +12,11 @@ import time
 import pytest
 import torch
 from conftest import IMAGE_RECIPES, REPO, launch, make_imagefolder, run_direct, spawn_gloo
-from jobs import Job, error_lines, job_mid_epoch, signal_all, survivors, tracebacks_beyond_multiprocessing
+from jobs import Job, cmdline, error_lines, job_mid_epoch, signal_all, survivors, tracebacks_beyond_multiprocessing
 
 from common.recordio import IndexedRecordReader
 from tools.pack_rec import main as pack_rec
+from tools.procs import process_table
 
 pytestmark = pytest.mark.slow  # real multi-process jobs, each several seconds
 TINY = ["--arch", "tiny", "--workers", "0"]
@@ -385,6 +386,12 @@ def test_ctrl_c_stops_every_process(tmp_path, recipe):
     job = job_mid_epoch(recipe, tmp_path)
     tree = job.tree()
     assert len(tree) >= 5, tree  # launcher, 2 ranks, their DataLoader workers
+    if recipe == "ddp_spawn":  # its ranks fork their DataLoader workers (the recipe's "fork" context): each worker
+        # is a copy of its rank, the same command line, not an interpreter that spawn started (a pipe of its own)
+        table, ranks = process_table(), [job.rank_pid(rank) for rank in (0, 1)]
+        loaders = {rank: [pid for pid in tree if table.get(pid, (None,))[0] == rank] for rank in ranks}
+        assert all(loaders.values()), loaders
+        assert all(cmdline(pid) == cmdline(rank) for rank in ranks for pid in loaders[rank]), loaders
     start = time.monotonic()
     os.killpg(job.proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: SIGINT to the foreground group
     code = job.finish(timeout=60)

@@ -277,6 +277,9 @@ EDITS = [
     Edit("channels_last_eval", "same numbers, --channels-last in training alone: evaluation's convolutions get NCHW",
          "images = normalize(images.to(device, non_blocking=True, memory_format=memory_format))  # New: as in training",
          "images = normalize(images.to(device, non_blocking=True))  # New: as in training"),
+    Edit("spawn_loader_fork", "same numbers, ddp_spawn's DataLoader workers started by spawn (mp.spawn's own start "
+         "method, which its workers inherit): each a fresh interpreter that imports torch again",
+         'loader_args["multiprocessing_context"] = "fork"', "pass"),
 ]
 # The tests that guard a recipe by default: its conformance cases (a -k expression); ddp_uneven's own reference loop
 # (every rank's batches); a language model's own file (test_lm.py guards the base, test_lm_tp.py its sibling).
@@ -335,6 +338,7 @@ GUARDS = {
     "lm_fsdp_root_resharded": {"lm_fsdp_tp": ["tests/test_lm_fsdp_tp.py", "-k", "all_gathers"]},
     "lm_pp_1f1b_is_gpipe": {"lm_pp": ["tests/test_lm_pp.py", "-k", "order"]},
     "lm_tp_refuses_3": {"lm_tp": ["tests/test_lm_tp.py", "-k", "3_ranks"]},
+    "spawn_loader_fork": {"ddp_spawn": ["tests/test_failures.py", "-k", "ctrl_c and ddp_spawn"]},
     # In epoch 1 a fresh run's workers draw the same streams again: the stop in epoch 2 tells.
     "seeded_samples": {"ddp_checkpoint": [PREEMPT, "-k", "3-self"]},
     "skip_first": {"ddp_checkpoint": [PREEMPT, "-k", "2-launcher"]},
