@@ -5,9 +5,10 @@ recipe's opening docstring; a line that starts with ./launch.sh, python recipes/
 environment assignments before one of those is a command (a trailing backslash continues it). Each runs on a
 CPU stand-in with the same process count (0,1,3 -> cpu:3, 0 -> cpu:1, G:N -> cpu:N, CUDA_VISIBLE_DEVICES=0,1,3 ->
 3 processes), changing only what a CPU box cannot have:
-- data that needs a download or the user's folder: CIFAR-100 becomes 128 + 64 synthetic images of 8 px (one step an
-  epoch at the default batch), a user's ImageFolder or .rec becomes 250 of scikit-learn's real digits in that format
-  (also one step an epoch);
+- data that needs a download or the user's folder: CIFAR-100 becomes 128 + 48 synthetic images of 8 px (one step an
+  epoch at the default batch; 48 validation images split evenly over 1, 2, 3, 4 or 8 processes, so that a compiled
+  evaluation is one shape on every rank), a user's ImageFolder or .rec becomes 250 of scikit-learn's real digits in
+  that format (also one step an epoch);
 - the length: --max-steps 1, one whole epoch (a checkpoint to --resume from); with --profile, 512 synthetic images
   and --max-steps 4 (its table then holds 2 profiled steps, checked); tools/tune_loader.py: --batches 2,
   --rounds 1; the output: a fresh folder as the working directory (runs/... lands there);
@@ -266,7 +267,7 @@ def stand_in(command, data):
     # Data a CPU box cannot have, replaced by data it can.
     if _flag(rest, "--dataset") == "cifar100" or (name != "mx_face_prefetch" and "--dataset" not in rest):
         rest = [("synthetic" if w == "cifar100" else w) for w in rest]
-        rest += ["--synthetic-train", "512" if "--profile" in rest else "128", "--synthetic-val", "64"]
+        rest += ["--synthetic-train", "512" if "--profile" in rest else "128", "--synthetic-val", "48"]
         if "--image-size" not in rest:  # small in every way: 8 px (still below 64: the same stem and transforms)
             rest += ["--image-size", "8"]
     if _flag(rest, "--dataset") == "imagefolder":
