@@ -197,7 +197,7 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
     loader_args = dict(batch_size=batch_per_process, num_workers=workers_per_process,
                        pin_memory=device.type == "cuda", persistent_workers=workers_per_process > 0)
     # New: a process that mp.spawn started makes its own children by spawn too: each DataLoader worker would start
-    # as a fresh interpreter that imports torch and unpickles the dataset (3 s of CPU each here; pytorch#51011).
+    # as a fresh interpreter that imports torch and unpickles the dataset (2.3 s of CPU each here; pytorch#51011).
     # Fork them, as a torchrun rank does: they touch no GPU.
     if workers_per_process:
         loader_args["multiprocessing_context"] = "fork"

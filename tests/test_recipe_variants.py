@@ -54,7 +54,7 @@ TINY = ["--arch", "tiny", "--workers", "0"]
 @pytest.mark.parametrize(("base", "recipe", "max_changed"), [
     ("ddp_torchrun", "dp", 138), ("ddp_torchrun", "ddp_launch", 39),
     # ddp_spawn: 136, then 141 with its DataLoader workers forked (a process mp.spawn started spawns its own children:
-    # each worker was a new interpreter, 3 s of CPU each here).
+    # each worker was a new interpreter, 2.3 s of CPU each here).
     ("ddp_torchrun", "ddp_spawn", 141),
     # ddp_checkpoint: 129, then 219 with the preemption save (issue 43: SIGUSR1's vote, --save-every, mid-epoch
     # resume with each sample's seed, the bucket layout's backward on resume, and its docstring); 220 with the
