@@ -51,7 +51,8 @@ from common.checkpoint import EX_TEMPFAIL
 from common.lm import Transformer, read_text, split, train_batch
 
 MODEL = {"n_layer": 4, "n_head": 4, "d_model": 32, "block_size": 32}
-ARGS = ["--n-layer", 4, "--n-head", 4, "--d-model", 32, "--block-size", 32, "--seq-len", 16, "--batch-size", 8,
+BATCH, SEQ_LEN = 8, 16  # ARGS' sequences a step and bytes a sequence
+ARGS = ["--n-layer", 4, "--n-head", 4, "--d-model", 32, "--block-size", 32, "--seq-len", SEQ_LEN, "--batch-size", BATCH,
         "--steps", 8, "--eval-every", 4, "--val-windows", 12]  # 12: the last validation batch padded
 VAL_RTOL = 2e-6  # measured: 2e-7
 WEIGHTS_ATOL = 1e-5  # measured: 7.0e-7 at most
@@ -202,13 +203,13 @@ def test_each_stage_runs_its_blocks_on_every_microbatch_and_sends_only_to_its_ne
     proc, out = runs("lm_pp", devices, "--schedule", schedule)
     assert result_of(proc)["steps"] == 8
     p = int(devices.split(":")[1])
-    m, batch, seq_len = 2 * p, 8, 16
+    m = 2 * p
     train = split(read_text()[0])[0]
     blocks = load_recipe("lm_pp").stage_blocks(MODEL["n_layer"], p)
     for rank in range(p):
         lines = tokens_seen(claims(out), rank)
         for step in range(8):
-            x, y = (t.tolist() for t in train_batch(train, step, 0, batch, seq_len, 0, 1))
+            x, y = (t.tolist() for t in train_batch(train, step, 0, BATCH, SEQ_LEN, 0, 1))
             fed, scored = ([line["rows"] for line in lines if line["train"] and line["step"] == step
                             and line["where"] == where] for where in ("stage", "targets"))
             assert len(fed) == m, (rank, step, len(fed))  # one forward per microbatch
@@ -229,7 +230,7 @@ def sends_only_to_its_neighbours(folder, p, steps):
     of plain_steps, each microbatch's activations to the next stage and their gradients back (m = 2p microbatches),
     and the clip's all-reduce of one number with the stop vote's, nothing else."""
     m = 2 * p
-    activation = 4 * 8 // m * 16 * MODEL["d_model"]  # a microbatch's (B / m, T, D) of ARGS' 8 x 16, fp32
+    activation = 4 * BATCH // m * SEQ_LEN * MODEL["d_model"]  # a microbatch's (B / m, T, D), fp32
     for rank in range(p):
         counted = comms_per_step(folder, rank)
         assert len(counted) == steps
@@ -275,8 +276,8 @@ def test_activation_checkpointing_keeps_each_block_s_input_alone_on_each_stage(r
     _, plain_out = runs("lm_pp", "cpu:2", "--schedule", "gpipe")
     proc, ac_out = runs("lm_pp", "cpu:2", "--schedule", "gpipe", "--activation-checkpointing", "--max-steps", 1)
     assert "activation checkpointing: 2 of 2 blocks recompute their forward in backward" in proc.stdout
-    m, batch, seq_len, d = 4, 8, 16, MODEL["d_model"]
-    block_input = 4 * batch // m * seq_len * d
+    m = 4
+    block_input = 4 * BATCH // m * SEQ_LEN * MODEL["d_model"]
     for rank in (0, 1):
         p, a = saved_per_step(claims(plain_out), rank)[0], saved_per_step(claims(ac_out), rank)[0]
         assert len(p) == len(a) == m, (rank, p, a)  # a backward per microbatch
