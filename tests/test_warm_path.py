@@ -160,6 +160,28 @@ def test_a_failed_rank_stops_the_others_and_the_job_exits_with_its_code(tmp_path
     assert re.sub(r"pid \d+", "", real.stderr.strip().splitlines()[-1]) == re.sub(r"pid \d+", "", last)
 
 
+COMPILING = textwrap.dedent("""\
+    # launcher: torchrun
+    import json
+    import torch
+    from torch._dynamo.utils import counters
+    torch.compile(lambda x: torch.sin(x) * 2 + 1)(torch.ones(8))
+    print("CACHE " + json.dumps(counters["inductor"]), flush=True)
+    """)
+
+
+def test_the_ranks_of_a_job_compile_in_turn_and_the_later_one_loads_the_graph(tmp_path):
+    # tests/warm_server.py's compile_in_turn: one rank lowers the graph, the other loads it from inductor's cache
+    # (a cache of this test's own, cold); without the lock both start together and both miss it.
+    script = tmp_path / "compiling.py"
+    script.write_text(COMPILING)
+    proc = launch(script, "cpu:2", cwd=tmp_path, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
+    assert warm.last_real_path_reason is None  # it did run warm
+    assert proc.returncode == 0, proc.stderr
+    caches = [json.loads(line[6:]) for line in proc.stdout.splitlines() if line.startswith("CACHE ")]
+    assert sorted((c.get("fxgraph_cache_miss", 0), c.get("fxgraph_cache_hit", 0)) for c in caches) == [(0, 1), (1, 0)]
+
+
 def test_launch_sh_still_parses_every_warm_job(tmp_path):
     proc = launch("recipes/ddp_torchrun.py", "cpu:0")
     assert proc.returncode == 2
