@@ -18,11 +18,12 @@ from tools.recipes import load_recipe  # noqa: F401 (the tests import it from he
 
 REPO = Path(__file__).resolve().parents[1]
 # The suite runs two test processes on two cores (-n 2), and their jobs more processes than that. libgomp's threads
-# (torch's intra-op pool: a job of one process computes on every core) spin while they wait for each other, and here
-# they spin through the time slices of the processes they wait for: the sbatch requeue drill took 60 core-seconds so,
-# 32 asleep. Every process the suite starts waits asleep (OMP_WAIT_POLICY=PASSIVE, which libgomp reads when it loads:
-# so here, before anything imports torch; tests/warm.py's server and ranks inherit it). It changes how a thread waits,
-# not what it computes: the same threads sum in the same order.
+# (torch's intra-op pool: a job of one process computes on every core) spin a while before they sleep when they wait
+# for each other (GOMP_SPINCOUNT), and here they spin through the time slices of the threads they wait for: the
+# sbatch requeue drill took 60 core-seconds so, 32 asleep. Every process the suite starts waits asleep
+# (OMP_WAIT_POLICY=PASSIVE, which libgomp reads when it loads: so here, before anything imports torch; tests/warm.py's
+# server and ranks inherit it). It changes how a thread waits, not what it computes: the same threads sum in the same
+# order.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 LAUNCH = REPO / "launch.sh"
 RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.py"))  # every recipe, by name

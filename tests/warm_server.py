@@ -102,13 +102,15 @@ def run_rank(request, server_fds):
 
 def compile_in_turn(env):
     """The ranks of a job run inductor one graph at a time, so that each graph is lowered once and the other ranks load
-    it from inductor's cache (FX graph and AOT autograd caches; its C++ builds are shared already, under a lock of
-    its own). Started together, every rank of a job missed the cache and lowered the same graphs itself: about 11 s
-    of CPU a rank for resnet18. A lock file named for the job (its MASTER_ADDR and MASTER_PORT) is held around
-    torch.compile's call into inductor and around inductor's compile of each forward and backward graph (a backward
-    can compile lazily, at the first backward). Inductor does not communicate while it holds it, so no rank waits for
-    another that waits for the lock; the graphs, their counts and their numbers are the same, only the order changes.
-    Ranks whose graphs differ (tensor parallelism's, a pipeline's stages) gain nothing and lose no CPU."""
+    it from inductor's FX graph cache (its C++ builds are shared already, under a lock of its own). Started together,
+    every rank of a job missed the cache and lowered the same graphs itself: about 11 s of CPU a rank for resnet18.
+    A lock file named for the job (its MASTER_ADDR and MASTER_PORT) is held around torch.compile's call into its
+    default backend, inductor, and around inductor's compile of each forward and backward graph (a backward can
+    compile lazily, at the first backward). Inductor at its defaults does not communicate while it holds it, so no
+    rank waits for another that waits for the lock; the settings that make it or the partitioner agree across ranks
+    at compile time (distributed autotuning, overlap scheduling, spmd_check, ...) are off, and a job that set one
+    would hang here. The graphs, their counts and their numbers are the same; ranks whose graphs differ (tensor
+    parallelism's, a pipeline's stages) gain nothing and compile one after another."""
     if int(env.get("WORLD_SIZE", "1")) < 2 or "MASTER_PORT" not in env:
         return
     path = os.path.join(LOCKS, f"compile-{env.get('MASTER_ADDR')}-{env['MASTER_PORT']}.lock")
