@@ -118,15 +118,15 @@ def compile_in_turn(env):
 
     def in_turn(function):
         def call(*args, **kwargs):
-            if getattr(held, "depth", 0):  # inside the outer call: the lock is this thread's already
+            if getattr(held, "locked", False):  # inside the outer call: the lock is this thread's already
                 return function(*args, **kwargs)
             with open(path, "a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
-                held.depth = 1
+                held.locked = True
                 try:
                     return function(*args, **kwargs)
                 finally:
-                    held.depth = 0
+                    held.locked = False
                     fcntl.flock(lock, fcntl.LOCK_UN)
         return call
 
