@@ -276,9 +276,11 @@ def stand_in(command, data):
             rest += ["--image-size", str(SMALL_IMAGES)]  # (at 224 one step of 128 images took 45-50 core-seconds)
     if _flag(rest, "--amp-dtype") == "bf16" and "--batch-size" not in rest and cpu_amp_default() == "fp32":
         # No native bf16 on this CPU: a bf16 convolution takes aten's slow reference kernel, 8-12 s for resnet18's
-        # backward on a micro-batch of 32 at 8 px (docs/testing.md). 8 images a process and micro-step, not 32.
+        # backward on a micro-batch of 32 at 8 px (docs/testing.md). 2 images a process and micro-step, not 32: the
+        # fewest BatchNorm trains on where an 8 px image leaves the last stage 1 x 1 (torch_amp's bf16 command on 1
+        # process 14.7 -> 6.2 core-seconds, fsdp's resnet50 on 4 34 -> 20, against 8 images).
         processes = int(argv[-1].split(":")[1]) if argv[-1].startswith("cpu:") else 1
-        rest += ["--batch-size", str(8 * processes * int(_flag(rest, "--accum-steps") or 1))]
+        rest += ["--batch-size", str(2 * processes * int(_flag(rest, "--accum-steps") or 1))]
     if name == "mx_face_prefetch" and _flag(rest, "--rec") != "synthetic":
         rest[rest.index("--rec") + 1] = str(data / "rec")
         if "--num-classes" in rest:
@@ -346,14 +348,16 @@ def folders(tmp_path_factory):
 
 
 def _run(argv, env, cwd, nodes):
-    """The command's result per node. ./launch.sh and `python recipes/...` run on the warm path (tests/warm.py):
-    launch.sh --dry-run parses the command, the ranks are forked from the warm server with what torchrun gives them.
-    torchrun, `python -m torch.distributed.launch` and the tools start new interpreters, as typed."""
+    """The command's result per node. ./launch.sh, `python recipes/...` and `python tools/...` run on the warm path
+    (tests/warm.py): launch.sh --dry-run parses the command, the ranks are forked from the warm server with what
+    torchrun gives them; a recipe or a tool run by `python` is one process forked from it, as tests/conftest.py's
+    run_script forks a tool (torch imported already, one thread). torchrun and `python -m torch.distributed.launch`
+    start new interpreters, as typed: the launchers are what those commands show."""
     full = launch_env({**env, "PYTHONUNBUFFERED": "1"})
     if argv[0] == str(REPO / "launch.sh"):
         jobs = [warm.launch_job(argv[1:], {**full, "NODE_RANK": str(node)} if nodes > 1 else full, cwd)
                 for node in range(nodes)]
-    elif argv[0] == sys.executable and argv[1].startswith(str(REPO / "recipes")):
+    elif argv[0] == sys.executable and argv[1].startswith((str(REPO / "recipes"), str(REPO / "tools"))):
         jobs = [warm.direct_job(argv[1:], full, cwd)]
     else:
         jobs = [None]

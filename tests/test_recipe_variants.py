@@ -242,15 +242,6 @@ def test_ddp_launch_accepts_all_three_local_rank_spellings(monkeypatch):
     assert parse(["--local-rank=0"]).local_rank == 0  # the launcher's flag wins
 
 
-@pytest.mark.slow
-@pytest.mark.real_path("the real legacy launcher, torch.distributed.launch, is its subject")
-def test_ddp_launch_trains_under_torch_distributed_launch(tmp_path):
-    proc = launch("recipes/ddp_launch.py", "cpu:2", *TINY, "--max-steps", "4", "--out-dir", tmp_path)
-    result = result_of(proc)
-    assert (result["recipe"], result["world_size"], result["steps"]) == ("ddp_launch", 2, 4)
-    assert "torch.distributed.launch" in proc.stderr  # launch.sh chose it from the marker
-
-
 # ---------------------------------------------------------------------------------- ddp_spawn
 
 

@@ -55,6 +55,9 @@ def test_the_two_paths_compute_the_same(recipe, tmp_path):
     devices, flags = FLAGS[recipe]
     args = [f"recipes/{recipe}.py", devices, *flags]
     real = run_group([str(LAUNCH), *args, "--out-dir", tmp_path / "real"], env=launch_env(), cwd=REPO, timeout=600)
+    assert result_of(real)["world_size"] == int(devices.split(":")[1]), real.stdout
+    if recipe == "ddp_launch":  # launch.sh chose the real legacy launcher from the recipe's marker, and it trained
+        assert "torch.distributed.launch" in real.stderr.splitlines()[0], real.stderr
     warm.forbidden.why = None
     job = warm.launch_job([*args, "--out-dir", tmp_path / "warm"], launch_env(), REPO)
     assert isinstance(job, warm.Job), warm.last_real_path_reason
