@@ -375,6 +375,30 @@ def _run(argv, env, cwd, nodes):
     return results
 
 
+GRAD_STRIDES = re.compile(r"grad\.sizes\(\) = \[([\d, ]*)\], strides\(\) = \[([\d, ]*)\]\s*"
+                          r"bucket_view\.sizes\(\) = \[([\d, ]*)\], strides\(\) = \[([\d, ]*)\]")
+
+
+def same_layout(sizes, strides, bucket_sizes, bucket_strides):
+    """The warning's two tensors hold the same bytes in the same order: equal sizes, and equal strides wherever a
+    size is above 1 (a size-1 dimension's stride is never used to address an element)."""
+    sizes, strides, bucket_strides = ([int(x) for x in t.split(",") if x.strip()]
+                                      for t in (sizes, strides, bucket_strides))
+    same_sizes = sizes == [int(x) for x in bucket_sizes.split(",") if x.strip()]
+    return same_sizes and len(strides) == len(bucket_strides) == len(sizes) and all(
+        a == b for n, a, b in zip(sizes, strides, bucket_strides, strict=True) if n > 1)
+
+
+def test_a_grad_strides_warning_is_spurious_only_where_the_strides_differ_at_size_1():
+    """The layout check the commands' run applies, on the warning ddp_compile prints and on two real mismatches."""
+    seen = ("grad.sizes() = [512, 256, 1, 1], strides() = [256, 1, 256, 256]\n"
+            "bucket_view.sizes() = [512, 256, 1, 1], strides() = [256, 1, 1, 1] (Triggered internally at ...)")
+    assert [same_layout(*w) for w in GRAD_STRIDES.findall(seen)] == [True]
+    assert not same_layout("64, 3, 3, 3", "27, 1, 9, 3", "64, 3, 3, 3", "27, 9, 3, 1")  # channels-last 3x3
+    assert same_layout("1, 512", "1, 1", "1, 512", "512, 1")
+    assert not same_layout("512, 2", "1, 512", "512, 2", "2, 1")  # transposed
+
+
 ORDER = sorted(range(len(COMMANDS)), key=lambda i: (producer(i, COMMANDS) is not None, i))
 
 
@@ -419,6 +443,14 @@ def test_every_documented_command_runs_on_a_cpu_stand_in(index, digits, folders,
             parts = 1 if "recipes/lm_tp.py" in words else parts  # tensor parallel: every rank takes the whole batch
             default = 32 if any(w.startswith("recipes/lm_") for w in words) else 128  # sequences, images
             assert int(setup[2]) == default // parts * parts, setup[0]
+    # DDP's "Grad strides do not match bucket view strides" (ddp_compile.py's docstring: spurious, a 1x1
+    # convolution's weight from the compiled backward): each one printed is the same layout as its bucket's, and
+    # ddp_compile's resnet18 shows it, so the docstring's note stays true.
+    err = "".join(r.stderr for r in results)
+    assert len(GRAD_STRIDES.findall(err)) == err.count("Grad strides do not match bucket view strides"), shown
+    assert not [w for w in GRAD_STRIDES.findall(err) if not same_layout(*w)], shown
+    if "recipes/ddp_compile.py" in words and "--arch" not in words:
+        assert GRAD_STRIDES.search(err), f"torch no longer warns: drop ddp_compile.py's note on it\n{shown}"
     if "--profile" in words:  # the table, every rank's row, after the 2 steps the stand-in's 4 leave it
         out = "".join(r.stdout for r in results)
         assert "profile: this run's steps 3-4, traces in" in out, shown

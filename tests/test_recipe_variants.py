@@ -73,8 +73,9 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # mx_face_prefetch: 150, then 160 with issue 65's device_normalize in the flagship (its RecordIO transforms kept
     # insightface's ToTensor and Normalize(0.5, 0.5) in the workers), 153 since they hand over uint8 as well.
     ("ddp_torchrun", "apex_amp", 259), ("ddp_torchrun", "mx_face_prefetch", 153),
-    # ddp_compile: 78, then 81 with what --sync-bn costs it (issue 39) in its docstring and the breaks' reasons.
-    ("ddp_torchrun", "ddp_compile", 84),
+    # ddp_compile: 78, then 81 with what --sync-bn costs it (issue 39) in its docstring and the breaks' reasons; 87
+    # with DDP's spurious grad-strides warning explained (tests/test_documented_commands.py checks it is spurious).
+    ("ddp_torchrun", "ddp_compile", 87),
     # ddp_uneven: its training loop is indented under `with Join([model]):` (19 lines, counted twice); 123, then 136
     # with forward_sync_buffers=False and why (issue 39), 140 with the keyword chosen by torch version (2.11 has only
     # broadcast_buffers; the GPU machine's torch).
