@@ -18,7 +18,7 @@ evaluation, how many again during training (0 here: a recompile means a new shap
 graph breaks, with their reasons (0 here: each splits the model into pieces compiled apart).
 DDP may warn once, "Grad strides do not match bucket view strides", of a 1x1 convolution's weight (resnets'
 downsample): the compiled backward's gradient differs from its bucket only in the strides of size-1 dimensions, the
-same bytes in the same order, so the warning is spurious (pytorch/pytorch#157862); a real mismatch names others.
+same bytes in the same order: spurious (pytorch/pytorch#157862). Strides that differ elsewhere would be a real one.
 --sync-bn costs one graph break per SyncBatchNorm layer: its training forward drops empty ranks' statistics with a
 boolean mask (`nonzero`: a shape that depends on data; capturing such shapes only moves the break to the next op),
 so each one runs eagerly, with its host sync, between compiled pieces: resnet18, 20 breaks and 21 graphs.
