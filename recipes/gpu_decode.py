@@ -14,8 +14,9 @@ and augments about 300 ImageNet JPEGs a second with PIL; one H200 trains resnet5
 - all of it one batch ahead, on a side CUDA stream in DataLoaderX's thread, while the step runs on the default stream:
   the step waits for that batch's event, so it never reads a batch before it is decoded; and the side stream is
   drained before each decode, since nvjpeg writes its output from a stream of its own (pytorch/vision PR #9606);
-- the files a decoder on the GPU cannot take (a PNG named .JPEG, a CMYK JPEG, one cut short: ImageNet has them) are
-  decoded by PIL in the worker; a file nothing decodes stops the run with one line naming it;
+- the files a decoder on the GPU cannot take (a PNG named .JPEG, a CMYK JPEG: ImageNet has them) are decoded by PIL
+  in the worker, a JPEG only nvjpeg refuses by the CPU's decoder in the main process; a file nothing decodes (cut
+  short, broken inside) stops the run with one line naming it;
 - each sample's box and flip drawn from its own seed (seed, epoch, index) with torchvision's RandomResizedCrop, so a
   run resumed mid-epoch (--save-every N: a checkpoint every N steps) trains as the uninterrupted run did.
 --dataset synthetic encodes its images as JPEGs in the worker, as if read from files. --compile (torch_amp.py's): the
@@ -119,8 +120,9 @@ def check_args(args, world_size):
 # ------------------------------------------------------------------------------------------- data
 class EncodedImages(Dataset):  # New: what a DataLoader worker does: read, look at the header, draw the box
     """Sample i as (the file's bytes, its crop box top/left/height/width, flip, label, i). The bytes stay encoded: the
-    main process decodes them (decode_batch). A file the GPU's decoder cannot take (not a JPEG, a CMYK JPEG, one
-    without JPEG's end marker: cut short) is decoded here by PIL instead, and crosses as pixels (3 x H x W uint8).
+    main process decodes them (decode_batch). A file the GPU's decoder cannot take (not a JPEG, a CMYK JPEG) is
+    decoded here by PIL instead, and crosses as pixels (3 x H x W uint8); so is one that does not end in JPEG's end
+    marker (bytes after it: PIL decodes it; cut short: PIL's error names it).
     Train: torchvision's RandomResizedCrop box, then a flip, drawn from torch's generator (SeededSamples seeds it per
     sample). Val: Resize(size * 8 / 7) and CenterCrop(size) as one box. source: an ImageFolder (its .samples: the
     files) or a dataset of image tensors (--dataset synthetic), encoded here as JPEGs."""
@@ -176,14 +178,24 @@ def decode_batch(batch, device, size, memory_format, counts, split, source):  # 
         torch.cuda.current_stream(device).synchronize()
     try:
         decoded = iter(decode_jpeg(files, mode=ImageReadMode.RGB, device=device) if files else [])
-    except RuntimeError as exc:  # a file whose bytes are wrong inside: find it, and name it
-        for p, i in zip(payloads, indices.tolist(), strict=True):
+    except RuntimeError as exc:  # a file the decoder refuses: each file alone, to decode it apart or to name it
+        alone, refused = [], False
+        for p, i in [(p, i) for p, i in zip(payloads, indices.tolist(), strict=True) if p.dim() == 1]:
+            if device.type == "cuda":  # what a failed decode left queued on nvjpeg's stream ends first
+                torch.cuda.synchronize(device)
             try:
-                decode_jpeg(p, mode=ImageReadMode.RGB) if p.dim() == 1 else None
+                alone.append(decode_jpeg(p, mode=ImageReadMode.RGB, device=device))
+                continue
+            except RuntimeError:  # nvjpeg refuses some JPEGs the CPU's libjpeg-turbo decodes (chroma subsampling)
+                refused = True
+            try:
+                alone.append(decode_jpeg(p, mode=ImageReadMode.RGB).to(device))
             except RuntimeError as bad:
                 where = f" ({source.samples[i][0]})" if hasattr(source, "samples") else ""
                 raise SampleError(f"{split} sample {i}{where} does not decode: {' '.join(str(bad).split())}") from exc
-        raise
+        if not refused:  # every file decodes alone (the GPU out of memory): no file to blame, the error goes on
+            raise
+        decoded = iter(alone)
     images = []
     for p, (top, left, h, w), flip in zip(payloads, boxes.tolist(), flips.tolist(), strict=True):
         image = next(decoded) if p.dim() == 1 else p.to(device, non_blocking=True)

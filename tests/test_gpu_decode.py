@@ -261,6 +261,31 @@ def test_a_batch_that_fails_to_decode_with_every_file_whole_passes_the_decoders_
         decoded(recipe, [good[0], good[1]], SIZE, files)
 
 
+def test_a_jpeg_only_the_devices_decoder_refuses_is_decoded_by_the_cpus(photos, monkeypatch):
+    # nvjpeg refuses some JPEGs that the CPU's libjpeg-turbo decodes (a chroma subsampling it lacks): the batch's decode
+    # fails, each file is decoded alone on the device, and the one refused there on the CPU. The batch trains, each
+    # image as the plain decode gives it. A double of the device's decoder (named so) refuses the second file.
+    recipe = load_recipe("gpu_decode")
+    real, files = recipe.decode_jpeg, sources(photos)[0]
+    good = recipe.EncodedImages(files, SIZE, False, False)
+    samples = [good[0], good[1], good[2]]
+    assert all(s[0].dim() == 1 for s in samples)  # handed over as the files' bytes
+    expected = decoded(recipe, samples, SIZE, files)
+    calls = []
+
+    def decode_jpeg_double(data, **kwargs):
+        which = "batch" if isinstance(data, list) else next(k for k, s in enumerate(samples) if s[0] is data)
+        calls.append((which, "device" in kwargs))
+        if "device" in kwargs and (isinstance(data, list) or data is samples[1][0]):
+            raise RuntimeError("nvjpeg: Unknown chroma subsampling (a test double)")
+        return real(data, **kwargs)
+
+    monkeypatch.setattr(recipe, "decode_jpeg", decode_jpeg_double)
+    images, labels = decoded(recipe, samples, SIZE, files)
+    assert torch.equal(images, expected[0]) and torch.equal(labels, expected[1])
+    assert calls == [("batch", True), (0, True), (1, True), (1, False), (2, True)]  # only the refused one on the CPU
+
+
 def test_cifar100_and_a_bad_save_every_are_refused_in_one_line(capsys):
     recipe = load_recipe("gpu_decode")
     for flags, says in [(["--dataset", "cifar100"], "error: --dataset cifar100 holds pixels, not files"),
