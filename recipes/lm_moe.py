@@ -107,10 +107,12 @@ def check_args(args, world_size):
     if args.experts < 1 or not 1 <= args.top_k <= args.experts:  # New
         harness.die(f"--top-k {args.top_k} must be between 1 and --experts {args.experts}: each token goes to k "
                     "distinct experts")
+    if args.expert_width is not None and args.expert_width < 1:  # New
+        harness.die(f"--expert-width {args.expert_width} must be >= 1: each expert's hidden units")
     args.expert_width = args.expert_width or max(1, 4 * args.d_model // args.top_k)  # New
     if args.ep is None:  # New: from --dp, else the most expert parallelism the experts and processes allow
         args.ep = world_size // args.dp if args.dp else math.gcd(args.experts, world_size)
-    args.dp = world_size // args.ep if args.dp is None else args.dp  # New
+    args.dp = world_size // max(args.ep, 1) if args.dp is None else args.dp  # New: --ep 0 is refused just below
     if args.ep < 1 or args.ep * args.dp != world_size:  # New
         harness.die(f"--dp {args.dp} x --ep {args.ep} must be the number of processes, {world_size}; leave --dp out "
                     "(processes / --ep)")

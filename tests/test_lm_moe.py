@@ -297,6 +297,9 @@ def test_under_bf16_autocast_the_rows_travel_in_bf16(runs):
     (4, ["--experts", 6, "--ep", 4], "--ep 4 must divide --experts 6"),
     (1, ["--top-k", 9], "--top-k 9 must be between 1 and --experts 8"),
     (1, ["--top-k", 0], "--top-k 0 must be between 1 and --experts 8"),
+    (2, ["--ep", 0], "--dp 2 x --ep 0 must be the number of processes, 2"),  # not a division by zero
+    (1, ["--expert-width", 0], "--expert-width 0 must be >= 1"),  # not the default in its place
+    (1, ["--expert-width", -3], "--expert-width -3 must be >= 1"),  # not a traceback from nn.Linear on every rank
     (4, ["--dp", 3], "--dp 3 x --ep 1 must be the number of processes, 4"),
     (4, ["--dp", 2, "--ep", 4], "--dp 2 x --ep 4 must be the number of processes, 4"),
     (1, ["--n-head", 3], "--n-head 3 must divide --d-model 128")])  # the family's model checks
