@@ -181,21 +181,21 @@ def decode_batch(batch, device, size, memory_format, counts, split, source):  # 
     except RuntimeError as exc:  # a file the decoder refuses: each file alone, to decode it apart or to name it
         alone, refused = [], False
         for p, i in [(p, i) for p, i in zip(payloads, indices.tolist(), strict=True) if p.dim() == 1]:
-            if device.type == "cuda":  # what a failed decode left queued on nvjpeg's stream ends first
-                torch.cuda.synchronize(device)
             try:
                 alone.append(decode_jpeg(p, mode=ImageReadMode.RGB, device=device))
                 continue
             except RuntimeError:  # nvjpeg refuses some JPEGs the CPU's libjpeg-turbo decodes (chroma subsampling)
                 refused = True
             try:
-                alone.append(decode_jpeg(p, mode=ImageReadMode.RGB).to(device))
+                alone.append(decode_jpeg(p, mode=ImageReadMode.RGB))  # on the CPU; to the device below
             except RuntimeError as bad:
                 where = f" ({source.samples[i][0]})" if hasattr(source, "samples") else ""
                 raise SampleError(f"{split} sample {i}{where} does not decode: {' '.join(str(bad).split())}") from exc
         if not refused:  # every file decodes alone (the GPU out of memory): no file to blame, the error goes on
             raise
-        decoded = iter(alone)
+        if device.type == "cuda":  # a failed decode's writes, queued on nvjpeg's stream, end before any copy lands
+            torch.cuda.synchronize(device)
+        decoded = iter([image.to(device) for image in alone])
     images = []
     for p, (top, left, h, w), flip in zip(payloads, boxes.tolist(), flips.tolist(), strict=True):
         image = next(decoded) if p.dim() == 1 else p.to(device, non_blocking=True)
