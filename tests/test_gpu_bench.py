@@ -2,12 +2,16 @@
 3 timed steps after 1 warm-up) shared by the tests, its JSON's keys and numbers, the medians recomputed from the
 recorded steps, the table's rows; bad flags fail in one line; the MFU arithmetic and the datasheet peaks exactly."""
 
+import importlib.metadata
 import json
 import math
+import os
 import re
 import shlex
 import shutil
 import statistics
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -193,6 +197,54 @@ def test_the_table_has_each_sections_row(run):
     assert "goal: compiled MFU >= 45%" in rows["4 lm_ddp"] and "compiled " in rows["4 lm_ddp"]
     assert "<= 1.6 eager, <= 1.1 compiled" in rows["4 lm_tp"] and "n/a (not a GPU)" in rows["4 lm_tp"]
     assert "2.63x" in rows["5 amp"]
+
+
+SESSION = REPO / "tools" / "gpu_session.sh"
+
+
+def session(*argv, timeout=120):
+    return subprocess.run([str(SESSION), *map(str, argv)], env={**os.environ, "PYTHON": sys.executable},
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def test_the_session_script_runs_the_tools_sections_in_its_order_each_call_under_the_devices_limit():
+    """tools/gpu_session.sh: the same sections as the tool, in its run order; the open issues' two (data, lm) fit
+    one call of the device tool (600 s, a minute left for the machine.txt and the process starts), the other four
+    another."""
+    text = SESSION.read_text()
+    order = re.search(r"^RUN_ORDER=\(([^)]*)\)", text, re.M)[1].split()
+    limits = {k: int(v) for k, v in re.findall(r"\[(\w+)\]=(\d+)", re.search(r"^declare -A LIMIT=\((.*)\)$", text,
+                                                                             re.M)[1])}
+    assert tuple(order) == gpu_bench.RUN_ORDER and set(limits) == set(gpu_bench.SECTIONS)
+    assert limits["data"] + limits["lm"] <= 540
+    assert sum(limit for section, limit in limits.items() if section not in ("data", "lm")) <= 540
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "usage: tools/gpu_session.sh bench OUT [SECTION...] | tools/gpu_session.sh tier OUT"),
+    (["bench", "OUT", "lm", "speed"], "no section 'speed'; name some of: throughput amp overhead lm compile data"),
+    (["tier", "OUT", "lm"], "tier takes no sections; usage: "),
+    (["bench_all", "OUT"], "no part 'bench_all'; usage: "),
+])
+def test_the_session_script_refuses_bad_usage_in_one_line(tmp_path, argv, message):
+    proc = session(*[tmp_path / "out" if word == "OUT" else word for word in argv])
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"gpu_session.sh: {message}") and not (tmp_path / "out").exists()
+
+
+def test_the_session_script_names_a_failed_section_and_goes_on(tmp_path):
+    """Without a GPU each section fails at once, with the tool's own line in its log; the script says which, exits 1,
+    and the machine's description is written first."""
+    proc = session("bench", tmp_path, "amp", "overhead")
+    assert proc.returncode == 1, proc.stderr
+    assert re.fullmatch(r"amp: exit 2 after \d+ s\noverhead: exit 2 after \d+ s\n", proc.stdout), proc.stdout
+    for section in ("amp", "overhead"):
+        log = (tmp_path / "bench" / f"{section}.log").read_text()
+        assert "gpu_bench: error: --device cuda: no CUDA GPU here" in log, log
+        assert not (tmp_path / "bench" / f"{section}.json").exists()
+    machine = (tmp_path / "machine.txt").read_text()
+    assert f"torch {importlib.metadata.version('torch')} torchvision {importlib.metadata.version('torchvision')}" in \
+        machine and "nvidia-smi: not found" in machine, machine
 
 
 def test_a_bad_flag_fails_in_one_line():
