@@ -36,7 +36,7 @@ case $part in
   tier) [[ $# -eq 0 ]] || { echo "gpu_session.sh: tier takes no sections; $usage" >&2; exit 2; } ;;
   *) echo "gpu_session.sh: no part '$part'; $usage" >&2; exit 2 ;;
 esac
-python=${PYTHON:-python}
+python=${PYTHON:-$(command -v python || command -v python3)}
 mkdir -p "$out" || exit 2
 {
   date -u +%FT%TZ
