@@ -12,6 +12,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,6 +183,11 @@ def test_the_data_section_runs_each_path_as_the_recipes_own_job(run):
         assert "compiled_graphs" not in eager
     assert d["ratio_compiled"] == max(d[f"{n}_decode_compiled"]["of_in_memory"] for n in ("cpu", "gpu"))
     assert f"Compiled: GPU decode {d['gpu_decode_compiled']['images_per_sec']:,.0f} img/s" in row
+    # Each job's figures also written as it ends, beside the JSON (a time limit on the section then keeps them).
+    partial = json.loads(Path(report["settings"]["out"] + ".data.partial").read_text())
+    jobs = [name + suffix for suffix in ("", "_compiled") for name in recipes]
+    assert list(partial) == ["config", "files", "compile_error", *jobs]
+    assert all(partial[job] == {k: v for k, v in d[job].items() if k != "of_in_memory"} for job in jobs), partial
 
 
 def test_the_table_has_each_sections_row(run):

@@ -748,7 +748,8 @@ def run_data(args, device, cache):
     benchmark and the workers' start), with the CPU cores the job kept busy (its processes' CPU seconds over its
     wall time). Goal: the best file path at least 0.95x in memory. Then each path again with the recipes' --compile
     (the model compiled in place before DDP, the data path unchanged): goal at least 0.90x the compiled in-memory job.
-    Without inductor's toolchain the compiled jobs are left out, and compile_error says why."""
+    Without inductor's toolchain the compiled jobs are left out, and compile_error says why. Each job's figures are
+    also written as it ends, to --out's name + '.data.partial' (a time limit that cuts the section short keeps them)."""
     import tempfile
 
     from tools.make_jpegs import make_set
@@ -794,6 +795,10 @@ def run_data(args, device, cache):
                          "amp": re.search(r"^amp: (\S+)", proc.stdout, re.M).group(1),
                          **{k: result[k] for k in ("train_loss", "val_acc1", "compiled_graphs", "eval_graphs",
                                                    "recompiles", "graph_breaks") if k in result}}
+            # The JSON is written when the section ends; a time limit that cuts it short keeps the jobs that ended
+            # here, beside it (not *.json: --render takes whole sections only).
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.with_name(args.out.name + ".data.partial").write_text(json.dumps(out, indent=1) + "\n")
     for suffix in ("", "_compiled") if not out["compile_error"] else ("",):
         memory = out[f"in_memory{suffix}"]["images_per_sec"]
         for name in ("cpu_decode", "gpu_decode"):

@@ -15,8 +15,9 @@
 # do not fit beside them; the first run's figures stand for them until a longer loan.
 #
 # Each part writes OUT/machine.txt (the date, the tree if it is a git checkout, nvidia-smi, the versions) first. A
-# section's JSON is written when it ends, so one that runs out of time leaves only its log, which says so. Back on a
-# machine with the project: python tools/gpu_bench.py --render OUT/bench --tree SHA --md bench/gpu.md
+# section's JSON is written when it ends, so one that runs out of time leaves its log, which says so (and data, each
+# job's figures as it ended: OUT/bench/data.json.data.partial). Back on a machine with the project:
+#   python tools/gpu_bench.py --render OUT/bench --tree SHA --md bench/gpu.md
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 
