@@ -19,11 +19,13 @@
 # job's figures as it ended: OUT/bench/data.json.data.partial). Back on a machine with the project:
 #   python tools/gpu_bench.py --render OUT/bench --tree SHA --md bench/gpu.md
 set -uo pipefail
+called_from=$PWD
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 
 usage="usage: tools/gpu_session.sh bench OUT [SECTION...] | tools/gpu_session.sh tier OUT"
 [[ $# -ge 2 ]] || { echo "gpu_session.sh: $usage" >&2; exit 2; }
 part=$1 out=$2
+[[ $out == /* ]] || out=$called_from/$out  # OUT as the caller named it, though this runs in the project's root
 shift 2
 # A section's limit, seconds, process start and CUDA's initialisation included: about 1.5x what it took on one H200
 # or, for the sections that grew since (lm's compiled steps, data's compiled jobs), is estimated to take. The
