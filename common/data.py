@@ -8,6 +8,7 @@ A file that fails to load during training raises SampleError naming the sample (
 import contextlib
 import fcntl
 import itertools
+import math
 import os
 import random
 import sys
@@ -105,13 +106,43 @@ class SyntheticImages(Dataset):
 MAX_DEFAULT_WORKERS = 16
 
 
+def sample_seed(seed, epoch, index):
+    """The seed of sample `index`'s random augmentation in `epoch` of a run seeded `seed`."""
+    return ((seed * 1_000_003 + epoch) * 10_000_019 + index) % 2**64
+
+
+def crop_box(height, width, scale, ratio, generator):
+    """torchvision's RandomResizedCrop.get_params for an image of height x width, drawing from `generator` instead
+    of torch's global one: the same draws in the same order, so the same (top, left, h, w) for a generator seeded
+    as the global one was. A thread may call it while another draws from the global generator."""
+    area, log_ratio = height * width, torch.log(torch.tensor(ratio))
+    for _ in range(10):
+        target_area = area * torch.empty(1).uniform_(scale[0], scale[1], generator=generator).item()
+        aspect_ratio = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1], generator=generator)).item()
+        w, h = int(round(math.sqrt(target_area * aspect_ratio))), int(round(math.sqrt(target_area / aspect_ratio)))
+        if 0 < w <= width and 0 < h <= height:
+            top = torch.randint(0, height - h + 1, size=(1,), generator=generator).item()
+            left = torch.randint(0, width - w + 1, size=(1,), generator=generator).item()
+            return top, left, h, w
+    in_ratio = width / height  # no box in 10 draws: the central crop, as torchvision falls back to
+    if in_ratio < min(ratio):
+        w, h = width, int(round(width / min(ratio)))
+    elif in_ratio > max(ratio):
+        w, h = int(round(height * max(ratio))), height
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
 class SeededSamples(Dataset):
     """Sample i of epoch e drawn with the random augmentation of seed (seed, e, i): the same wherever and whenever it
     is loaded, so a run resumed mid-epoch, its DataLoader workers started afresh, augments each remaining sample as
     the uninterrupted run did. (A worker's random stream otherwise depends on the samples it loaded before: the
     batches a resumed run skips.) torch's generator (torchvision's transforms), Python's `random` and NumPy's global
     one (other augmentation libraries) are seeded for the sample, then put back as they were: with --workers 0 the
-    loop draws from them too. set_epoch(e) before each epoch's iter(): workers that are not persistent copy it."""
+    loop draws from them too. set_epoch(e) before each epoch's iter(): workers that are not persistent copy it.
+    Not for a dataset loaded in a thread (DataLoaderX with --workers 0): the loop's draws would interleave with the
+    sample's; draw from a generator of the sample's own there (recipes/gpu_decode.py: sample_seed, crop_box)."""
 
     def __init__(self, dataset, seed):
         self.dataset, self.seed, self.epoch = dataset, seed, 0
@@ -123,7 +154,7 @@ class SeededSamples(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index):
-        seed = ((self.seed * 1_000_003 + self.epoch) * 10_000_019 + index) % 2**64
+        seed = sample_seed(self.seed, self.epoch, index)
         python_state, numpy_state = random.getstate(), np.random.get_state()
         try:
             with torch.random.fork_rng(devices=[]):

@@ -8,7 +8,8 @@ What it shows (the rest is recipes/torch_amp.py): the data path of write-up 001 
 and augments about 300 ImageNet JPEGs a second with PIL; one H200 trains resnet50 on over 6,000 a second. Here:
 - a DataLoader worker reads a file's bytes, reads its header for the size, and draws the sample's RandomResizedCrop
   box and flip: about 2,400 files a second a core here, where PIL's decode and augment does 320; the batch crosses
-  to the main process as the files' bytes (about 110 KB an ImageNet file, against 602 KB of float32 at 224 px);
+  to the main process as the files' bytes (about 110 KB an ImageNet file, against 147 KiB of uint8 pixels at 224 px
+  from torch_amp.py's workers, which decode);
 - the main process decodes the batch with torchvision.io.decode_jpeg on the GPU (nvjpeg; on a CPU the same call
   decodes with libjpeg-turbo), crops, resizes, flips and normalises each image there, in channels-last if asked;
 - all of it one batch ahead, on a side CUDA stream in DataLoaderX's thread, while the step runs on the default stream:
@@ -16,9 +17,11 @@ and augments about 300 ImageNet JPEGs a second with PIL; one H200 trains resnet5
   drained before each decode, since nvjpeg writes its output from a stream of its own (pytorch/vision PR #9606);
 - the files a decoder on the GPU cannot take (a PNG named .JPEG, a CMYK JPEG: ImageNet has them) are decoded by PIL
   in the worker, a JPEG only nvjpeg refuses by the CPU's decoder in the main process; a file nothing decodes (cut
-  short, broken inside) stops the run with one line naming it;
-- each sample's box and flip drawn from its own seed (seed, epoch, index) with torchvision's RandomResizedCrop, so a
-  run resumed mid-epoch (--save-every N: a checkpoint every N steps) trains as the uninterrupted run did.
+  short, no image data inside) stops the run with one line naming it; a JPEG whose data is damaged but decodes
+  trains, libjpeg's "Corrupt JPEG data" on stderr, as PIL's decode does in torch_amp.py;
+- each sample's box and flip drawn as torchvision's RandomResizedCrop draws them, from a generator of the sample's
+  own seeded (seed, epoch, index), so a run resumed mid-epoch (--save-every N: a checkpoint every N steps) trains on
+  what the uninterrupted run did (dropout's draws, from torch's generator, are new: RNG state in ddp_checkpoint.py).
 --dataset synthetic encodes its images as JPEGs in the worker, as if read from files. --compile (torch_amp.py's): the
 step compiled, so that the data path is measured against the fastest step. Measured: docs/data.md.
 
@@ -40,7 +43,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torchvision.transforms as T
 import torchvision.transforms.v2.functional as TF
 from PIL import Image
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -55,11 +57,12 @@ from common.checkpoint import find_resume, load_same_flags, load_weights, save_a
 from common.data import (
     NameFailingSamples,
     SampleError,
-    SeededSamples,
     SkipFirst,
     add_data_flags,
     build_datasets,
+    crop_box,
     device_normalize,
+    sample_seed,
 )
 from common.loader import DataLoaderX
 from common.models import build_model, recomputed_batchnorm
@@ -123,17 +126,21 @@ class EncodedImages(Dataset):  # New: what a DataLoader worker does: read, look 
     main process decodes them (decode_batch). A file the GPU's decoder cannot take (not a JPEG, a CMYK JPEG) is
     decoded here by PIL instead, and crosses as pixels (3 x H x W uint8); so is one that does not end in JPEG's end
     marker (bytes after it: PIL decodes it; cut short: PIL's error names it).
-    Train: torchvision's RandomResizedCrop box, then a flip, drawn from torch's generator (SeededSamples seeds it per
-    sample). Val: Resize(size * 8 / 7) and CenterCrop(size) as one box. source: an ImageFolder (its .samples: the
-    files) or a dataset of image tensors (--dataset synthetic), encoded here as JPEGs."""
+    Train: torchvision's RandomResizedCrop box, then a flip, drawn from a generator seeded (seed, epoch, index): not
+    torch's global one, which the step draws from (dropout) while DataLoaderX's thread loads with --workers 0.
+    Val: Resize(size * 8 / 7) and CenterCrop(size) as one box. source: an ImageFolder (its .samples: the files) or a
+    dataset of image tensors (--dataset synthetic), encoded here as JPEGs. set_epoch(e) before each epoch's iter()."""
 
-    def __init__(self, source, size, train, flip):
-        self.source, self.size, self.train, self.flip = source, size, train, flip
+    def __init__(self, source, size, train, flip, seed=0):
+        self.source, self.size, self.train, self.flip, self.seed, self.epoch = source, size, train, flip, seed, 0
         self.samples = getattr(source, "samples", None)  # (path, class) per index: NameFailingSamples names the file
         self.scale = (0.08, 1.0) if size >= 64 else (0.35, 1.0)  # at 32 px an 8% crop is a few pixels
 
     def __len__(self):
         return len(self.source)
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
 
     def __getitem__(self, index):
         if self.samples is not None:
@@ -147,9 +154,10 @@ class EncodedImages(Dataset):  # New: what a DataLoader worker does: read, look 
             data = encoded.getvalue()
         image = Image.open(io.BytesIO(data))  # reads the header: format, mode and size, no pixels yet
         width, height = image.size
-        if self.train:
-            top, left, h, w = T.RandomResizedCrop.get_params(image, self.scale, (3 / 4, 4 / 3))
-            flip = self.flip and bool(torch.rand(1) < 0.5)  # after the box, as RandomHorizontalFlip draws
+        if self.train:  # the sample's own generator: a run resumed mid-epoch crops it as the uninterrupted run did
+            generator = torch.Generator().manual_seed(sample_seed(self.seed, self.epoch, index))
+            top, left, h, w = crop_box(height, width, self.scale, (3 / 4, 4 / 3), generator)  # RandomResizedCrop's
+            flip = self.flip and bool(torch.rand(1, generator=generator) < 0.5)  # then RandomHorizontalFlip's draw
         else:  # Resize(short) to rh x rw, then CenterCrop(size): that box in the file's pixels
             short = self.size * 8 // 7
             rh, rw = (short, int(short * width / height)) if height <= width else (int(short * height / width), short)
@@ -269,8 +277,8 @@ def main():
     # index): a run resumed mid-epoch augments the rest as the uninterrupted run did. A file PIL cannot read stops the
     # run with one line naming it (NameFailingSamples).
     train_source, val_source = (getattr(d, "dataset", d) for d in (train_files, val_files))  # ImageFolder, or images
-    train_set = SeededSamples(NameFailingSamples(EncodedImages(train_source, args.image_size, True, not args.no_flip),
-                                                 "train"), args.seed)
+    train_images = EncodedImages(train_source, args.image_size, True, not args.no_flip, args.seed)
+    train_set = NameFailingSamples(train_images, "train")
     val_set = NameFailingSamples(EncodedImages(val_source, args.image_size, False, False), "val")
     # Same seed on every rank: each process sees a different shard of one shared permutation.
     # New: SkipFirst, a run resumed mid-epoch leaves out what the ranks trained on before the save.
@@ -332,6 +340,7 @@ def main():
         start_epoch, step = ckpt["epoch"], ckpt["step"]
         in_epoch_at_start, sums = step - start_epoch * steps_per_epoch, ckpt["sums"]  # New
         scheduler = warmup_cosine(optimizer, args.epochs, steps_per_epoch, args.warmup_epochs, step)  # New: step
+        torch.manual_seed(args.seed + rank + 10_000 * step)  # New: no RNG state saved: not the draws before (dropout)
         print0(f"resumed: {resume} epoch={start_epoch} step={step} scaler={scaler.state_dict()}")
     print0(f"amp: {amp_name} autocast={amp_dtype != torch.float32} grad_scaler={scaler.is_enabled()}"
            + (f" ({harness.cpu_amp_default(why=True)})" if args.amp_dtype is None and device.type == "cpu" else ""))
@@ -351,7 +360,7 @@ def main():
     harness.check_epochs_left(resume, start_epoch, args.epochs)
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # without it every epoch replays the same order
-        train_set.set_epoch(epoch)  # New: the epoch in each sample's augmentation seed
+        train_images.set_epoch(epoch)  # New: the epoch in each sample's augmentation seed
         model.train()
         loss_meter, acc_meter = AverageMeter(), AverageMeter()
         in_epoch = 0  # New: steps of this epoch done

@@ -9,12 +9,14 @@ one-process loop (tests/reference.py) fed the same samples one at a time through
   the files the GPU's decoder cannot take (CMYK, PNG) crossed as pixels (tests/instrument's LOG_SAMPLES_DIR: the
   sample ids each rank's loader took, in its own process);
 - a run stopped mid-epoch and resumed (--save-every) ends with the uninterrupted run's weights;
-- the box and flip are torchvision's RandomResizedCrop and RandomHorizontalFlip drawn from each sample's seed;
+- the box and flip are torchvision's RandomResizedCrop and RandomHorizontalFlip drawn from each sample's seed, by a
+  generator of the sample's own: a sample loaded in a thread while the step draws from torch's (dropout) is the same;
 - a file that nothing decodes stops the run with one line naming it, from a worker or from the main process.
 """
 
 import collections
 import re
+import threading
 import time
 
 import pytest
@@ -29,6 +31,8 @@ from conftest import (
     launch,
     load_recipe,
     result_of,
+    rng_env,
+    rng_streams,
     samples_seen,
 )
 from jobs import error_lines
@@ -36,7 +40,7 @@ from PIL import Image
 from reference import Autocast, Plain, evaluate, train
 from test_conformance import read_curves
 
-from common.data import IMAGENET_MEAN, IMAGENET_STD, NameFailingSamples, SampleError, SeededSamples, build_datasets
+from common.data import IMAGENET_MEAN, IMAGENET_STD, NameFailingSamples, SampleError, build_datasets
 from common.models import build_model
 from tools.make_jpegs import make_set
 
@@ -83,12 +87,12 @@ class OneAtATime(torch.utils.data.Dataset):
     def __init__(self, root, train):
         self.recipe = load_recipe("gpu_decode")
         files = sources(root)[0 if train else 1]
-        self.items = NameFailingSamples(self.recipe.EncodedImages(files, SIZE, train, train), "train")
-        self.items = SeededSamples(self.items, 0) if train else self.items
+        self.images = self.recipe.EncodedImages(files, SIZE, train, train, seed=0)
+        self.items = NameFailingSamples(self.images, "train")
         self.files = files
 
     def set_epoch(self, epoch):
-        self.items.set_epoch(epoch)
+        self.images.set_epoch(epoch)
 
     def __len__(self):
         return len(self.items)
@@ -169,10 +173,15 @@ def test_ddp_reduces_once_a_step_and_evaluation_goes_around_the_wrapper(run):
 def test_a_run_resumed_mid_epoch_ends_with_the_uninterrupted_runs_weights(run, photos, tmp_path):
     args = ["recipes/gpu_decode.py", "cpu:2", *FLAGS, *MODES["cpu:2"], "--data-root", photos, "--batch-size", BATCH,
             "--out-dir", tmp_path]
-    first = launch(*args, "--max-steps", 10)  # 8 steps an epoch: saved at steps 3 and 9, stopped at 10
-    assert "saved: checkpoint.pt at step 9 (1 of epoch 2)" in first.stdout, first.stdout
-    resumed = launch(*args, "--resume", "auto")
+    first = launch(*args, "--max-steps", 10, env=rng_env(tmp_path / "rng_first"))  # 8 steps an epoch: saved at
+    assert "saved: checkpoint.pt at step 9 (1 of epoch 2)" in first.stdout, first.stdout  # steps 3 and 9, stopped at 10
+    resumed = launch(*args, "--resume", "auto", env=rng_env(tmp_path / "rng_resumed"))
     assert result_of(resumed)["steps"] == 16 and "resumed: " in resumed.stdout
+    # No rank's torch generator (dropout's, the workers' seeds) starts an epoch where one started before the stop:
+    # the resume reseeds by its step (seed + rank again would replay epoch 0's stream).
+    before, after = rng_streams(tmp_path / "rng_first"), rng_streams(tmp_path / "rng_resumed")
+    assert sorted(before) == [(2, r, e) for r in (0, 1) for e in (0, 1)] and sorted(after) == [(2, 0, 1), (2, 1, 1)]
+    assert not set().union(*before.values()) & set().union(*after.values()), (before, after)
     straight, pieced = (torch.load(f / "model.pt", weights_only=True) for f in (run["out"], tmp_path))
     assert max((straight[k].float() - pieced[k].float()).abs().max().item() for k in straight) == 0
     # The epoch's line too: its loss sums went into the checkpoint and on after the resume.
@@ -185,7 +194,7 @@ def test_the_box_and_flip_are_torchvisions_drawn_from_each_samples_seed(photos):
     # generator seeded as SeededSamples seeds it: the same box and flip, pixels within a rounding.
     recipe = load_recipe("gpu_decode")
     files = sources(photos)[0]
-    items = SeededSamples(recipe.EncodedImages(files, 64, True, True), seed=0)
+    items = recipe.EncodedImages(files, 64, True, True, seed=0)
     standard = T.Compose([T.RandomResizedCrop(64, scale=(0.08, 1.0)), T.RandomHorizontalFlip()])
     flips = []
     for epoch, index in [(0, 0), (0, 5), (1, 5), (3, 17), (0, 40), (2, 77)]:
@@ -201,6 +210,44 @@ def test_the_box_and_flip_are_torchvisions_drawn_from_each_samples_seed(photos):
     assert len(set(flips)) == 2  # both ways among these
     again = items[77]  # the same (epoch, index) draws the same again
     assert torch.equal(again[1], items[77][1])
+
+
+def test_a_sample_loaded_in_a_thread_while_the_step_draws_is_augmented_the_same(photos):
+    # With --workers 0 DataLoaderX's thread loads the samples while the step runs, and dropout draws from torch's
+    # generator. Here the sample's source blocks mid-load while this thread draws: the sample's box and flip, and the
+    # draws, must be what each gets alone (a sample seeded through torch's generator would hand its seed to the
+    # draws, and draw its box from where they left it).
+    recipe, files = load_recipe("gpu_decode"), sources(photos)[0]
+
+    class Paused(torch.utils.data.Dataset):  # the files' images, the one asked for handed over when the test says
+        def __init__(self):
+            self.loading, self.go = threading.Event(), threading.Event()
+
+        def __len__(self):
+            return len(files)
+
+        def __getitem__(self, index):
+            self.loading.set()
+            assert self.go.wait(30)
+            return T.functional.to_tensor(Image.open(files.samples[index][0]).convert("RGB")) - 0.5, 0
+
+    alone = recipe.EncodedImages(Paused(), SIZE, True, True, seed=5)
+    alone.source.go.set()
+    box = [alone[i][1:3] for i in range(8)]
+    stream = torch.Generator().manual_seed(1)
+    draws, going_on = torch.rand(64, generator=stream), torch.rand(4, generator=stream)
+    for i in range(8):
+        paused, got = recipe.EncodedImages(Paused(), SIZE, True, True, seed=5), []
+        loader = threading.Thread(target=lambda: got.append(paused[i]))  # noqa: B023 (joined in this iteration)
+        loader.start()
+        assert paused.source.loading.wait(30)
+        torch.manual_seed(1)
+        mine = torch.rand(64)
+        paused.source.go.set()
+        loader.join()
+        assert torch.equal(mine, draws), i
+        assert torch.equal(got[0][1], box[i][0]) and got[0][2] == box[i][1], i
+        assert torch.equal(torch.rand(4), going_on), i  # and the step's stream goes on from where it was
 
 
 def test_validation_is_resize_and_center_crop_as_one_resize(tmp_path):

@@ -69,8 +69,10 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # 280 with its decode_batch normalising by device_normalize too.
     # 286: --compile (issue 65), the docstrings and torch_amp's 2 `# New` tags; 283 without its own --save-every 0 check
     # (harness.check_flags said it first: the recipe's two lines never ran). 295 with a JPEG only nvjpeg refuses decoded
-    # on the CPU in the main process, each file of a failed batch alone (a traceback naming no file before).
-    ("torch_amp", "gpu_decode", 295),
+    # on the CPU in the main process, each file of a failed batch alone (a traceback naming no file before). 304 with
+    # each sample's box and flip drawn from a generator of its own (crop_box: with --workers 0 the step's dropout drew
+    # from the seeded global one in DataLoaderX's thread) and a resume's reseed by its step (dropout's draws anew).
+    ("torch_amp", "gpu_decode", 304),
     # mx_face_prefetch: 150, then 160 with issue 65's device_normalize in the flagship (its RecordIO transforms kept
     # insightface's ToTensor and Normalize(0.5, 0.5) in the workers), 153 since they hand over uint8 as well.
     ("ddp_torchrun", "apex_amp", 259), ("ddp_torchrun", "mx_face_prefetch", 153),

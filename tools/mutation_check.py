@@ -252,6 +252,12 @@ EDITS = [
     Edit("gpu_decode_pixels", "same numbers, the workers decode every file and hand over pixels: the GPU's work done "
          "by the CPU", 'if image.format == "JPEG" and image.mode in ("RGB", "L") and data.endswith(b"\\xff\\xd9"):',
          "if False:"),
+    Edit("gpu_decode_global_generator", "each sample's box and flip drawn from torch's generator seeded for it: with "
+         "--workers 0 DataLoaderX's thread and the step's dropout draw from it at once",
+         "generator = torch.Generator().manual_seed(sample_seed(self.seed, self.epoch, index))",
+         "generator = torch.default_generator.manual_seed(sample_seed(self.seed, self.epoch, index))"),
+    Edit("gpu_decode_resume_reseed", "a resume reseeds with seed + rank: epoch 0's dropout draws again",
+         "torch.manual_seed(args.seed + rank + 10_000 * step)", "torch.manual_seed(args.seed + rank)"),
     # Issue 67: mixture of experts, expert parallelism (recipes/lm_moe.py).
     Edit("lm_moe_expert_grads_everywhere", "each expert's gradient all-reduced over every rank: other ranks' experts "
          "summed into it", "all_reduce_gradients(experts, dp_group, world_size)",
@@ -371,6 +377,8 @@ GUARDS = {
     "powersgd_mean_error": {ANY: ["tests/test_comm_hooks.py"]},
     # Issue 57: the measurements in the recipes' own processes (tests/instrument).
     "gpu_decode_pixels": {"gpu_decode": ["tests/test_gpu_decode.py", "-k", "handed"]},
+    "gpu_decode_global_generator": {"gpu_decode": ["tests/test_gpu_decode.py", "-k", "thread"]},
+    "gpu_decode_resume_reseed": {"gpu_decode": ["tests/test_gpu_decode.py", "-k", "resumed_mid_epoch"]},
     "eval_rank0_alone": {"gpu_decode": ["tests/test_gpu_decode.py", "-k", "handed"],
                          "ddp_uneven": ["tests/test_uneven.py", "-k", "equals_the_reference and cpu:2"],
                          ANY: lambda recipe: cases(recipe, "disjoint_share")},
