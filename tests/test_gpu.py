@@ -818,3 +818,30 @@ def test_gpu_decode_the_step_cannot_read_a_batch_before_its_decode_and_copy_end(
                          on_device=on_device)
     for images, _ in loader:
         assert (images.cpu() - expected).abs().mean().item() * 0.226 * 255 < 1.0
+
+
+def test_gpu_decode_drains_its_stream_before_nvjpeg_writes(tmp_path):
+    # pytorch/vision PR #9606: decode_jpeg allocates its outputs on the caller's stream, and nvjpeg writes them from a
+    # stream of its own. A block freed on the caller's stream goes back to the allocator at once (stream order), even
+    # with reads of it still queued there, so an output may take it and be written before those reads run.
+    # decode_batch drains its stream first. Here, on a side stream as DataLoaderX's: blocks the size of the decoded
+    # images, filled with 7, their sums queued behind ~0.5 s of GPU sleep, freed, then the batch decoded.
+    import collections
+
+    from PIL import Image
+
+    recipe, files, batch = gpu_decode_batch(tmp_path)
+    args = (224, torch.contiguous_format, collections.Counter(), "train", files)
+    expected, _ = recipe.decode_batch(batch, torch.device("cpu"), *args)
+    sizes = [3 * width * height for width, height in (Image.open(path).size for path, _ in files.samples)]
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        blocks = [torch.full((n,), 7, dtype=torch.uint8, device="cuda") for n in sizes]
+        torch.cuda._sleep(int(1e9))  # about half a second of one SM's clock
+        sums = [block.sum(dtype=torch.int64) for block in blocks]  # queued: they read after the sleep
+        del blocks  # free for the allocator on this stream now; the sums still to read them
+        images, _ = recipe.decode_batch(batch, torch.device("cuda"), *args)
+    torch.cuda.synchronize()
+    assert [s.item() for s in sums] == [7 * n for n in sizes]  # no decoded pixel landed in a block before its read
+    assert (images.cpu() - expected).abs().mean().item() * 0.226 * 255 < 1.0
