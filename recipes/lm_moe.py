@@ -331,10 +331,11 @@ def main():
     torch.manual_seed(args.seed)  # the same full model on every rank
     # YOUR MODEL goes here: an nn.Module from tokens (B, T) to logits (B, T, vocab). New: MoE MLPs, every expert.
     model = lm.Transformer(args.n_layer, args.n_head, args.d_model, args.block_size,
-                           mlp=lambda: MoE(args.d_model, args.experts, args.top_k, args.expert_width)).to(device)
+                           mlp=lambda: MoE(args.d_model, args.experts, args.top_k, args.expert_width))  # New: CPU
     model_bytes = harness.state_bytes(model)  # New: the whole model's, before the cut (model.pt's size)
     for block in model.blocks.values():  # New: this rank's share of each layer's experts; the rest freed
         block.mlp.keep_experts(ep_rank, args.ep, ep_group)
+    model.to(device)  # New: after the cut: no GPU ever holds every expert (the reason for EP: they would not fit one)
     if args.activation_checkpointing:  # before DDP: each block's forward runs again in backward, nothing kept inside
         for name, block in model.blocks.items():  # non-reentrant (checkpoint_wrapper's default): DDP-safe
             model.blocks[name] = checkpoint_wrapper(block)  # state_dict keys stay as without it
