@@ -104,21 +104,31 @@ def check_args(args, world_size):
         lm.check_model_flags(args.n_layer, args.n_head, args.d_model, args.seq_len, args.block_size)
     except ValueError as exc:
         harness.die(str(exc))
-    if args.experts < 1 or not 1 <= args.top_k <= args.experts:  # New
+    if args.experts < 1:  # New
+        harness.die(f"--experts {args.experts} must be >= 1: the MLPs that replace each block's one")
+    if not 1 <= args.top_k <= args.experts:  # New
         harness.die(f"--top-k {args.top_k} must be between 1 and --experts {args.experts}: each token goes to k "
                     "distinct experts")
     if args.expert_width is not None and args.expert_width < 1:  # New
         harness.die(f"--expert-width {args.expert_width} must be >= 1: each expert's hidden units")
     args.expert_width = args.expert_width or max(1, 4 * args.d_model // args.top_k)  # New
-    if args.ep is None:  # New: from --dp, else the most expert parallelism the experts and processes allow
-        args.ep = world_size // args.dp if args.dp else math.gcd(args.experts, world_size)
-    args.dp = world_size // max(args.ep, 1) if args.dp is None else args.dp  # New: --ep 0 is refused just below
-    if args.ep < 1 or args.ep * args.dp != world_size:  # New
-        harness.die(f"--dp {args.dp} x --ep {args.ep} must be the number of processes, {world_size}; leave --dp out "
-                    "(processes / --ep)")
-    if args.experts % args.ep:  # New: whole experts per rank
-        harness.die(f"--ep {args.ep} must divide --experts {args.experts}: each rank holds --experts / --ep whole "
-                    f"experts; try --ep {math.gcd(args.experts, world_size)}")
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]  # New: the --ep and --dp a job can take
+    for flag, value in (("ep", args.ep), ("dp", args.dp)):  # New: each one given, on its own
+        if value is not None and value not in divisors:
+            harness.die(f"--{flag} {value} must divide the number of processes, {world_size}: try "
+                        + " or ".join(", ".join(map(str, divisors)).rsplit(", ", 1)))
+    ep_given, dp_given = args.ep is not None, args.dp is not None  # New
+    if not ep_given:  # New: from --dp, else the most expert parallelism the experts and processes allow
+        args.ep = world_size // args.dp if dp_given else math.gcd(args.experts, world_size)
+    args.dp = args.dp if dp_given else world_size // args.ep  # New
+    if args.ep * args.dp != world_size:  # New: both given
+        harness.die(f"--dp {args.dp} x --ep {args.ep} is {args.dp * args.ep} processes, not {world_size}: give --ep "
+                    "alone (--dp is then processes / --ep)")
+    if args.experts % args.ep:  # New: whole experts per rank (the default --ep divides them)
+        ep = math.gcd(args.experts, world_size)  # divides both: a layout of whole experts
+        harness.die(f"--ep {args.ep}{'' if ep_given else ' (processes / --dp)'} must divide --experts {args.experts}: "
+                    f"each rank holds --experts / --ep whole experts; try {f'--dp {world_size // ep} ' * dp_given}"
+                    f"--ep {ep}")
 
 
 # ------------------------------------------------------------------------------------------ model

@@ -293,15 +293,28 @@ def test_under_bf16_autocast_the_rows_travel_in_bf16(runs):
 
 
 @pytest.mark.parametrize(("world", "flags", "line"), [
-    (2, ["--experts", 3, "--ep", 2], "--ep 2 must divide --experts 3"),
-    (4, ["--experts", 6, "--ep", 4], "--ep 4 must divide --experts 6"),
+    (2, ["--experts", 3, "--ep", 2], "--ep 2 must divide --experts 3: each rank holds --experts / --ep whole experts; "
+     "try --ep 1"),
+    (4, ["--experts", 6, "--ep", 4], "--ep 4 must divide --experts 6: each rank holds --experts / --ep whole experts; "
+     "try --ep 2"),
+    # --ep from --dp: the hint names a --dp that goes with its --ep (--dp 2 --ep 1 would be refused on 4)
+    (4, ["--dp", 2, "--experts", 3], "--ep 2 (processes / --dp) must divide --experts 3: each rank holds --experts / "
+     "--ep whole experts; try --dp 4 --ep 1"),
+    (4, ["--dp", 2, "--ep", 2, "--experts", 3], "--ep 2 must divide --experts 3: each rank holds --experts / --ep "
+     "whole experts; try --dp 4 --ep 1"),
     (1, ["--top-k", 9], "--top-k 9 must be between 1 and --experts 8"),
     (1, ["--top-k", 0], "--top-k 0 must be between 1 and --experts 8"),
-    (2, ["--ep", 0], "--dp 2 x --ep 0 must be the number of processes, 2"),  # not a division by zero
+    (1, ["--experts", 0], "--experts 0 must be >= 1"),  # not a complaint about --top-k
+    (2, ["--ep", 0], "--ep 0 must divide the number of processes, 2: try 1 or 2"),  # not a division by zero
+    # --dp left out: the --ep that does not divide the processes is named, not a --dp 1 (or 0) nobody gave
+    (4, ["--ep", 3], "--ep 3 must divide the number of processes, 4: try 1, 2 or 4"),
+    (2, ["--ep", 4], "--ep 4 must divide the number of processes, 2: try 1 or 2"),
     (1, ["--expert-width", 0], "--expert-width 0 must be >= 1"),  # not the default in its place
     (1, ["--expert-width", -3], "--expert-width -3 must be >= 1"),  # not a traceback from nn.Linear on every rank
-    (4, ["--dp", 3], "--dp 3 x --ep 1 must be the number of processes, 4"),
-    (4, ["--dp", 2, "--ep", 4], "--dp 2 x --ep 4 must be the number of processes, 4"),
+    (4, ["--dp", 3], "--dp 3 must divide the number of processes, 4: try 1, 2 or 4"),
+    (4, ["--dp", 0], "--dp 0 must divide the number of processes, 4: try 1, 2 or 4"),  # not taken as left out
+    (4, ["--dp", 2, "--ep", 4], "--dp 2 x --ep 4 is 8 processes, not 4: give --ep alone (--dp is then processes / "
+     "--ep)"),
     (1, ["--n-head", 3], "--n-head 3 must divide --d-model 128")])  # the family's model checks
 def test_bad_expert_flags_fail_with_one_line_before_training(world, flags, line, capsys, monkeypatch):
     check_args_refuses("lm_moe", flags, world, f"error: {line}", capsys, monkeypatch)

@@ -118,8 +118,10 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # left unnormalised and the rows sent in bf16 under autocast; 390 with model.pt gathered from rank 0's ep group
     # alone (every rank sent its whole state: world_size copies of the dense weights); 392 with --expert-width below 1
     # refused in one line (it was a traceback from nn.Linear, and 0 took the default); 393 with the model moved to the
-    # device after the cut (lm_ddp's `.to(device)` on the Transformer's line: no GPU holds every expert at start-up).
-    ("lm_ddp", "lm_moe", 393)])
+    # device after the cut (lm_ddp's `.to(device)` on the Transformer's line: no GPU holds every expert at start-up);
+    # 403 with --ep and --dp each checked alone (one that does not divide the processes named, not a --dp nobody
+    # gave), --experts below 1 refused on its own, and the hint's --ep given with the --dp that goes with it.
+    ("lm_ddp", "lm_moe", 403)])
 def test_diff_against_its_sibling_stays_small(base, recipe, max_changed):
     diff = subprocess.run(["diff", f"recipes/{base}.py", f"recipes/{recipe}.py"], cwd=REPO,
                           capture_output=True, text=True).stdout
@@ -132,8 +134,9 @@ def test_diff_against_its_sibling_stays_small(base, recipe, max_changed):
 # common/checkpoint.py's ShardFolders, common/lm.py's flags). Issue 66's --compile: 8-9 lines each (lm_ddp 260, lm_pp
 # 400 and lm_fsdp_tp 420 before it).
 @pytest.mark.parametrize(("recipe", "most"), [("lm_ddp", 270), ("lm_tp", 380), ("lm_pp", 410), ("lm_fsdp_tp", 430),
-                                             ("lm_moe", 482)])  # lm_moe 479 before its --expert-width check,
-# 481 before the model moved to the device after the cut, not before it.
+                                             ("lm_moe", 492)])  # lm_moe 479 before its --expert-width check,
+# 481 before the model moved to the device after the cut, not before it, 482 before its --ep and --dp checks said
+# which flag is wrong (10 lines).
 def test_the_language_models_stay_lean(recipe, most):
     assert len((REPO / "recipes" / f"{recipe}.py").read_text().splitlines()) <= most
 
