@@ -10,6 +10,8 @@ What each rank holds, computes and sends (docs/lm.md's table), measured inside t
 (tests/instrument/lm_claims.py: every collective with its group and bytes, each all-to-all's rows per destination,
 the router's choices recomputed from each MoE layer's input, each expert's forward):
 - the state bytes: the dense parameters whole and its E / ep experts (parameters, gradients, AdamW's two moments);
+  and every nn.Parameter alive in the process after its first step (the garbage collector's): those weights alone,
+  no other rank's expert kept alive beside the model;
 - the dispatch all-to-all sends each ep rank exactly the rows its router chose for that rank's experts, the combine
   brings them back, and what a rank receives is what the others' routers chose for its experts;
 - every rank takes its own slice of each step's batch (B / world), ep ranks too: data parallel over all ranks;
@@ -249,6 +251,9 @@ def test_each_rank_sends_what_its_router_chose_runs_its_own_experts_and_reduces_
             ran = [(r[4], r[3]) for r in records if r[0] == "expert"]
             a2a = [r for r in records if r[0] == "alltoall_base_" and r[1] != "step"]  # evaluation's: "step"
             assert len(chosen) == 2 and len(ran) == 2 * share, (k, rank, chosen, ran)  # 2 layers
+            if k == 0:  # the weights alive in the process: the dense ones and its experts, nothing freed kept alive
+                held = [r[3] for r in records if r[0] == "parameters"]
+                assert held == [4 * (dense + expert // ep)], (rank, held, 4 * (dense + expert // ep))
             # A layer: the counts' exchange, the dispatch and the combine forward; backward the two again, reversed.
             assert [(r[1], r[2]) for r in a2a] == [("forward", group)] * 6 + [("backward", group)] * 4, a2a
             for layer in range(2):

@@ -25,7 +25,10 @@ With COUNT_COMMS_DIR set, each rank records every collective and point-to-point 
   Operations of other threads (DCP's async save) are not seen. Host reads of a tensor's value (.item(), bool(),
   float(): aten._local_scalar_dense, where a CPU waits for its GPU) outside optimizer.step() go into the same lists
   as ["item", phase, [], bytes, "file:function"], the caller the innermost frame outside torch ("common/harness.py:
-  all_reduce_max": the stop vote's ballot, a CPU tensor).
+  all_reduce_max": the stop vote's ballot, a CPU tensor). lm_moe.py's runs add, per MoE layer's training forward, a
+  "route" record and an "expert" record per expert it runs (_route), and at the end of the first step ["parameters",
+  "step", [], bytes]: every nn.Parameter alive in the process (the garbage collector's, each once), held by the
+  model or by anything else.
 With COUNT_SAVED_DIR set, each rank records, per backward (torch.autograd.backward: a tensor's .backward(), a
   pipeline stage's backward of a microbatch; none inside another backward), {"saved": bytes, "saved_in_blocks":
   bytes, "grads": bytes}, and rewrites COUNT_SAVED_DIR/rank<R>.json at each step: {"steps": [[one per backward] per
@@ -96,6 +99,8 @@ def _write(folder, record):
 def _step_ends(*args):
     _STATE["step"] += 1
     _STATE["in_optimizer"] = False
+    if _COMMS_DIR and _EXPERTS and _STATE["step"] == 1:  # lm_moe.py: what its first step ended holding
+        _STATE["comms"][-1].append(["parameters", "step", [], _parameter_bytes()])
     if _BLOCKS_DIR:
         _STATE["blocks"].append({"forward": 0, "recomputed": 0})
         _write(_BLOCKS_DIR, {"steps": _STATE["blocks"][:-1]})
@@ -107,6 +112,17 @@ def _step_ends(*args):
         _STATE["saved"].append([])
         os.makedirs(_SAVED_DIR, exist_ok=True)
         _write(_SAVED_DIR, {"steps": _STATE["saved"][:-1]})
+
+
+def _parameter_bytes():
+    """The bytes of every nn.Parameter alive in this process, found by the garbage collector after a collection (each
+    object once): the weights it holds, whether the model still reaches them or something else keeps them alive."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    return sum(o.numel() * o.element_size() for o in gc.get_objects() if type(o) is torch.nn.Parameter)
 
 
 def _within_forward(call):
