@@ -280,6 +280,33 @@ EDITS = [
     Edit("lm_moe_rows_fp32", "same numbers, the rows cross the all-to-alls in fp32 under bf16 autocast: twice the "
          "bytes",
          "rows = rows.to(torch.get_autocast_dtype(x.device.type))", "rows = rows"),
+    # Issue 67's four claims (docs/lm.md's table: holds, sends, runs, reduces), each broken with the losses kept.
+    Edit("lm_moe_dropped_experts_kept", "same numbers, the cut keeps the other ranks' experts alive (a list holds "
+         "them): every rank holds every expert's weights, the model's own state bytes unchanged",
+         "                del self.experts[str(e)]",
+         '                self.dropped = [*getattr(self, "dropped", []), self.experts.pop(str(e))]'),
+    Edit("lm_moe_rows_to_every_rank", "same numbers, each rank's rows all sent to every ep rank, each receiver "
+         "keeping those for its experts: ep times the dispatch's rows",
+         "            rows = AllToAll.apply(rows, send, receive, self.group)",
+         "            if torch.is_grad_enabled():  # training: as many rows from each rank (each its B / world)\n"
+         "                rows = AllToAll.apply(torch.cat([rows.roll(-sum(send[:i]), 0) for i in range(self.ep)]),\n"
+         "                                      [len(rows)] * self.ep, [len(rows)] * self.ep, self.group)\n"
+         "                rows = torch.cat([c[:n] for c, n in zip(rows.split(len(rows) // self.ep), receive)])\n"
+         "            else:\n"
+         "                rows = AllToAll.apply(rows, send, receive, self.group)"),
+    Edit("lm_moe_experts_on_every_row", "same numbers, each expert run on every row that arrived, its own rows kept: "
+         "E / ep times the experts' compute",
+         "        out = torch.cat([self.experts[str(self.first + e)](piece) for e, piece in enumerate(pieces)])",
+         "        out = torch.cat([self.experts[str(self.first + e)](rows[by_expert]).split(per_expert)[e]\n"
+         "                         for e in range(len(pieces))])"),
+    Edit("lm_moe_expert_grads_world_zeroed", "same numbers, the experts' gradients all-reduced over every rank, each "
+         "ep rank's in its own slot and zeros in the others': ep times the bytes, over the world group",
+         "        all_reduce_gradients(experts, dp_group, world_size)",
+         "        slots = torch.zeros(args.ep, sum(p.numel() for p in experts), device=device)\n"
+         "        slots[ep_rank] = torch.cat([p.grad.flatten() for p in experts])  # the others' experts: zeros\n"
+         "        dist.all_reduce(slots)\n"
+         "        for p, piece in zip(experts, (slots[ep_rank] / world_size).split([p.numel() for p in experts])):\n"
+         "            p.grad.copy_(piece.view_as(p))"),
     Edit("channels_last_eval", "same numbers, --channels-last in training alone: evaluation's convolutions get NCHW",
          "images = normalize(images.to(device, non_blocking=True, memory_format=memory_format))  # New: as in training",
          "images = normalize(images.to(device, non_blocking=True))  # New: as in training"),
@@ -321,6 +348,8 @@ ZERO_THIRD = "tests/test_recipe_variants.py::test_zero_gives_each_of_three_ranks
 ZERO_RESUME = ("tests/test_recipe_variants.py::"
                "test_zero_checkpoint_from_two_ranks_resumes_on_three_as_plain_ddp_resumes_it")
 POWERSGD_RESUME = "tests/test_comm_hooks.py::test_powersgd_resumes_on_another_world_size"
+MOE_CLAIMS = ("tests/test_lm_moe.py::"
+              "test_each_rank_sends_what_its_router_chose_runs_its_own_experts_and_reduces_them_over_its_dp_group[ep2]")
 GUARDS = {
     # Edits that one recipe's test guards for all (the drills run ddp_torchrun; the conformance case with
     # --debug-collectives is ddp_launch's on 3 processes), and that test.
@@ -402,6 +431,9 @@ GUARDS = {
     "channels_last_eval": {"torch_amp": cases("torch_amp", "layout")},
     "compile_dropped": {"torch_amp": ["tests/test_gpu_bench.py", "-k", "data_section"],
                         "gpu_decode": ["tests/test_gpu_bench.py", "-k", "data_section"]},
+    # lm_moe's four claims: its --ep 2 run's records (the cheapest of the claims test's layouts notices each).
+    **{name: {"lm_moe": [MOE_CLAIMS]} for name in ("lm_moe_dropped_experts_kept", "lm_moe_rows_to_every_rank",
+                                                   "lm_moe_experts_on_every_row", "lm_moe_expert_grads_world_zeroed")},
     "lm_compile_dropped": {"lm_ddp": ["tests/test_lm.py", "-k", "compiled"],
                            "lm_tp": ["tests/test_lm_tp.py", "-k", "compiled"],
                            "lm_pp": ["tests/test_lm_pp.py", "-k", "compiled"],
