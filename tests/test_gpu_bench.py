@@ -23,7 +23,9 @@ from tools import gpu_bench
 
 STEPS, WARMUP = 3, 1
 TIMED = {"throughput": [()], "overhead": [("recipe",), ("bare",)], "compile": [("eager",), ("compiled",)],
-         "lm": [("lm_ddp",), ("lm_tp",), ("lm_ddp_compiled",), ("lm_tp_compiled",)], "amp": [("tf32",), ("bf16",)]}
+         "lm": [("lm_ddp",), ("lm_tp",), ("lm_ddp_compiled",), ("lm_tp_compiled",), ("lm_fsdp_tp",),
+                ("lm_fsdp_tp_compiled",)], "amp": [("tf32",), ("bf16",)]}
+LM_ROWS = [key[0] for key in TIMED["lm"]]
 
 
 def gpu_bench_cli(*args, timeout=480, cwd=REPO):
@@ -81,16 +83,21 @@ def test_the_json_has_its_keys(run):
     assert (s["compile"]["compiled"]["graphs"], s["compile"]["compiled"]["graph_breaks"]) == (1, 0), s["compile"]
     assert {"lm_ddp", "lm_tp", "references", "tp_over_ddp_step"} <= set(s["lm"])
     assert {"tf32", "bf16", "speedup"} <= set(s["amp"])
-    for name in ("lm_ddp", "lm_tp", "lm_ddp_compiled", "lm_tp_compiled"):
+    for name in LM_ROWS:
         assert {"tokens_per_sec", "mfu", "flops_per_token", "n_matmul_params", "achieved_tflops",
-                "first_step_s"} <= set(s["lm"][name])
-    # issue 66: the recipes' --compile (each block in place): graphs compiled, none broken; the ratios of the steps
-    for name in ("lm_ddp_compiled", "lm_tp_compiled"):
+                "first_step_s", "top_ops"} <= set(s["lm"][name]) and "error" not in s["lm"][name], s["lm"][name]
+    # issue 66: the recipes' --compile (each block in place; lm_fsdp_tp's before fully_shard): graphs compiled, none
+    # broken; the ratios of the steps
+    for name in ("lm_ddp_compiled", "lm_tp_compiled", "lm_fsdp_tp_compiled"):
         assert (s["lm"][name]["graphs"], s["lm"][name]["graph_breaks"]) == (1, 0), s["lm"][name]  # the blocks share it
     lm = s["lm"]
     assert lm["compile_error"] is None
     assert lm["tp_over_ddp_step_compiled"] == lm["lm_tp_compiled"]["median_ms"] / lm["lm_ddp_compiled"]["median_ms"]
     assert lm["compiled_speedup"] == lm["lm_ddp"]["median_ms"] / lm["lm_ddp_compiled"]["median_ms"]
+    # lm_fsdp_tp at one process (a 1 x 1 mesh: FSDP2 and the plan), its steps against lm_ddp's, eager and compiled
+    assert lm["fsdp_tp_over_ddp_step"] == lm["lm_fsdp_tp"]["median_ms"] / lm["lm_ddp"]["median_ms"]
+    assert lm["fsdp_tp_over_ddp_step_compiled"] == (lm["lm_fsdp_tp_compiled"]["median_ms"] /
+                                                    lm["lm_ddp_compiled"]["median_ms"])
     # AdamW's step alone, each implementation on plain and DTensor parameters; this torch (2.14) leaks no DTensorSpec
     o = lm["optimizer"]
     assert o["chosen"] == {"plain": {"fused": True}, "dtensor": {"fused": True}}
@@ -100,7 +107,7 @@ def test_the_json_has_its_keys(run):
         assert o[key]["dtensor_specs_left_per_step"] == 0, (key, o[key])
     # where a step's time goes, for a missed goal's cause: the profiled ops of each measurement
     for ops in (s["throughput"]["top_ops"], s["overhead"]["top_ops"]["recipe"], s["overhead"]["top_ops"]["bare"],
-                s["compile"]["compiled"]["top_ops"], s["lm"]["lm_ddp"]["top_ops"], s["lm"]["lm_tp"]["top_ops"]):
+                s["compile"]["compiled"]["top_ops"], *(s["lm"][name]["top_ops"] for name in LM_ROWS)):
         assert ops and {"op", "calls_per_step", "self_cpu_ms", "self_device_ms"} <= set(ops[0])
         assert [o["self_cpu_ms"] for o in ops] == sorted((o["self_cpu_ms"] for o in ops), reverse=True)
 
@@ -141,8 +148,14 @@ def test_each_median_is_of_the_requested_steps(run):
     assert amp["speedup"] == pytest.approx(amp[default]["images_per_sec"] / amp["tf32"]["images_per_sec"])
     assert amp["bf16_speedup"] == pytest.approx(amp["bf16"]["images_per_sec"] / amp["tf32"]["images_per_sec"])
     assert default == "bf16" or s["throughput"]["bf16"]["images_per_sec"] == amp["bf16"]["images_per_sec"]
-    lm = s["lm"]["lm_ddp"]
-    assert lm["mfu"] == pytest.approx(lm["tokens_per_sec"] * lm["flops_per_token"] / 1e12)  # --peak-tflops 1
+    for name in LM_ROWS:  # one model, one count of FLOPs; the MFU against --peak-tflops 1
+        lm = s["lm"][name]
+        assert (lm["n_matmul_params"], lm["flops_per_token"]) == (s["lm"]["lm_ddp"]["n_matmul_params"],
+                                                                 s["lm"]["lm_ddp"]["flops_per_token"]), name
+        assert lm["flops_per_token"] == gpu_bench.lm_flops_per_token(gpu_bench.parse_args(["--device", "cpu"]),
+                                                                     lm["n_matmul_params"])
+        assert lm["achieved_tflops"] == pytest.approx(lm["tokens_per_sec"] * lm["flops_per_token"] / 1e12), name
+        assert lm["mfu"] == pytest.approx(lm["tokens_per_sec"] * lm["flops_per_token"] / 1e12), name
 
 
 def test_the_data_section_runs_each_path_as_the_recipes_own_job(run):
@@ -202,7 +215,27 @@ def test_the_table_has_each_sections_row(run):
     assert "llm.c: up to ~60%" in rows["4 lm_ddp"] and "nanoGPT: not verified" in rows["4 lm_ddp"]
     assert "goal: compiled MFU >= 45%" in rows["4 lm_ddp"] and "compiled " in rows["4 lm_ddp"]
     assert "<= 1.6 eager, <= 1.1 compiled" in rows["4 lm_tp"] and "n/a (not a GPU)" in rows["4 lm_tp"]
+    lm = run[1]["sections"]["lm"]
+    cells = [c.strip() for c in rows["4 lm_fsdp_tp"].split("|")[1:-1]]
+    assert cells[2].startswith("lm_ddp's step, eager; compiled") and cells[4] == "reference only", cells
+    assert cells[3] == f"{lm['fsdp_tp_over_ddp_step']:.2f}x; {lm['fsdp_tp_over_ddp_step_compiled']:.2f}x", cells
+    assert cells[1].startswith(f"eager {lm['lm_fsdp_tp']['tokens_per_sec']:,.0f} tokens/s, MFU ") and (
+        f"; compiled {lm['lm_fsdp_tp_compiled']['tokens_per_sec']:,.0f} tokens/s" in cells[1]), cells
     assert "2.63x" in rows["5 amp"]
+
+
+def test_the_fsdp_tp_row_says_why_a_row_is_missing():
+    """A lm_fsdp_tp row that could not run at world size 1 holds its one-line error, which the table row shows; no
+    compiler: the eager figures alone, and why."""
+    eager = {"tokens_per_sec": 1234.4, "mfu": None}
+    lm = {"lm_fsdp_tp": eager, "lm_fsdp_tp_compiled": {"error": "RuntimeError: no 1 x 1 mesh"}, "compile_error": None,
+          "fsdp_tp_over_ddp_step": 1.234}
+    assert gpu_bench.fsdp_tp_row(lm) == ["4 lm_fsdp_tp", "eager 1,234 tokens/s, MFU - (no peak); compiled failed: "
+                                         "RuntimeError: no 1 x 1 mesh", gpu_bench.fsdp_tp_row(lm)[2], "1.23x",
+                                         "reference only"]
+    lm = {"lm_fsdp_tp": {"error": "ValueError: x"}, "compile_error": "no C compiler"}
+    assert gpu_bench.fsdp_tp_row(lm)[1:4:2] == ["eager failed: ValueError: x; compiled: not measured (no C compiler)",
+                                               "-"]
 
 
 SESSION = REPO / "tools" / "gpu_session.sh"

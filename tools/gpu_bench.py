@@ -92,7 +92,7 @@ from tools.recipes import load_recipe  # noqa: E402
 
 SECTIONS = ("throughput", "overhead", "compile", "lm", "amp", "data")  # the issues' order: the table's
 RUN_ORDER = ("throughput", "amp", "overhead", "lm", "compile", "data")  # the long compile, then the recipes' runs
-ROWS = ("throughput", "overhead", "compile", "lm_ddp", "lm_tp", "amp", "data")  # the table's rows, lm as two
+ROWS = ("throughput", "overhead", "compile", "lm_ddp", "lm_tp", "lm_fsdp_tp", "amp", "data")  # the table's; lm as 3
 
 # NVIDIA DeepLearningExamples, PyTorch/Classification/ConvNets/resnet50v1.5/README.md, "Training performance: NVIDIA
 # DGX A100 (8x A100 80GB)", 1 GPU, batch 256, pytorch-21.03 NGC container, DALI loader.
@@ -468,30 +468,43 @@ def lm_model(args, device):
     return Transformer(args.lm_layers, args.lm_heads, args.lm_d_model, args.lm_seq_len).to(device)
 
 
-def lm_step(args, device, tp, stop_group, compiled=False):
-    """recipes/lm_ddp.py's training step (tp=False: DDP at world 1) or recipes/lm_tp.py's (tp=True:
-    parallelize_module with its tp_plan on a mesh of 1, loss_parallel, grads_as_params, clipping under
-    implicit_replication), bf16 autocast: from `x, y = ...train_batch(...)` to the stop vote, on random bytes in
-    place of the corpus. compiled: the recipes' --compile, each block compiled in place (before the DDP wrap, after
-    the plan). Returns (step, the model's multiplying parameters N)."""
+def lm_step(args, device, recipe, stop_group, compiled=False):
+    """A language-model recipe's training step, bf16 autocast, from `x, y = ...train_batch(...)` to the stop vote, on
+    random bytes in place of the corpus. recipe: "lm_ddp" (DDP at world 1), "lm_tp" (parallelize_module with its
+    tp_plan on a mesh of 1, loss_parallel, grads_as_params, clipping under implicit_replication) or "lm_fsdp_tp" (its
+    tp_plan on the tp row of a 1 x 1 (dp x tp) mesh, then FSDP2's fully_shard on each block and the root across dp,
+    loss_parallel, its clip_grad_norm_across_meshes; one micro-batch, as its default --accum-steps 1). The weights
+    are lm_model's, built on the device (lm_fsdp_tp.py builds on meta and loads rank 0's: the same step after).
+    compiled: the recipes' --compile, each block compiled in place (before the DDP wrap; after the plan; before
+    fully_shard). Returns (step, the model's multiplying parameters N)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import implicit_replication
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
+    tp, fsdp = recipe in ("lm_tp", "lm_fsdp_tp"), recipe == "lm_fsdp_tp"
     model = lm_model(args, device)
     n_matmul = matmul_params(model)
-    if tp:
-        lm_tp = load_recipe("lm_tp")
+    module = load_recipe(recipe) if tp else None  # its own plan, grads_as_params, clip_grad_norm_across_meshes
+    if fsdp:
+        mesh = init_device_mesh(device.type, (1, 1), mesh_dim_names=("dp", "tp"))
+        model = parallelize_module(model, mesh["tp"], module.tp_plan(False), src_data_rank=0)
+    elif tp:
         mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("tp",))
-        model = parallelize_module(model, mesh, lm_tp.tp_plan(False), src_data_rank=0)
+        model = parallelize_module(model, mesh, module.tp_plan(False), src_data_rank=0)
     for block in model.blocks.values() if compiled else ():
         block.compile(dynamic=False)  # as the recipes' --compile
-    if not tp:
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks.values():
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    elif not tp:
         model = ddp(model, device)
     matrices = [p for n, p in model.named_parameters() if p.dim() >= 2 and "emb" not in n]
     others = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "emb" not in n)]
     optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1}, {"params": others, "weight_decay": 0.0}],
-                                  lr=3e-3, betas=(0.9, 0.95), **adamw_implementation(dtensor=tp))  # the recipes'')
+                                  lr=3e-3, betas=(0.9, 0.95), **adamw_implementation(dtensor=tp))  # the recipes'
     scheduler = warmup_cosine(optimizer, 1, 10_000, 0.05)
     # The recipes' own plumbing objects: the loss, the clock, the NaN watch, --profile (off); SIGUSR1's vote.
     meter = harness.StepMeter(model, device, False, "runs/gpu_bench", 0, forward=None if tp else model.module)
@@ -503,15 +516,25 @@ def lm_step(args, device, tp, stop_group, compiled=False):
     def step():
         x, y = (t.to(device, non_blocking=True)
                 for t in train_batch(train_text, steps[0], 0, args.lm_batch_size, args.lm_seq_len, 0, 1))
+        if fsdp:  # as lm_fsdp_tp.py: before the micro-batches; the last (here the only) one reduce-scatters
+            optimizer.zero_grad(set_to_none=True)
+            model.set_requires_gradient_sync(True)
         with torch.autocast(device.type, dtype=torch.bfloat16):
             logits = model(x)
-        if tp:
+        if fsdp:
+            with loss_parallel():
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                loss.backward()
+            loss = loss.detach().to_local()
+            module.clip_grad_norm_across_meshes(model, 1.0)
+            optimizer.step()
+        elif tp:
             optimizer.zero_grad(set_to_none=True)
             with loss_parallel():
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
                 loss.backward()
             loss = loss.to_local()
-            lm_tp.grads_as_params(model)
+            module.grads_as_params(model)
             with implicit_replication():
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
@@ -686,6 +709,10 @@ def lm_flops_per_token(args, n_matmul):
 
 
 def run_lm(args, device, cache, peak):
+    """lm_ddp's and lm_tp's steps (--tp 1), eager then compiled: issue 66's goals; AdamW's step alone on their
+    parameters; then lm_fsdp_tp's (--dp 1 --tp 1, FSDP2 and the plan on a 1 x 1 mesh) eager and compiled, no goal of
+    its own, each its step's ratio to lm_ddp's. A lm_fsdp_tp row that cannot run here holds its one-line error
+    instead, the others kept. Without inductor's toolchain the compiled rows are left out and compile_error says why."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -695,14 +722,12 @@ def run_lm(args, device, cache, peak):
            "references": LM_REFERENCES, "peak": peak}
     missing = missing_compiler(device)  # the compiled rows need inductor's toolchain; the eager ones do not
     out["compile_error"] = missing
-    for name, tp, compiled in (("lm_ddp", False, False), ("lm_tp", True, False), ("lm_ddp_compiled", False, True),
-                               ("lm_tp_compiled", True, True)):
-        if compiled and missing:
-            continue
+
+    def measure(recipe, compiled):
         free(device)
         torch._dynamo.reset()
         counters.clear()
-        step, n_matmul = lm_step(args, device, tp, stop_group, compiled)
+        step, n_matmul = lm_step(args, device, recipe, stop_group, compiled)
         first = first_step_s(step, device)  # compiled, it traces and compiles the blocks' forward and backward
         times = timed(step, args.warmup, args.steps, device)
         row = summary(times, args.warmup, args.lm_batch_size * args.lm_seq_len, "tokens")
@@ -715,13 +740,27 @@ def run_lm(args, device, cache, peak):
         row.update(n_matmul_params=n_matmul, flops_per_token=flops, peak_mem_mb=peak_mb(device),
                    achieved_tflops=row["tokens_per_sec"] * flops / 1e12,
                    mfu=row["tokens_per_sec"] * flops / (peak["tflops"] * 1e12) if peak["tflops"] else None)
-        out[name] = row
-        del step
+        return row
+
+    for recipe, compiled in (("lm_ddp", False), ("lm_tp", False), ("lm_ddp", True), ("lm_tp", True)):
+        if not (compiled and missing):
+            out[recipe + "_compiled" * compiled] = measure(recipe, compiled)
     out["tp_over_ddp_step"] = out["lm_tp"]["median_ms"] / out["lm_ddp"]["median_ms"]
-    out["optimizer"] = optimizer_steps(args, device)
     if not missing:
         out["tp_over_ddp_step_compiled"] = out["lm_tp_compiled"]["median_ms"] / out["lm_ddp_compiled"]["median_ms"]
         out["compiled_speedup"] = out["lm_ddp"]["median_ms"] / out["lm_ddp_compiled"]["median_ms"]
+    out["optimizer"] = optimizer_steps(args, device)
+    for compiled in (False, True) if not missing else (False,):  # last: no goal rides on them
+        name = "lm_fsdp_tp" + "_compiled" * compiled
+        try:
+            out[name] = measure("lm_fsdp_tp", compiled)
+        except Exception as exc:  # FSDP2 or the plan at world size 1 on this torch: the reason, in one line
+            message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            out[name] = {"error": f"{type(exc).__name__}: {message}"[:300]}
+            print(f"gpu_bench: lm {name} failed: {out[name]['error']}", file=sys.stderr, flush=True)
+            continue
+        ddp_ms = out["lm_ddp" + "_compiled" * compiled]["median_ms"]
+        out["fsdp_tp_over_ddp_step" + "_compiled" * compiled] = out[name]["median_ms"] / ddp_ms
     torch._dynamo.reset()
     return out
 
@@ -870,6 +909,28 @@ def anchor_applies(args, env):
     return True
 
 
+def fsdp_tp_row(lm):
+    """The table's lm_fsdp_tp row: its steps, eager and compiled, each against lm_ddp's; no goal (issue 66 sets
+    none), a row that could not run says why."""
+    def rate(name):
+        r = lm.get(name)
+        if r is None:
+            return None
+        if "error" in r:
+            return f"failed: {r['error']}"
+        mfu = f"MFU {100 * r['mfu']:.1f}%" if r["mfu"] is not None else "MFU - (no peak)"
+        compiled = (f", first step {r['first_step_s']:.1f} s, {r['graphs']} graph(s), {r['graph_breaks']} break(s)"
+                    if "graphs" in r else "")
+        return f"{r['tokens_per_sec']:,.0f} tokens/s, {mfu}{compiled}"
+
+    eager, compiled = rate("lm_fsdp_tp"), rate("lm_fsdp_tp_compiled")
+    measured = f"eager {eager}" + (f"; compiled {compiled}" if compiled else
+                                   f"; compiled: not measured ({lm.get('compile_error')})")
+    ratios = [f"{lm[key]:.2f}x" for key in ("fsdp_tp_over_ddp_step", "fsdp_tp_over_ddp_step_compiled") if key in lm]
+    return ["4 lm_fsdp_tp", measured, "lm_ddp's step, eager; compiled (--dp 1 --tp 1: FSDP2 and DTensor on one "
+            "GPU; no goal)", "; ".join(ratios) or "-", "reference only"]
+
+
 def table(report, args):
     """The Markdown table: one row per figure, the reference or goal beside it, met / missed."""
     s, env = report["sections"], report["environment"]
@@ -944,6 +1005,8 @@ def table(report, args):
                 rows.append(["4 lm_tp", measured, f"goal: lm_ddp's step x <= {GOALS['lm_tp_eager']} eager, <= "
                              f"{GOALS['lm_tp_compiled']} compiled", f"{eager:.2f}x; {comp:.2f}x",
                              ok[0] if ok[0] == ok[1] else f"eager {ok[0]}; compiled {ok[1]}"])
+        if "lm_fsdp_tp" in lm:  # the first GPU run's JSON has none
+            rows.append(fsdp_tp_row(lm))
     if "amp" in s:
         a = s["amp"]
         default = a.get("default", "bf16")  # the first run's JSONs measured bf16 alone
