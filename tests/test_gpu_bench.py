@@ -98,6 +98,9 @@ def test_the_json_has_its_keys(run):
     assert lm["fsdp_tp_over_ddp_step"] == lm["lm_fsdp_tp"]["median_ms"] / lm["lm_ddp"]["median_ms"]
     assert lm["fsdp_tp_over_ddp_step_compiled"] == (lm["lm_fsdp_tp_compiled"]["median_ms"] /
                                                     lm["lm_ddp_compiled"]["median_ms"])
+    # each row also written as it ended, beside the JSON (a time limit on the section then keeps them): the last, whole
+    partial = json.loads(Path(report["settings"]["out"] + ".lm.partial").read_text())
+    assert partial == {k: v for k, v in lm.items() if k != "section_s"}
     # AdamW's step alone, each implementation on plain and DTensor parameters; this torch (2.14) leaks no DTensorSpec
     o = lm["optimizer"]
     assert o["chosen"] == {"plain": {"fused": True}, "dtensor": {"fused": True}}

@@ -712,7 +712,9 @@ def run_lm(args, device, cache, peak):
     """lm_ddp's and lm_tp's steps (--tp 1), eager then compiled: issue 66's goals; AdamW's step alone on their
     parameters; then lm_fsdp_tp's (--dp 1 --tp 1, FSDP2 and the plan on a 1 x 1 mesh) eager and compiled, no goal of
     its own, each its step's ratio to lm_ddp's. A lm_fsdp_tp row that cannot run here holds its one-line error
-    instead, the others kept. Without inductor's toolchain the compiled rows are left out and compile_error says why."""
+    instead, the others kept. Without inductor's toolchain the compiled rows are left out and compile_error says why.
+    What is measured is also written after each row, to --out's name + '.lm.partial' (a time limit that cuts the
+    section short keeps the rows that ended, the goals' first)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -722,6 +724,10 @@ def run_lm(args, device, cache, peak):
            "references": LM_REFERENCES, "peak": peak}
     missing = missing_compiler(device)  # the compiled rows need inductor's toolchain; the eager ones do not
     out["compile_error"] = missing
+
+    def keep():  # not *.json: --render takes whole sections only
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_name(args.out.name + ".lm.partial").write_text(json.dumps(out, indent=1) + "\n")
 
     def measure(recipe, compiled):
         free(device)
@@ -745,11 +751,13 @@ def run_lm(args, device, cache, peak):
     for recipe, compiled in (("lm_ddp", False), ("lm_tp", False), ("lm_ddp", True), ("lm_tp", True)):
         if not (compiled and missing):
             out[recipe + "_compiled" * compiled] = measure(recipe, compiled)
+            keep()
     out["tp_over_ddp_step"] = out["lm_tp"]["median_ms"] / out["lm_ddp"]["median_ms"]
     if not missing:
         out["tp_over_ddp_step_compiled"] = out["lm_tp_compiled"]["median_ms"] / out["lm_ddp_compiled"]["median_ms"]
         out["compiled_speedup"] = out["lm_ddp"]["median_ms"] / out["lm_ddp_compiled"]["median_ms"]
     out["optimizer"] = optimizer_steps(args, device)
+    keep()
     for compiled in (False, True) if not missing else (False,):  # last: no goal rides on them
         name = "lm_fsdp_tp" + "_compiled" * compiled
         try:
@@ -758,9 +766,10 @@ def run_lm(args, device, cache, peak):
             message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             out[name] = {"error": f"{type(exc).__name__}: {message}"[:300]}
             print(f"gpu_bench: lm {name} failed: {out[name]['error']}", file=sys.stderr, flush=True)
-            continue
-        ddp_ms = out["lm_ddp" + "_compiled" * compiled]["median_ms"]
-        out["fsdp_tp_over_ddp_step" + "_compiled" * compiled] = out[name]["median_ms"] / ddp_ms
+        else:
+            ddp_ms = out["lm_ddp" + "_compiled" * compiled]["median_ms"]
+            out["fsdp_tp_over_ddp_step" + "_compiled" * compiled] = out[name]["median_ms"] / ddp_ms
+        keep()
     torch._dynamo.reset()
     return out
 
