@@ -25,11 +25,14 @@ so that the long compile comes late and the recipes' own jobs last):
                resnet50 with bf16 autocast and channels-last on both sides. Goal: 1.2x the eager images/s. The first
                step (trace and compile) is timed apart, with the graphs and graph breaks dynamo counted.
  4 lm_ddp,     lm_ddp.py's model and step at GPT-2 small's shape (12 layers, 12 heads, d_model 768, 1024 bytes a
-   lm_tp       sequence, its global batch of 32, bf16 autocast, AdamW, clipping, the stop vote), then lm_tp.py's
-               (parallelize_module with its plan on a mesh of 1: --tp 1, DTensor's dispatch cost). tokens/s and MFU:
-               model FLOPs per token 6N + 12 L d T (nanoGPT's estimate_mfu, PaLM's appendix B; N: the parameters
-               that multiply, every one but the two embedding tables) against the GPU's dense bf16 peak from its
-               datasheet (PEAKS; --peak-tflops for another GPU). Beside them what nanoGPT and llm.c publish.
+   lm_tp,      sequence, its global batch of 32, bf16 autocast, AdamW, clipping, the stop vote), then lm_tp.py's
+   lm_fsdp_tp  (parallelize_module with its plan on a mesh of 1: --tp 1, DTensor's dispatch cost), each eager and
+               with the recipes' --compile. tokens/s and MFU: model FLOPs per token 6N + 12 L d T (nanoGPT's
+               estimate_mfu, PaLM's appendix B; N: the parameters that multiply, every one but the two embedding
+               tables) against the GPU's dense bf16 peak from its datasheet (PEAKS; --peak-tflops for another GPU).
+               Beside them what nanoGPT and llm.c publish. Last, no goal riding on it, lm_fsdp_tp.py's step at
+               --dp 1 --tp 1 (its plan, then fully_shard on each block and the root, on a 1 x 1 mesh), eager and
+               compiled, against lm_ddp's.
  5 amp         the step of 1 in fp32 with TF32 on (torch_amp.py --amp-dtype tf32) against its default (fp16), bf16
                beside: DLE's A100 80GB table has 938 images/s TF32 against 2,470 mixed precision, 2.63x. (The first
                run measured bf16 alone: its BatchNorm takes torch's own kernels, fp16's cuDNN's: bench/gpu.md.)
