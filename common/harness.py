@@ -304,14 +304,17 @@ class CompileCounts:
     but for gather_fields; without --compile every method does nothing.
 
         compiled = harness.CompileCounts(args.compile, device)  after the compile call, before any step: the toolchain
-                                         (one line and exit 2 without it); the compile's clock starts
+                                         (one line and exit 2 without it); the compile's clock starts as the first
+                                         compile does (the first step's, or lm_ddp's resumed backward just before
+                                         it): setup and a checkpoint's load are not the compile's time
         compiled.step()                  after each step; after this run's first, which compiled the blocks, the
                                          'compile:' line, and with no graph at all one line and exit 2 (the module
                                          torch.compile(block) returns, dropped)
         compiled.gather_fields()         a COLLECTIVE (all-gather): every rank's compiled_graphs, eval_graphs (compiled
                                          with autograd off), recompiles (with it on, after the first step: a new shape
-                                         or a changed guard) and graph_breaks, each a list in rank order, for RESULT;
-                                         rank 0 prints the closing 'compile:' line ({} without --compile)
+                                         or a changed guard; 0 where no step ran) and graph_breaks, each a list in rank
+                                         order, for RESULT; rank 0 prints the closing 'compile:' line ({} without
+                                         --compile)
 
     Which graphs are evaluation's: dynamo's compile callbacks note autograd's mode as each compile starts."""
 
@@ -325,7 +328,7 @@ class CompileCounts:
 
             callback_handler.register_start_callback(self._compile_starts)
             callback_handler.register_end_callback(self._compile_ends)
-        self.started = time.perf_counter()
+        self.started = None  # the first compile's start: the clock
 
     @staticmethod
     def graphs_and_breaks():
@@ -336,6 +339,8 @@ class CompileCounts:
             reason.splitlines()[0] for reason, count in counters["graph_break"].items() for _ in range(count))
 
     def _compile_starts(self, args):
+        if self.started is None:
+            self.started = time.perf_counter()
         self._starting = (torch.is_grad_enabled(), self.graphs_and_breaks()[0])
 
     def _compile_ends(self, args):
@@ -356,8 +361,9 @@ class CompileCounts:
         if not self.enabled:
             return {}
         breaks = self.graphs_and_breaks()[1]
-        mine = [sum(self.graphs.values()), self.graphs[False], self.graphs[True] - (self.first or 0),
-                sum(breaks.values())]
+        # With no step run (a resume at --steps), a training graph is no recompile: lm_ddp's backward before the loop.
+        recompiles = 0 if self.first is None else self.graphs[True] - self.first
+        mine = [sum(self.graphs.values()), self.graphs[False], recompiles, sum(breaks.values())]
         fields = {key: [int(rank[i]) for rank in gather_values(mine, self.device)] for i, key in enumerate(self.KEYS)}
         said = {key: str(v[0]) if len(set(v)) == 1 else f"{min(v)}-{max(v)}" for key, v in fields.items()}
         why = "; ".join(f"{count} x {reason}" for reason, count in breaks.items())
