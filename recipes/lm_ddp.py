@@ -167,6 +167,7 @@ def main():
                                    **lm.adamw_implementation(dtensor=False))  # fused, or foreach where it leaks
     start_step = 0
     latest = os.path.join(args.out_dir, "latest.pt")
+    amp = args.amp_dtype == "bf16"
     resume = find_resume(args.resume, latest) if args.resume else None
     if resume:  # every rank loads the same file: no broadcast needed
         flags = {k: getattr(args, k) for k in lm.SAME_ON_RESUME}
@@ -178,13 +179,14 @@ def main():
         # DDP lays its gradient buckets out again after its first backward, in the order the gradients came, and on
         # 3+ ranks where an element sits in a bucket changes how the all-reduce rounds its sum. One backward now (no
         # step) gives the resumed run the layout the uninterrupted one trained with: its weights stay bitwise the same.
-        model(torch.zeros(batch_per_process, args.seq_len, dtype=torch.long, device=device)).sum().backward()  # order
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):  # the step's (--compile: its graph)
+            logits = model(torch.zeros(batch_per_process, args.seq_len, dtype=torch.long, device=device))
+        logits.float().sum().backward()  # the bucket order
         optimizer.zero_grad(set_to_none=True)
     # The rate per step: warm-up, then cosine over --steps; a resumed run takes up the schedule where it stopped.
     scheduler = warmup_cosine(optimizer, 1, args.steps, args.warmup_steps / args.steps, start_step=start_step)
     harness.broadcast_out_dir_check(args.out_dir, is_main, {"model.pt": harness.state_bytes(model.module),
                                                             "latest.pt": 3 * harness.state_bytes(model.module)})
-    amp = args.amp_dtype == "bf16"
     # ----------------------------------------------------------------------------------- train
     last = min(args.steps, start_step + (args.max_steps or args.steps))  # --max-steps: this run's
     # The loss, the clock (tokens/s, own_ms: each rank's own work), the NaN watch, --profile; the clock starts.

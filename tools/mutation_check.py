@@ -165,8 +165,7 @@ EDITS = [
          "model(torch.zeros(1, 3, args.image_size, args.image_size, device=device)).sum().backward()",
          "pass"),
     Edit("lm_resume_bucket_layout", "no backward before a resumed DDP run's first step: other buckets, other roundings",
-         "model(torch.zeros(1, args.seq_len, dtype=torch.long, device=device)).sum().backward()",
-         "pass"),
+         "logits.float().sum().backward()  # the bucket order", "pass"),
     Edit("seeded_samples", "augmentation from the workers' streams: a run resumed mid-epoch crops other samples' way",
          "                torch.default_generator.manual_seed(seed)  # the CPU's alone (torch.manual_seed seeds the "
          "GPUs' too)\n", "",
