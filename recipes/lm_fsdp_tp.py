@@ -203,6 +203,8 @@ def load_shards(model, optimizer, path, saves):
     except dcp.CheckpointException as exc:  # a BaseException: `except Exception` would let it through
         raise saves.load_failure(exc, path) from exc
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    for group in optimizer.param_groups:  # this torch's implementation (lm.adamw_implementation), not the saver's
+        group.update(fused=optimizer.defaults["fused"], foreach=optimizer.defaults["foreach"])
 
 
 # ------------------------------------------------------------------------------------------- eval

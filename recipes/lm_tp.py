@@ -168,6 +168,8 @@ def load_shards(model, optimizer, path, saves):  # New, as in fsdp.py
         raise saves.load_failure(exc, path) from exc
     with implicit_replication():
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    for group in optimizer.param_groups:  # this torch's implementation (lm.adamw_implementation), not the saver's
+        group.update(fused=optimizer.defaults["fused"], foreach=optimizer.defaults["foreach"])
 
 
 # ------------------------------------------------------------------------------------------- eval

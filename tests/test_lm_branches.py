@@ -9,15 +9,22 @@ size) with the tests' 2-layer model:
 - a shard cut in half: one line, exit 2;
 - lm_ddp (one file, not shards): --async-save's write seen done in the loop and waited for at the end, then the same
   resume past the end; on a slow disk, each write waited for when the next save is due;
-- --compile that compiles nothing (the compiled block dropped; TORCH_COMPILE_DISABLE=1): one line, exit 2.
+- --compile that compiles nothing (the compiled block dropped; TORCH_COMPILE_DISABLE=1): one line, exit 2;
+- a resume steps AdamW as this torch's common/lm.py chooses (fused, or foreach where fused leaks), not as the torch
+  that saved the checkpoint chose (tests/instrument/lm_claims.py's ADAMW_AS plays the other torch);
+- lm_ddp resumed with --compile --amp-dtype bf16: the resume's backward (DDP's bucket order) compiles the step's graph
+  under the step's autocast, one training graph; resumed at the end, that graph is no recompile.
 """
 
+import json
 import re
 
 import pytest
 import torch
-from conftest import REPO, recipe_with_one_line_edited, result_of, run_direct, run_script
+from conftest import REPO, instrument_env, recipe_with_one_line_edited, result_of, run_direct, run_script
 from jobs import error_lines
+
+from common import lm
 
 TINY = ["--n-layer", 2, "--n-head", 4, "--d-model", 32, "--block-size", 32, "--seq-len", 16, "--batch-size", 8,
         "--steps", 8, "--eval-every", 2, "--val-windows", 8]
@@ -43,6 +50,21 @@ def profile_table(stdout):
     return re.search(r"^profile: ", stdout, re.M) is not None
 
 
+def as_the_other_torch(recipe, folder):
+    """env for a resume whose common.lm.adamw_implementation picks what this torch does not (fused <-> foreach), with
+    each optimizer step's fused/foreach logged into `folder` (tests/instrument/lm_claims.py), and those flags: what
+    the checkpoint, written here, holds is the other."""
+    here = lm.adamw_implementation(dtensor=recipe in ("lm_tp", "lm_fsdp_tp"))
+    there = {"foreach": True} if here.get("fused") else {"fused": True}
+    return ({**instrument_env(LOG_ADAMW_DIR=folder), "ADAMW_AS": json.dumps(there)},
+            {"fused": None, "foreach": None, **there})
+
+
+def adamw_steps(folder):
+    """Rank 0's logged optimizer steps: [[{"fused", "foreach"} of each param group], ...]."""
+    return json.loads((folder / "rank0.json").read_text())["steps"]
+
+
 @pytest.mark.parametrize("recipe", SHARDED)
 def test_a_sharded_language_model_s_failures_are_one_line_and_a_resume_past_the_end_evaluates(recipe, tmp_path):
     out = tmp_path / "out"
@@ -54,9 +76,15 @@ def test_a_sharded_language_model_s_failures_are_one_line_and_a_resume_past_the_
     one_error(full, 1, step_4s_disk_is_full(out))
     latest = torch.load(out / "checkpoint" / "latest.pt", weights_only=True)
     assert latest["step"] == 2
-    resumed = run_direct(recipe, *TINY, "--resume", "auto", "--debug-collectives", "--profile", "--out-dir", out)
+    # Resumed where common/lm.py picks the other AdamW (tests/instrument: as another torch would, the checkpoint's
+    # groups saying this one's): each step runs the resuming run's (set_state_dict had put the checkpoint's back).
+    env, chosen = as_the_other_torch(recipe, tmp_path / "adamw")
+    resumed = run_direct(recipe, *TINY, "--resume", "auto", "--debug-collectives", "--profile", "--out-dir", out,
+                         env=env)
     result = result_of(resumed)
     assert (result["start_step"], result["steps"]) == (2, 8) and profile_table(resumed.stdout), resumed.stdout
+    steps = adamw_steps(tmp_path / "adamw")  # get_state_dict's step of the fresh optimizer, then steps 3-8
+    assert len(steps) == 7 and all(group == chosen for groups in steps for group in groups), steps
     again = run_direct(recipe, *TINY, "--resume", "auto", "--out-dir", out)
     ended = result_of(again)
     assert (ended["start_step"], ended["steps"]) == (8, 8) and not re.search(r"^step=", again.stdout, re.M)
@@ -89,6 +117,29 @@ def test_lm_ddp_waits_for_its_background_save_and_a_resume_past_the_end_evaluate
                         slow.stdout, re.M)
     assert [step for step, _ in waited] == ["2", "4", "6", "8"] and all(float(s) >= 0.5 for _, s in waited[1:]), waited
     assert result_of(slow)["val_loss"] == result["val_loss"]
+
+
+def test_lm_ddp_resumed_compiled_under_bf16_compiles_the_step_s_graph_once_and_steps_this_torch_s_adamw(tmp_path):
+    out = tmp_path / "out"
+    bf16 = [*TINY, "--amp-dtype", "bf16", "--out-dir", out]
+    assert result_of(run_direct("lm_ddp", *bf16, "--max-steps", 2))["steps"] == 2  # latest.pt: this torch's AdamW
+    env, chosen = as_the_other_torch("lm_ddp", tmp_path / "adamw")
+    resumed = run_direct("lm_ddp", *bf16, "--compile", "--resume", "auto", env=env)
+    result = result_of(resumed)
+    assert (result["start_step"], result["steps"]) == (2, 8)
+    steps = adamw_steps(tmp_path / "adamw")
+    assert len(steps) == 6 and all(group == chosen for groups in steps for group in groups), steps
+    # The resume's backward (DDP's bucket order) runs under the step's autocast: it compiles the step's one graph,
+    # and the first step none of its own (outside autocast: an fp32 graph, then the bf16 one: 2). Evaluation's one.
+    assert re.findall(r"^compile: (\d+) graph\(s\) in [\d.]+ s \(the first step; ", resumed.stdout, re.M) == ["1"]
+    assert (result["compiled_graphs"], result["eval_graphs"], result["recompiles"]) == ([2], [1], [0]), result
+    # Resumed at --steps: no step, and that backward's graph is not one compiled again during training.
+    ended = run_direct("lm_ddp", *bf16, "--compile", "--resume", "auto")
+    result = result_of(ended)
+    assert (result["start_step"], result["steps"]) == (8, 8) and not re.search(r"^step=", ended.stdout, re.M)
+    assert (result["compiled_graphs"], result["eval_graphs"], result["recompiles"]) == ([2], [1], [0]), result
+    assert re.search(r"^compile: 2 graph\(s\) a rank, 1 of them for evaluation; 0 compiled again during training; ",
+                     ended.stdout, re.M), ended.stdout
 
 
 def test_a_compile_that_compiles_nothing_stops_with_one_line(tmp_path):

@@ -44,6 +44,11 @@ With COUNT_SAVED_DIR set, each rank records, per backward (torch.autograd.backwa
   and of the model's own parameters (FSDP2's shards, where its reduce-scatter put the gradients).
 None of it changes what the recipe computes: the hooks read tensors and call through (the saved-tensor hooks keep
 what autograd saves as it is).
+With LOG_ADAMW_DIR set, each rank rewrites LOG_ADAMW_DIR/rank<R>.json as each optimizer step starts (torch's global
+  pre-hook; DCP's get_state_dict steps a fresh optimizer once too): {"steps": [[{"fused": ..., "foreach": ...} of each
+  param group] one per step]}, the implementation each step ran with. ADAMW_AS (a JSON object) is what
+  common.lm.adamw_implementation returns instead of its choice, as another torch would choose ('{"foreach": true}':
+  torch 2.10 and 2.11 on DTensors): a run writing a checkpoint as that torch would, or resuming one where it runs.
 """
 
 import json
@@ -56,6 +61,8 @@ _TOKENS_DIR = os.environ.get("LOG_TOKENS_DIR")
 _BLOCKS_DIR = os.environ.get("COUNT_BLOCKS_DIR")
 _COMMS_DIR = os.environ.get("COUNT_COMMS_DIR")
 _SAVED_DIR = os.environ.get("COUNT_SAVED_DIR")
+_ADAMW_DIR = os.environ.get("LOG_ADAMW_DIR")
+_ADAMW_AS = os.environ.get("ADAMW_AS")
 _STATE = {"step": 0, "blocks": [], "comms": [], "saved": [], "in_optimizer": False}
 _LOCAL = threading.local()  # .forward: inside a Transformer's call or a stage's forward
 
@@ -466,5 +473,29 @@ def _on_lm(lm):
         _start_counting_comms()
 
 
+def _patch_adamw(lm):
+    """ADAMW_AS and LOG_ADAMW_DIR (the module's docstring)."""
+    if _ADAMW_AS:
+        chosen = json.loads(_ADAMW_AS)
+        lm.adamw_implementation = lambda dtensor: dict(chosen)
+    if _ADAMW_DIR:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        steps = []
+
+        def log(optimizer, args, kwargs):
+            steps.append([{key: group.get(key) for key in ("fused", "foreach")} for group in optimizer.param_groups])
+            _write(_ADAMW_DIR, {"steps": steps})
+
+        register_optimizer_step_pre_hook(log)
+
+
+def _on_common_lm(lm):
+    if _TOKENS_DIR or _BLOCKS_DIR or _COMMS_DIR or _SAVED_DIR:
+        _on_lm(lm)
+    _patch_adamw(lm)
+
+
 # What sitecustomize.py's import hook patches for this module, once it has run (the recipe imports torch before it).
-PATCHES = {"common.lm": _on_lm} if _TOKENS_DIR or _BLOCKS_DIR or _COMMS_DIR or _SAVED_DIR else {}
+PATCHES = {"common.lm": _on_common_lm} if _TOKENS_DIR or _BLOCKS_DIR or _COMMS_DIR or _SAVED_DIR or _ADAMW_DIR \
+    or _ADAMW_AS else {}
