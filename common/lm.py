@@ -235,6 +235,18 @@ def adamw_implementation(dtensor):
     return {"foreach": True} if dtensor and (major, minor) in ((2, 10), (2, 11)) else {"fused": True}
 
 
+def adamw_as_this_torch(optim_state, optimizer):
+    """A loaded optimizer state dict's fused/foreach made `optimizer`'s (adamw_implementation's choice on this torch),
+    not the saver's, before the optimizer loads it: the load places each parameter's step count by them (fused: on
+    the parameter's device; foreach: on the host, where its step reads it back), and the steps after run with them.
+    optim_state: torch's form ({"param_groups": [...]}) or DCP's flattened one ("param_groups.<name>.fused")."""
+    for key in ("fused", "foreach"):
+        for group in optim_state.get("param_groups", []):
+            group[key] = optimizer.defaults[key]
+        for name in [n for n in optim_state if n.startswith("param_groups.") and n.endswith(f".{key}")]:
+            optim_state[name] = optimizer.defaults[key]
+
+
 def bits_per_byte(nats):
     return nats / math.log(2)
 

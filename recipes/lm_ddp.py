@@ -173,9 +173,8 @@ def main():
         flags = {k: getattr(args, k) for k in lm.SAME_ON_RESUME}
         ckpt = load_same_flags(resume, device, flags, require=("model", "optimizer"))  # one line if not, or other flags
         model.module.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        for group in optimizer.param_groups:  # this torch's implementation (lm.adamw_implementation), not the saver's
-            group.update(fused=optimizer.defaults["fused"], foreach=optimizer.defaults["foreach"])
+        lm.adamw_as_this_torch(ckpt["optimizer"], optimizer)  # its fused/foreach, not the saver's: the load places
+        optimizer.load_state_dict(ckpt["optimizer"])  # the step counts by them
         start_step = ckpt["step"]
         print0(f"resume: {resume} at step {start_step}")
         # DDP lays its gradient buckets out again after its first backward, in the order the gradients came, and on

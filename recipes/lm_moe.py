@@ -259,9 +259,8 @@ def load_shards(model, optimizer, path, saves):  # New, as lm_pp.py's
         dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
     except dcp.CheckpointException as exc:  # a BaseException: `except Exception` would let it through
         raise saves.load_failure(exc, path) from exc
+    lm.adamw_as_this_torch(optim_state, optimizer)  # its fused/foreach, not the saver's: the load places steps by it
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=FLAT)
-    for group in optimizer.param_groups:  # this torch's implementation (lm.adamw_implementation), not the saver's
-        group.update(fused=optimizer.defaults["fused"], foreach=optimizer.defaults["foreach"])
 
 
 def gather_full_weights(model, rank, ep, world_size):  # New

@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 from conftest import (
     REPO,
     epoch_losses,
+    instrument_env,
     launch,
     load_recipe,
     make_imagefolder,
@@ -189,6 +190,26 @@ def test_lm_tp_resumes_on_gpu_without_sequence_parallel(tmp_path):
     assert (result_of(resumed)["start_step"], result_of(resumed)["steps"]) == (20, 40)
     # fp32 without TF32 (FP32); kernels may differ between the runs: last digits.
     assert max_diff(params(tmp_path / "pieced/model.pt"), params(tmp_path / "straight/model.pt")) < 1e-5
+
+
+def test_lm_tp_resumed_from_the_other_adamw_keeps_its_step_counts_where_its_own_does(tmp_path):
+    # A checkpoint from a torch that picks the other AdamW on DTensors (tests/instrument's ADAMW_AS plays it: fused on
+    # torch >= 2.12, foreach on 2.10-2.11). Fused keeps each parameter's step count on the GPU; foreach (not
+    # capturable) on the host, where its bias corrections read it: on the GPU, two host syncs a parameter a step.
+    # The load places the counts by the groups it is given, so load_shards gives it this torch's choice first.
+    from common import lm
+
+    here = lm.adamw_implementation(dtensor=True)
+    there = {"foreach": True} if here.get("fused") else {"fused": True}
+    args = ["recipes/lm_tp.py", "0", "--steps", "40", "--eval-every", "20", "--out-dir", tmp_path]
+    saved = launch(*args, "--max-steps", "20", env=instrument_env({"ADAMW_AS": json.dumps(there)}))
+    assert result_of(saved)["steps"] == 20
+    resumed = launch(*args, "--resume", "auto", env=instrument_env(LOG_ADAMW_DIR=tmp_path / "adamw"))
+    assert (result_of(resumed)["start_step"], result_of(resumed)["steps"]) == (20, 40)
+    log = json.loads((tmp_path / "adamw" / "rank0.json").read_text())
+    where = "cuda:0" if here.get("fused") else "cpu"
+    assert log["steps"][1:] and all(g == {"fused": None, "foreach": None, **here} for s in log["steps"] for g in s)
+    assert all(devices == [where] for devices in log["step_devices"][1:]), log["step_devices"]  # after the load
 
 
 @pytest.mark.parametrize("recipe", sorted(LM_ONE_GPU))

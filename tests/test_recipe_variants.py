@@ -102,13 +102,13 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # both sides of the save block show, and the docstrings' lines. 300 with the plumbing as named calls (issue 58:
     # meter, vote, saves, the family's flags in common/lm.py): the parallelism, its checkpoints, its docstring.
     # 308 with --compile (issue 66): where each block is compiled differs (before DDP, after the plan).
-    # 313: lm_ddp's backward before a resumed run under the step's autocast (its amp defined above it). 317: AdamW's
-    # implementation put back in each param group after a resume's load (lm_ddp's in main(), theirs in load_shards).
-    ("lm_ddp", "lm_tp", 317),  # 310: AdamW's implementation, dtensor=True
+    # 313: lm_ddp's backward before a resumed run under the step's autocast (its amp defined above it). 315: AdamW's
+    # implementation kept on a resume (lm.adamw_as_this_torch: lm_ddp's in main(), theirs in load_shards).
+    ("lm_ddp", "lm_tp", 315),  # 310: AdamW's implementation, dtensor=True
     # lm_pp: the stages, the schedule, the loss on the last stage, the clip across stages, DCP checkpoints (lm_tp's).
     # 323 until the preemption save: the wrapped import and the backward, as lm_tp; 427 until issue 58 (the plumbing
     # as named calls, as lm_tp's).
-    ("lm_ddp", "lm_pp", 364),  # 352 until --compile (issue 66), 360 until AdamW's implementation kept on resume
+    ("lm_ddp", "lm_pp", 362),  # 352 until --compile (issue 66), 360 until AdamW's implementation kept on resume
     # lm_fsdp_tp: lm_tp's with a dp dimension: the mesh, meta init, FSDP2, accumulation, the clip across meshes.
     # 302 until --async-save: lm_tp's lines for it, without their `# New` tags (here they are lm_tp's). 324 until
     # issue 58; about 25 of its 309 lines are lm_tp's `# New` tags, which this file leaves off the lines it shares.
@@ -123,8 +123,8 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # device after the cut (lm_ddp's `.to(device)` on the Transformer's line: no GPU holds every expert at start-up);
     # 403 with --ep and --dp each checked alone (one that does not divide the processes named, not a --dp nobody
     # gave), --experts below 1 refused on its own, and the hint's --ep given with the --dp that goes with it; 407 with
-    # lm_ddp's resume backward under autocast (as lm_tp); 411 with AdamW's implementation kept on resume (as lm_tp).
-    ("lm_ddp", "lm_moe", 411)])
+    # lm_ddp's resume backward under autocast (as lm_tp); 409 with AdamW's implementation kept on resume (as lm_tp).
+    ("lm_ddp", "lm_moe", 409)])
 def test_diff_against_its_sibling_stays_small(base, recipe, max_changed):
     diff = subprocess.run(["diff", f"recipes/{base}.py", f"recipes/{recipe}.py"], cwd=REPO,
                           capture_output=True, text=True).stdout
@@ -137,9 +137,9 @@ def test_diff_against_its_sibling_stays_small(base, recipe, max_changed):
 # common/checkpoint.py's ShardFolders, common/lm.py's flags). Issue 66's --compile: 8-9 lines each (lm_ddp 260, lm_pp
 # 400 and lm_fsdp_tp 420 before it).
 # lm_ddp 270 until its backward before a resumed run took the step's autocast (2 lines); lm_ddp 271, lm_fsdp_tp 430
-# and lm_moe 492 until AdamW's implementation was put back after a resume's load (2 lines each).
-@pytest.mark.parametrize(("recipe", "most"), [("lm_ddp", 273), ("lm_tp", 380), ("lm_pp", 410), ("lm_fsdp_tp", 432),
-                                             ("lm_moe", 494)])  # lm_moe 479 before its --expert-width check,
+# and lm_moe 492 until AdamW's implementation was kept on a resume (1 line each).
+@pytest.mark.parametrize(("recipe", "most"), [("lm_ddp", 272), ("lm_tp", 380), ("lm_pp", 410), ("lm_fsdp_tp", 431),
+                                             ("lm_moe", 493)])  # lm_moe 479 before its --expert-width check,
 # 481 before the model moved to the device after the cut, not before it, 482 before its --ep and --dp checks said
 # which flag is wrong (10 lines).
 def test_the_language_models_stay_lean(recipe, most):

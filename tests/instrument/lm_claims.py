@@ -46,9 +46,11 @@ None of it changes what the recipe computes: the hooks read tensors and call thr
 what autograd saves as it is).
 With LOG_ADAMW_DIR set, each rank rewrites LOG_ADAMW_DIR/rank<R>.json as each optimizer step starts (torch's global
   pre-hook; DCP's get_state_dict steps a fresh optimizer once too): {"steps": [[{"fused": ..., "foreach": ...} of each
-  param group] one per step]}, the implementation each step ran with. ADAMW_AS (a JSON object) is what
-  common.lm.adamw_implementation returns instead of its choice, as another torch would choose ('{"foreach": true}':
-  torch 2.10 and 2.11 on DTensors): a run writing a checkpoint as that torch would, or resuming one where it runs.
+  param group] one per step], "step_devices": [[the devices its parameters' step counts are on] one per step]}, the
+  implementation each step ran with and where its counts were (fused: the parameters' device; foreach: the host).
+  ADAMW_AS (a JSON object) is what common.lm.adamw_implementation returns instead of its choice, as another torch
+  would choose ('{"foreach": true}': torch 2.10 and 2.11 on DTensors): a run writing a checkpoint as that torch
+  would, or resuming one where it runs.
 """
 
 import json
@@ -481,11 +483,12 @@ def _patch_adamw(lm):
     if _ADAMW_DIR:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        steps = []
+        steps, devices = [], []
 
         def log(optimizer, args, kwargs):
             steps.append([{key: group.get(key) for key in ("fused", "foreach")} for group in optimizer.param_groups])
-            _write(_ADAMW_DIR, {"steps": steps})
+            devices.append(sorted({str(s["step"].device) for s in optimizer.state.values() if "step" in s}))
+            _write(_ADAMW_DIR, {"steps": steps, "step_devices": devices})
 
         register_optimizer_step_pre_hook(log)
 
