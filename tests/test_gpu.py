@@ -855,6 +855,7 @@ def test_gpu_decode_drains_its_stream_before_nvjpeg_writes(tmp_path):
     args = (224, torch.contiguous_format, collections.Counter(), "train", files)
     expected, _ = recipe.decode_batch(batch, torch.device("cpu"), *args)
     sizes = [3 * width * height for width, height in (Image.open(path).size for path, _ in files.samples)]
+    recipe.decode_batch(batch, torch.device("cuda"), *args)  # nvjpeg's decoder made (once a process) before the sleep
     side = torch.cuda.Stream()
     torch.cuda.synchronize()
     with torch.cuda.stream(side):

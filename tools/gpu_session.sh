@@ -33,9 +33,10 @@ shift 2
 # limits of each call above add up to at most 600 (tests/test_gpu_bench.py); so does lm's with the tier's.
 # lm, estimated from the first H200 run (its two eager rows 22.6 s of the tool's 23.5, CUDA's start in those; a
 # compiled GPT-2 small step compiles in about 26 s, probe.log): 10 s to import torch, 23 s eager, about 35 s a
-# compiled row (26 s compile, 44 steps, the profile), 5 s AdamW alone: about 110 s; lm_fsdp_tp's two rows (--dp 1 --tp 1) add about 50 s (eager as
-# lm_tp's or slower, about 15 s; compiled about 35 s): about 160 s under 210 (1.3x; 1.5x would not leave the tier
-# its 380). They run last and every row is kept as it ends, so a timeout there costs lm_fsdp_tp's rows alone.
+# compiled row (26 s compile, 44 steps, the profile), 5 s AdamW alone: about 110 s; lm_fsdp_tp's two rows
+# (--dp 1 --tp 1) add about 50 s (eager as lm_tp's or slower, about 15 s; compiled about 35 s): about 160 s under
+# 210 (1.3x; 1.5x would not leave the tier its 380). They run last and every row is kept as it ends, so a timeout
+# there costs lm_fsdp_tp's rows alone.
 declare -A LIMIT=([throughput]=90 [amp]=100 [overhead]=75 [lm]=210 [compile]=120 [data]=540)
 TIER_LIMIT=380
 RUN_ORDER=(throughput amp overhead lm compile data)  # tools/gpu_bench.py's RUN_ORDER (tests/test_gpu_bench.py)
