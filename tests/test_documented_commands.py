@@ -87,6 +87,8 @@ NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsew
     "python tools/mutation_check.py --recipes lm_moe": MUTANTS,
     "python tools/mutation_check.py --recipes lm_moe --edits lm_moe_dropped_experts_kept,lm_moe_rows_to_every_rank,"
     "lm_moe_experts_on_every_row,lm_moe_expert_grads_world_zeroed": MUTANTS,
+    "python tools/mutation_check.py --recipes gpu_decode --edits gpu_decode_global_generator,gpu_decode_resume_reseed":
+        MUTANTS,
     "python tools/mutation_check.py --edits hang_stacks,debug_level,ddp_checked_group": MUTANTS,
     "python tools/mutation_check.py --edits preempt_vote,lm_preempt_vote,resume_bucket_layout,lm_resume_bucket_layout,"
     "seeded_samples,skip_first,restart_after_save": MUTANTS,
