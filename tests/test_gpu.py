@@ -197,10 +197,9 @@ def test_lm_tp_resumed_from_the_other_adamw_keeps_its_step_counts_where_its_own_
     # torch >= 2.12, foreach on 2.10-2.11). Fused keeps each parameter's step count on the GPU; foreach (not
     # capturable) on the host, where its bias corrections read it: on the GPU, two host syncs a parameter a step.
     # The load places the counts by the groups it is given, so load_shards gives it this torch's choice first.
-    from common import lm
+    from test_lm_branches import the_other_adamw
 
-    here = lm.adamw_implementation(dtensor=True)
-    there = {"foreach": True} if here.get("fused") else {"fused": True}
+    here, there = the_other_adamw(dtensor=True)
     args = ["recipes/lm_tp.py", "0", "--steps", "40", "--eval-every", "20", "--out-dir", tmp_path]
     saved = launch(*args, "--max-steps", "20", env=instrument_env({"ADAMW_AS": json.dumps(there)}))
     assert result_of(saved)["steps"] == 20

@@ -50,12 +50,18 @@ def profile_table(stdout):
     return re.search(r"^profile: ", stdout, re.M) is not None
 
 
+def the_other_adamw(dtensor):
+    """(this torch's AdamW implementation, the other one) for common.lm.adamw_implementation(dtensor): fused <->
+    foreach, what another torch picks (ADAMW_AS plays it)."""
+    here = lm.adamw_implementation(dtensor=dtensor)
+    return here, {"foreach": True} if here.get("fused") else {"fused": True}
+
+
 def as_the_other_torch(recipe, folder):
     """env for a resume whose common.lm.adamw_implementation picks what this torch does not (fused <-> foreach), with
     each optimizer step's fused/foreach logged into `folder` (tests/instrument/lm_claims.py), and those flags: what
     the checkpoint, written here, holds is the other."""
-    here = lm.adamw_implementation(dtensor=recipe in ("lm_tp", "lm_fsdp_tp"))
-    there = {"foreach": True} if here.get("fused") else {"fused": True}
+    _, there = the_other_adamw(dtensor=recipe in ("lm_tp", "lm_fsdp_tp"))
     return ({**instrument_env(LOG_ADAMW_DIR=folder), "ADAMW_AS": json.dumps(there)},
             {"fused": None, "foreach": None, **there})
 

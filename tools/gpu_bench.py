@@ -711,6 +711,13 @@ def lm_flops_per_token(args, n_matmul):
     return 6 * n_matmul + 12 * args.lm_layers * args.lm_d_model * args.lm_seq_len
 
 
+def keep_partial(args, section, out):
+    """A section's figures so far, to --out's name + '.<section>.partial': a time limit that cuts the section short
+    keeps what ended (not *.json: --render takes whole sections only)."""
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_name(f"{args.out.name}.{section}.partial").write_text(json.dumps(out, indent=1) + "\n")
+
+
 def run_lm(args, device, cache, peak):
     """lm_ddp's and lm_tp's steps (--tp 1), eager then compiled: issue 66's goals; AdamW's step alone on their
     parameters; then lm_fsdp_tp's (--dp 1 --tp 1, FSDP2 and the plan on a 1 x 1 mesh) eager and compiled, no goal of
@@ -727,10 +734,6 @@ def run_lm(args, device, cache, peak):
            "references": LM_REFERENCES, "peak": peak}
     missing = missing_compiler(device)  # the compiled rows need inductor's toolchain; the eager ones do not
     out["compile_error"] = missing
-
-    def keep():  # not *.json: --render takes whole sections only
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_name(args.out.name + ".lm.partial").write_text(json.dumps(out, indent=1) + "\n")
 
     def measure(recipe, compiled):
         free(device)
@@ -754,13 +757,13 @@ def run_lm(args, device, cache, peak):
     for recipe, compiled in (("lm_ddp", False), ("lm_tp", False), ("lm_ddp", True), ("lm_tp", True)):
         if not (compiled and missing):
             out[recipe + "_compiled" * compiled] = measure(recipe, compiled)
-            keep()
+            keep_partial(args, "lm", out)
     out["tp_over_ddp_step"] = out["lm_tp"]["median_ms"] / out["lm_ddp"]["median_ms"]
     if not missing:
         out["tp_over_ddp_step_compiled"] = out["lm_tp_compiled"]["median_ms"] / out["lm_ddp_compiled"]["median_ms"]
         out["compiled_speedup"] = out["lm_ddp"]["median_ms"] / out["lm_ddp_compiled"]["median_ms"]
     out["optimizer"] = optimizer_steps(args, device)
-    keep()
+    keep_partial(args, "lm", out)
     for compiled in (False, True) if not missing else (False,):  # last: no goal rides on them
         name = "lm_fsdp_tp" + "_compiled" * compiled
         try:
@@ -772,7 +775,7 @@ def run_lm(args, device, cache, peak):
         else:
             ddp_ms = out["lm_ddp" + "_compiled" * compiled]["median_ms"]
             out["fsdp_tp_over_ddp_step" + "_compiled" * compiled] = out[name]["median_ms"] / ddp_ms
-        keep()
+        keep_partial(args, "lm", out)
     torch._dynamo.reset()
     return out
 
@@ -846,10 +849,7 @@ def run_data(args, device, cache):
                          "amp": re.search(r"^amp: (\S+)", proc.stdout, re.M).group(1),
                          **{k: result[k] for k in ("train_loss", "val_acc1", "compiled_graphs", "eval_graphs",
                                                    "recompiles", "graph_breaks") if k in result}}
-            # The JSON is written when the section ends; a time limit that cuts it short keeps the jobs that ended
-            # here, beside it (not *.json: --render takes whole sections only).
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.with_name(args.out.name + ".data.partial").write_text(json.dumps(out, indent=1) + "\n")
+            keep_partial(args, "data", out)  # the JSON is written when the section ends
     for suffix in ("", "_compiled") if not out["compile_error"] else ("",):
         memory = out[f"in_memory{suffix}"]["images_per_sec"]
         for name in ("cpu_decode", "gpu_decode"):
@@ -921,6 +921,10 @@ def anchor_applies(args, env):
     return True
 
 
+def mfu_text(row):
+    return f"MFU {100 * row['mfu']:.1f}%" if row["mfu"] is not None else "MFU - (no peak)"
+
+
 def fsdp_tp_row(lm):
     """The table's lm_fsdp_tp row: its steps, eager and compiled, each against lm_ddp's; no goal (issue 66 sets
     none), a row that could not run says why."""
@@ -930,7 +934,7 @@ def fsdp_tp_row(lm):
             return None
         if "error" in r:
             return f"failed: {r['error']}"
-        mfu = f"MFU {100 * r['mfu']:.1f}%" if r["mfu"] is not None else "MFU - (no peak)"
+        mfu = mfu_text(r)
         compiled = (f", first step {r['first_step_s']:.1f} s, {r['graphs']} graph(s), {r['graph_breaks']} break(s)"
                     if "graphs" in r else "")
         return f"{r['tokens_per_sec']:,.0f} tokens/s, {mfu}{compiled}"
@@ -988,7 +992,7 @@ def table(report, args):
                 rows.append([f"4 {name}", f"failed: {failed('lm')}", refs, "-", "-"])
                 continue
             r = lm[name]
-            mfu = f"MFU {100 * r['mfu']:.1f}%" if r["mfu"] is not None else "MFU - (no peak)"
+            mfu = mfu_text(r)
             extra = f"; {lm['tp_over_ddp_step']:.2f}x lm_ddp's step" if name == "lm_tp" else ""
             if "lm_ddp_compiled" not in lm:  # the first GPU run's JSON: eager alone, no goals yet (issue 66's)
                 rows.append([f"4 {name}", f"{r['tokens_per_sec']:,.0f} tokens/s, {mfu} ({r['achieved_tflops']:.1f} "
@@ -996,7 +1000,7 @@ def table(report, args):
                              "-", "reference only"])
                 continue
             c = lm[f"{name}_compiled"]
-            cmfu = f"MFU {100 * c['mfu']:.1f}%" if c["mfu"] is not None else "MFU - (no peak)"
+            cmfu = mfu_text(c)
             measured = (f"eager {r['tokens_per_sec']:,.0f} tokens/s, {mfu}; compiled {c['tokens_per_sec']:,.0f}, "
                         f"{cmfu}, first step {c['first_step_s']:.1f} s, {c['graphs']} graph(s), {c['graph_breaks']} "
                         "break(s)")
