@@ -170,7 +170,7 @@ LM_SHORT = ["--steps", "200", "--eval-every", "100"]  # the default model and ba
 def test_every_language_model_learns_on_one_gpu(tmp_path, recipe):
     proc = launch(f"recipes/{recipe}.py", "0", *LM_SHORT, *LM_ONE_GPU[recipe], "--out-dir", tmp_path)
     result = result_of(proc)
-    print(f"{recipe}: {json.dumps(result)}")
+    print(f"{recipe}: {json.dumps(result)}")  # before the checks: gpu_bench.py --render --tier reads it from tier.xml
     assert (result["device"], result["world_size"], result["steps"], result["val_windows"]) == ("cuda", 1, 200, 128)
     assert "setup: world_size=1 backend=nccl device=cuda" in proc.stdout
     # 8 bits per byte at random init, 4.76 for the bytes' frequencies alone (tools/ngram_bpb.py --context 0); 200

@@ -306,6 +306,7 @@ def test_a_bad_flag_fails_in_one_line():
     (["--peak-tflops", "nan"], "--peak-tflops nan must be a finite number > 0"),
     (["--lm-heads", "5"], "--n-head 5 must divide --d-model 32"),
     (["--arch", "resnet5"], "unknown --arch 'resnet5'"),
+    (["--tier", "tier.xml"], "--tier goes with --render"),
 ])
 def test_bad_input_in_process(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -491,6 +492,86 @@ def test_render_refuses_mixed_runs_and_a_page_without_the_marker(tmp_path, capsy
     md.write_text("by hand\n")
     assert gpu_bench.main(["--render", str(REPO / RUN_DIR), "--md", str(md)]) == 2
     assert "has no marker line" in capsys.readouterr().err and md.read_text() == "by hand\n"
+
+
+# The GPU tier as tools/gpu_session.sh runs it, with a test module in place of tests/test_gpu.py: its language-model
+# test's name and printed line (the real one's need a GPU), a failed run among them, another test printing a
+# look-alike line, a skip, and a test -m gpu leaves out.
+TIER_DOUBLE = """\
+import json
+
+import pytest
+
+RUNS = {"lm_ddp": {"tokens_per_sec": 409636.4, "val_bpb": 3.6312, "peak_mem_mb": 1534.2},
+        "lm_moe": {"tokens_per_sec": 201234.4, "val_bpb": 3.7021, "peak_mem_mb": 2101.0},
+        "lm_tp": {"tokens_per_sec": 83357.0, "val_bpb": 4.2, "peak_mem_mb": 1600.0}}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", sorted(RUNS))
+def test_every_language_model_learns_on_one_gpu(recipe):
+    print("step=200/200 train_loss=2.5")
+    print(f"{recipe}: {json.dumps(RUNS[recipe])}")
+    assert RUNS[recipe]["val_bpb"] < 4.0
+
+
+@pytest.mark.gpu
+def test_lm_ddp_bf16_autocast_tracks_fp32():
+    print('lm_ddp: {"tokens_per_sec": 1.0, "val_bpb": 9.0, "peak_mem_mb": 1.0}')
+
+
+@pytest.mark.gpu
+def test_two_ranks():
+    pytest.skip("needs 2 GPUs")
+
+
+def test_on_the_cpu():
+    pass
+"""
+
+
+def tier_xml(folder, drop=(), spread=("-n", "2")):
+    """Run TIER_DOUBLE with tools/gpu_session.sh's TIER_ARGS (less `drop`), under pytest-xdist as the session runs
+    the tier (`spread`); the JUnit XML's path."""
+    args = shlex.split(re.search(r"^TIER_ARGS=\((.*)\)", SESSION.read_text(), re.M)[1])
+    args = [a for a in args if a not in drop]
+    folder.mkdir()
+    (folder / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: the GPU tier\n")
+    (folder / "test_gpu.py").write_text(TIER_DOUBLE)
+    proc = subprocess.run([sys.executable, "-m", "pytest", *args, *spread, "-p", "no:cacheprovider", "--junitxml",
+                           "tier.xml", "test_gpu.py"], cwd=folder, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "1 failed, 3 passed, 1 skipped" in proc.stdout, proc.stdout
+    return folder / "tier.xml"
+
+
+def test_the_tiers_language_model_runs_go_on_the_page(tmp_path, capsys):
+    """--render --tier: a row per language model from the tier's JUnit XML (a failed run's figures too), the tier's
+    totals; the rows come from tools/gpu_session.sh's own pytest options, without which pytest keeps no output of a
+    test that passed: then one line says what to run."""
+    md = tmp_path / "bench" / "gpu.md"
+    render = ["--render", str(REPO / RUN_DIR), "--tier", str(tier_xml(tmp_path / "tier")), "--md", str(md)]
+    assert gpu_bench.main(render) == 0, capsys.readouterr().err
+    page = md.read_text()
+    part = page.split(gpu_bench.MARKER)[0].split("The language models on one GPU, from the GPU tier ([tier.xml]"
+                                                 "(../tier/tier.xml)")[1]
+    assert "The tier: 5 tests, 3 passed, 1 failed, 0 errors, 1 skipped, " in part
+    assert table_rows(part) == {"lm_ddp": ["409,636", "3.631", "1,534 MB", "passed"],
+                                "lm_moe": ["201,234", "3.702", "2,101 MB", "passed"],
+                                "lm_tp": ["83,357", "4.200", "1,600 MB", "failed"], "recipe": ["tokens/s",
+                                "val_bpb", "peak memory", "test"]}
+    assert page.split(gpu_bench.MARKER)[0].startswith(committed_page().split(gpu_bench.MARKER)[0].split("\n\n")[0])
+    render[3] = str(tier_xml(tmp_path / "quiet", drop={"-o", "junit_logging=system-out"}, spread=()))
+    md.unlink()
+    assert gpu_bench.main(render) == 2
+    err = capsys.readouterr().err
+    assert err == (f"gpu_bench: error: --tier {render[3]}: no test_every_language_model_learns_on_one_gpu run printed "
+                   f"its RESULT there; run the tier with -o junit_logging=system-out, as tools/gpu_session.sh tier "
+                   f"does\n") and not md.exists()
+    (tmp_path / "bad.xml").write_text("<testsuites><testsuite")
+    render[3] = str(tmp_path / "bad.xml")
+    assert gpu_bench.main(render) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"gpu_bench: error: --tier {render[3]}: not a JUnit XML file")
 
 
 def test_render_of_the_cpu_run_has_its_table(run, tmp_path, capsys):

@@ -54,7 +54,9 @@ measurement. The GPU machine's torch is 2.11: nothing here needs a newer one.
 `--only SECTION` process each), refusing ones whose machine, torch or sizes differ, and writes --md: a header (the
 tree, given by --tree since the JSONs do not record it; the machine; the dates; the commands), table() of the merged
 report, a marker line, and below it whatever the page already held there, kept byte for byte (bench/gpu.md's
-hand-written reading). Run again, it rewrites the same bytes (tests/test_gpu_bench.py checks bench/gpu.md).
+hand-written reading). Run again, it rewrites the same bytes (tests/test_gpu_bench.py checks bench/gpu.md). With
+--tier FILE (the GPU tier's JUnit XML, tools/gpu_session.sh's OUT/tier.xml) the page also gets each language model's
+run on one GPU from the tier (tokens/s, val_bpb, peak memory: lm_moe's tokens/s for issue 67) and the tier's totals.
 """
 
 import argparse
@@ -165,7 +167,11 @@ def parse_args(argv=None):
                    help="measure nothing: merge these JSONs (a folder: its *.json), one machine's per-section runs, "
                         "into --md FILE: a header, the table, and FILE's own text below its marker line, kept")
     p.add_argument("--tree", help="--render: the project commit the JSONs were measured at (they do not record it)")
+    p.add_argument("--tier", type=Path, metavar="XML", help="--render: also the language models' runs of the GPU tier "
+                   "from its JUnit XML (tools/gpu_session.sh tier writes OUT/tier.xml)")
     args = p.parse_args(argv)
+    if args.tier is not None and args.render is None:
+        p.error("--tier goes with --render")
     if args.render is not None:  # no device, no sizes: everything comes from the JSONs
         if args.md is None:
             p.error("--render needs --md FILE, the page to write")
@@ -1140,9 +1146,66 @@ def merge_reports(reports):
             "wall_s": sum(r["wall_s"] for _, r in reports)}
 
 
-def render(paths, md, tree, command):
+# tests/test_gpu.py's test whose runs --tier reads: each language model at its defaults on one GPU, 200 steps; it
+# prints "RECIPE: {its RESULT line's JSON}" before its checks, so a failed run's figures are there too.
+TIER_TEST = "test_every_language_model_learns_on_one_gpu"
+OUTCOMES = {"failure": "failed", "error": "error", "skipped": "skipped"}  # a JUnit testcase's child: the test's outcome
+
+
+def tier_runs(path):
+    """({recipe: (its RESULT or None, the test's outcome)}, the tier's totals) from the GPU tier's JUnit XML
+    (`pytest -m gpu --junitxml FILE -o junit_logging=system-out`: without that option pytest keeps no output of a
+    test that passed)."""
+    import xml.etree.ElementTree as ET
+
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError) as exc:
+        raise RenderError(f"--tier {path}: not a JUnit XML file ({type(exc).__name__}: {exc})") from None
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    if not suites:
+        raise RenderError(f"--tier {path}: no <testsuite> in it (pytest's --junitxml writes one)")
+    totals, runs = collections.Counter(), {}
+    for suite in suites:
+        for key in ("tests", "failures", "errors", "skipped"):
+            totals[key] += int(suite.get(key, 0))
+        totals["seconds"] += float(suite.get("time", 0))
+        for case in suite.iter("testcase"):
+            name = re.fullmatch(rf"{TIER_TEST}\[(\w+)\]", case.get("name", ""))
+            if name:
+                outcome = next((word for tag, word in OUTCOMES.items() if case.find(tag) is not None), "passed")
+                out = "".join(part.text or "" for part in case.findall("system-out"))
+                line = re.search(rf"^{name[1]}: (\{{.*\}})$", out, re.M)
+                runs[name[1]] = (json.loads(line[1]) if line else None, outcome)
+    if not any(result for result, _ in runs.values()):
+        raise RenderError(f"--tier {path}: no {TIER_TEST} run printed its RESULT there; run the tier with "
+                          f"-o junit_logging=system-out, as tools/gpu_session.sh tier does")
+    return runs, totals
+
+
+def tier_lines(path, md):
+    """The page's part from the tier's JUnit XML: its totals and a row per language model."""
+    runs, totals = tier_runs(path)
+    passed = totals["tests"] - totals["failures"] - totals["errors"] - totals["skipped"]
+    lines = ["", "The language models on one GPU, from the GPU tier "
+             f"([{path.name}]({Path(os.path.relpath(path, md.parent)).as_posix()}): `tests/test_gpu.py::{TIER_TEST}`, "
+             "each recipe's default model and batch, 200 steps; tokens/s from its RESULT line, which leaves the first "
+             "step out). tools/gpu_session.sh runs the tier 8 tests at a time (-n 8) on the one GPU: these ran beside "
+             f"other tests, figures for reference, not a benchmark's medians. The tier: {totals['tests']} tests, "
+             f"{passed} passed, {totals['failures']} failed, {totals['errors']} errors, {totals['skipped']} skipped, "
+             f"{totals['seconds']:.0f} s.", "", "| recipe | tokens/s | val_bpb | peak memory | test |",
+             "|---|---:|---:|---:|---|"]
+    for recipe, (result, outcome) in sorted(runs.items()):
+        figures = ["-"] * 3 if result is None else [
+            f"{result['tokens_per_sec']:,.0f}", f"{result['val_bpb']:.3f}", f"{result['peak_mem_mb']:,.0f} MB"]
+        lines.append(f"| {recipe} | {' | '.join(figures)} | {outcome} |")
+    return lines
+
+
+def render(paths, md, tree, command, tier=None):
     """bench/gpu.md's text: a header (the tree, the machine, the software, when, from which files, the command
-    that wrote it), table() of the merged report, MARKER, then what `md` holds below its marker (kept as it is)."""
+    that wrote it), table() of the merged report, the tier's language-model runs (tier: its JUnit XML), MARKER, then
+    what `md` holds below its marker (kept as it is)."""
     reports = load_reports(paths)
     report = merge_reports(reports)
     env = report["environment"]
@@ -1178,6 +1241,7 @@ def render(paths, md, tree, command):
              *(f"- {line}" for line in head[1:]),
              "",
              table_rows.rstrip("\n"),
+             *(tier_lines(tier, md) if tier is not None else []),
              "",
              MARKER]
     return "\n".join(lines) + kept
@@ -1185,7 +1249,7 @@ def render(paths, md, tree, command):
 
 def render_main(args, command):
     try:
-        text = render(args.render, args.md, args.tree, command)
+        text = render(args.render, args.md, args.tree, command, args.tier)
     except RenderError as exc:
         print(f"gpu_bench: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2

@@ -18,7 +18,9 @@
 # section's JSON is written when it ends, so one that runs out of time leaves its log, which says so (and data, each
 # job's figures as it ended: OUT/bench/data.json.data.partial; lm, each row: OUT/bench/lm.json.lm.partial). Back on a
 # machine with the project:
-#   python tools/gpu_bench.py --render OUT/bench --tree SHA --md bench/gpu.md
+#   python tools/gpu_bench.py --render OUT/bench --tier OUT/tier.xml --tree SHA --md bench/gpu.md
+# (--tier: the language models' one-GPU runs from the tier, lm_moe's tokens/s among them. pytest keeps no output of a
+# test that passed unless told to: TIER_ARGS' junit_logging puts each test's printed lines into tier.xml.)
 set -uo pipefail
 called_from=$PWD
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
@@ -39,6 +41,7 @@ shift 2
 # there costs lm_fsdp_tp's rows alone.
 declare -A LIMIT=([throughput]=90 [amp]=100 [overhead]=75 [lm]=210 [compile]=120 [data]=540)
 TIER_LIMIT=380
+TIER_ARGS=(-m gpu -v -rfEs -o junit_logging=system-out)  # tests/test_gpu_bench.py runs pytest with these
 RUN_ORDER=(throughput amp overhead lm compile data)  # tools/gpu_bench.py's RUN_ORDER (tests/test_gpu_bench.py)
 case $part in
   bench)
@@ -106,7 +109,7 @@ else
   spread=()
   "$python" -c 'import xdist' 2> /dev/null && spread=(-n 8)
   start=$SECONDS
-  limited "$out/tier.log" "$TIER_LIMIT" "$python" -m pytest -m gpu "${spread[@]}" -v -rfEs --junitxml "$out/tier.xml"
+  limited "$out/tier.log" "$TIER_LIMIT" "$python" -m pytest "${TIER_ARGS[@]}" "${spread[@]}" --junitxml "$out/tier.xml"
   code=$?
   echo "tier: exit $code after $((SECONDS - start)) s; $(tail -n 1 "$out/tier.log")"
   [[ $code -eq 0 ]] || failed=1
