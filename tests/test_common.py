@@ -610,3 +610,26 @@ def test_fused_sgd_after_a_skipped_first_step_needs_its_momentum_started_at_zero
     for recipe, line in [("torch_amp", 'optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)'),
                          ("apex_amp", 'optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)')]:
         assert line in (REPO / "recipes" / f"{recipe}.py").read_text(), recipe
+
+
+@pytest.mark.parametrize("height, width, scale", [
+    (375, 500, (0.08, 1.0)), (30, 40, (0.08, 1.0)), (224, 224, (0.5, 0.5)),
+    # no box in 10 draws (every area larger than the image's): the central crop, by each of its three branches
+    (100, 20, (2.0, 3.0)), (20, 100, (2.0, 3.0)), (50, 50, (2.0, 3.0))])
+def test_crop_box_is_torchvisions_box_from_its_own_generator(height, width, scale):
+    """common.data.crop_box (gpu_decode's boxes, drawn in a DataLoader thread beside the step's own draws) draws what
+    torchvision's RandomResizedCrop.get_params draws from torch's global generator seeded alike, the fallback too."""
+    from common.data import crop_box
+
+    ratio = (3 / 4, 4 / 3)
+    for seed in range(20):
+        torch.manual_seed(seed)
+        theirs = torchvision.transforms.RandomResizedCrop.get_params(torch.empty(3, height, width), scale, ratio)
+        after = torch.rand(1)  # and each takes as many draws
+        generator = torch.Generator().manual_seed(seed)
+        assert crop_box(height, width, scale, ratio, generator) == tuple(theirs)
+        assert torch.rand(1, generator=generator) == after
+    if scale[0] > 1:
+        top, left, h, w = crop_box(height, width, scale, ratio, torch.Generator())
+        assert (h, w) == {(100, 20): (27, 20), (20, 100): (20, 27), (50, 50): (50, 50)}[height, width]
+        assert (top, left) == ((height - h) // 2, (width - w) // 2)
