@@ -6,7 +6,7 @@ import textwrap
 
 from conftest import REPO
 
-from tools.gpu_only_lines import classify
+from tools.gpu_only_lines import FAIL_UNDER_COVERAGE, classify, failed_tests, verdict
 
 SOURCE = textwrap.dedent('''\
     def train(device, gpus):
@@ -75,3 +75,29 @@ def test_the_committed_list_and_readme_agree():
     # Ranges count their end lines: an upper bound on the statements in them (a range may hold a blank or a comment).
     assert guarded + unguarded >= total and f"{total} lines of `recipes/` and `common/` that no CPU test runs" in readme
     assert re.search(rf"{total} lines of .*?: \d+ behind such a guard,\s+and \d+ with none", readme, re.S)
+
+
+def test_pytests_exit_is_said_and_only_the_tests_coverage_breaks_are_no_error(tmp_path):
+    """The failed tests come from pytest's JUnit XML; only FAIL_UNDER_COVERAGE's failing (any parameters) is no error,
+    and the list says which failed and why."""
+    (tmp_path / "junit.xml").write_text(
+        '<testsuites><testsuite name="pytest" tests="3">'
+        '<testcase classname="tests.test_failures" '
+        'name="test_sigterm_to_the_launcher_stops_every_process[ddp_torchrun]">'
+        '<failure message="x"/></testcase>'
+        '<testcase classname="tests.test_lm" name="test_resume"><error message="y"/></testcase>'
+        '<testcase classname="tests.test_lm" name="test_ok"/></testsuite></testsuites>')
+    failed = failed_tests(tmp_path / "junit.xml")
+    assert failed == ["tests/test_failures.py::test_sigterm_to_the_launcher_stops_every_process[ddp_torchrun]",
+                      "tests/test_lm.py::test_resume"]
+    assert failed_tests(tmp_path / "none.xml") == []
+    assert verdict(0, []) == (None, False)
+    said, error = verdict(1, failed[:1])
+    assert not error and said.startswith("pytest exited 1: only tests that fail under coverage alone failed")
+    assert f"`{failed[0]}`: a rank stopped by SIGTERM runs coverage's handler" in said
+    assert verdict(1, failed) == ("**pytest exited 1** (`tests/test_lm.py::test_resume`): a failed test may leave out "
+                                  "lines it runs.", True)
+    assert verdict(2, []) == ("**pytest exited 2**: a failed test may leave out lines it runs.", True)
+    for test in FAIL_UNDER_COVERAGE:  # each names a test that is there
+        path, name = test.split("::")
+        assert re.search(rf"^def {name}\(", (REPO / path).read_text(), re.M), test
