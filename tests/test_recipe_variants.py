@@ -172,6 +172,15 @@ def test_every_mutation_edit_applies_to_a_recipe():
 
     mutants = mutation_check.plan(RECIPES, mutation_check.EDITS)
     assert {e.name for e in mutation_check.EDITS} - {e.name for _, e, _ in mutants} == set()
+    # No two edits make the same mutant of a recipe: a twin runs other tests, which may miss what the first's notice
+    # (compile_result, a dropped compile's result, on torch_amp and gpu_decode was compile_dropped's mutant, run
+    # without the only test that compiles them: missed in the 2026-11-30 full run). An edit of common/ is one mutant
+    # on purpose under each family's test (async_named_early: fsdp's crash drill and lm_tp's).
+    made = {}
+    for recipe, edit, _ in mutants:
+        if not edit.file:
+            mutant = (REPO / "recipes" / f"{recipe}.py").read_text().replace(edit.old, edit.new)
+            assert made.setdefault((recipe, mutant), edit.name) == edit.name, (recipe, edit.name, made[recipe, mutant])
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

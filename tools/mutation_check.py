@@ -428,6 +428,9 @@ GUARDS = {
                                          "lm_tp": ["tests/test_lm_tp.py", "-k", "reshards_onto"],
                                          "lm_fsdp_tp": ["tests/test_lm_fsdp_tp.py", "-k", "goes_on_at"]},
     "channels_last_eval": {"torch_amp": cases("torch_amp", "layout")},
+    # ddp_compile's; on torch_amp and gpu_decode its text makes compile_dropped's mutant, which the test that compiles
+    # them guards (test_recipe_variants: no two edits make one mutant).
+    "compile_result": {"ddp_compile": own_tests},
     "compile_dropped": {"torch_amp": ["tests/test_gpu_bench.py", "-k", "data_section"],
                         "gpu_decode": ["tests/test_gpu_bench.py", "-k", "data_section"]},
     # lm_moe's four claims: its --ep 2 run's records (the cheapest of the claims test's layouts notices each).
