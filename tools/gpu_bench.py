@@ -92,6 +92,7 @@ from common.lm import Transformer, adamw_implementation, check_model_flags, trai
 from common.models import build_model, check_arch, check_image_size  # noqa: E402
 from common.schedule import default_lr, warmup_cosine  # noqa: E402
 from common.utils import AverageMeter, accuracy  # noqa: E402
+from tools import junit  # noqa: E402
 from tools.free_port import free_port  # noqa: E402
 from tools.recipes import load_recipe  # noqa: E402
 
@@ -1149,51 +1150,40 @@ def merge_reports(reports):
 # tests/test_gpu.py's test whose runs --tier reads: each language model at its defaults on one GPU, 200 steps; it
 # prints "RECIPE: {its RESULT line's JSON}" before its checks, so a failed run's figures are there too.
 TIER_TEST = "test_every_language_model_learns_on_one_gpu"
-OUTCOMES = {"failure": "failed", "error": "error", "skipped": "skipped"}  # a JUnit testcase's child: the test's outcome
 
 
 def tier_runs(path):
-    """({recipe: (its RESULT or None, the test's outcome)}, the tier's totals) from the GPU tier's JUnit XML
-    (`pytest -m gpu --junitxml FILE -o junit_logging=system-out`: without that option pytest keeps no output of a
-    test that passed)."""
+    """({recipe: (its RESULT or None, the test's outcome)}, the tier's outcome counts and seconds) from the GPU tier's
+    JUnit XML (`pytest -m gpu --junitxml FILE -o junit_logging=system-out`: without that option pytest keeps no
+    output of a test that passed)."""
     import xml.etree.ElementTree as ET
 
     try:
-        root = ET.parse(path).getroot()
+        cases, seconds = junit.read(path)
     except (OSError, ET.ParseError) as exc:
         raise RenderError(f"--tier {path}: not a JUnit XML file ({type(exc).__name__}: {exc})") from None
-    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
-    if not suites:
-        raise RenderError(f"--tier {path}: no <testsuite> in it (pytest's --junitxml writes one)")
-    totals, runs = collections.Counter(), {}
-    for suite in suites:
-        for key in ("tests", "failures", "errors", "skipped"):
-            totals[key] += int(suite.get(key, 0))
-        totals["seconds"] += float(suite.get("time", 0))
-        for case in suite.iter("testcase"):
-            name = re.fullmatch(rf"{TIER_TEST}\[(\w+)\]", case.get("name", ""))
-            if name:
-                outcome = next((word for tag, word in OUTCOMES.items() if case.find(tag) is not None), "passed")
-                out = "".join(part.text or "" for part in case.findall("system-out"))
-                line = re.search(rf"^{name[1]}: (\{{.*\}})$", out, re.M)
-                runs[name[1]] = (json.loads(line[1]) if line else None, outcome)
+    runs = {}
+    for node, outcome, out in cases:
+        name = re.search(rf"::{TIER_TEST}\[(\w+)\]$", node)
+        if name:
+            line = re.search(rf"^{name[1]}: (\{{.*\}})$", out, re.M)
+            runs[name[1]] = (json.loads(line[1]) if line else None, outcome)
     if not any(result for result, _ in runs.values()):
         raise RenderError(f"--tier {path}: no {TIER_TEST} run printed its RESULT there; run the tier with "
                           f"-o junit_logging=system-out, as tools/gpu_session.sh tier does")
-    return runs, totals
+    return runs, collections.Counter(outcome for _, outcome, _ in cases), seconds
 
 
 def tier_lines(path, md):
     """The page's part from the tier's JUnit XML: its totals and a row per language model."""
-    runs, totals = tier_runs(path)
-    passed = totals["tests"] - totals["failures"] - totals["errors"] - totals["skipped"]
+    runs, counts, seconds = tier_runs(path)
     lines = ["", "The language models on one GPU, from the GPU tier "
              f"([{path.name}]({Path(os.path.relpath(path, md.parent)).as_posix()}): `tests/test_gpu.py::{TIER_TEST}`, "
              "each recipe's default model and batch, 200 steps; tokens/s from its RESULT line, which leaves the first "
              "step out). tools/gpu_session.sh runs the tier 8 tests at a time (-n 8) on the one GPU: these ran beside "
-             f"other tests, figures for reference, not a benchmark's medians. The tier: {totals['tests']} tests, "
-             f"{passed} passed, {totals['failures']} failed, {totals['errors']} errors, {totals['skipped']} skipped, "
-             f"{totals['seconds']:.0f} s.", "", "| recipe | tokens/s | val_bpb | peak memory | test |",
+             f"other tests, figures for reference, not a benchmark's medians. The tier: {counts.total()} tests, "
+             f"{counts['passed']} passed, {counts['failed']} failed, {counts['error']} errors, {counts['skipped']} "
+             f"skipped, {seconds:.0f} s.", "", "| recipe | tokens/s | val_bpb | peak memory | test |",
              "|---|---:|---:|---:|---|"]
     for recipe, (result, outcome) in sorted(runs.items()):
         figures = ["-"] * 3 if result is None else [

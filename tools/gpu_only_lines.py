@@ -24,6 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tools/ run as a script
 
+from tools import junit  # noqa: E402
+
 OUT = REPO / "docs" / "gpu_only_lines.md"
 SUITE = "-n 2 --dist loadfile"  # README's test command's
 # A condition that only a GPU (or a real apex on one) makes take the branch the CPU never takes.
@@ -89,15 +91,11 @@ FAIL_UNDER_COVERAGE = {
 }
 
 
-def failed_tests(junit):
+def failed_tests(path):
     """The node ids of the tests that failed or erred, from pytest's JUnit XML (none if it was not written)."""
-    import xml.etree.ElementTree as ET
-
-    if not junit.is_file():
+    if not path.is_file():
         return []
-    return [f"{case.get('classname').replace('.', '/')}.py::{case.get('name')}"
-            for case in ET.parse(junit).getroot().iter("testcase")
-            if case.find("failure") is not None or case.find("error") is not None]
+    return [node for node, outcome, _ in junit.read(path)[0] if outcome in ("failed", "error")]
 
 
 def verdict(code, failed):
