@@ -5,11 +5,13 @@ The data is the hard case: real JPEGs (scikit-learn's digits, tools/real_data.py
 flip, loaded by a DataLoader worker per rank, and stops in the middle of an epoch. The signal comes from
 tests/faults (FAULT_SIGNAL, a test double of the scheduler's warning) at a step this file draws at random (printed on
 failure): to the launcher alone, to one rank alone, to every process of the job (DataLoader workers too), and inside
-a save, with a second one inside the next save. The language models' drills are in tests/test_lm.py (lm_ddp, 3
-processes) and test_lm_tp.py (2), beside the straight runs they compare with; fsdp.py's --async-save crash in
-tests/test_fsdp.py.
+a save, with a second one inside the next save. Each resumed run's DDP gradient buckets are the uninterrupted run's at
+every step (tests/instrument's LOG_BUCKETS_DIR): the recipe's claim for its backward before training. The language
+models' drills are in tests/test_lm.py (lm_ddp, 3 processes) and test_lm_tp.py (2), beside the straight runs they
+compare with; fsdp.py's --async-save crash in tests/test_fsdp.py.
 """
 
+import json
 import random
 import signal
 import subprocess
@@ -18,7 +20,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, launch, max_diff, params, result_of, run_script
+from conftest import REPO, instrument_env, launch, max_diff, params, result_of, run_script
 from torch.distributed import run as torch_run
 
 from common.checkpoint import EX_TEMPFAIL
@@ -43,23 +45,32 @@ def args(digits, out):
             "--workers", "1", "--epochs", "2", "--batch-size", str(GLOBAL_BATCH), "--out-dir", out]
 
 
+def bucket_layouts(folder):
+    """Each rank's DDP gradient buckets at each step of a run with tests/instrument's LOG_BUCKETS_DIR=folder: [[bucket
+    index, [the shape of each parameter in it, in its order]], ...] per forward with autograd on, per rank."""
+    return [[json.loads(line) for line in path.read_text().splitlines()]
+            for path in sorted(folder.glob("rank*.jsonl"))]
+
+
 @pytest.fixture(scope="module")
 def straight(digits, tmp_path_factory):
-    """The runs never stopped, per process count: their weights."""
+    """The runs never stopped, per process count: their weights, RESULT and bucket layouts (bucket_layouts)."""
     runs = {}
 
     def get(processes):
         if processes not in runs:
             out = tmp_path_factory.mktemp(f"straight{processes}")
-            result = result_of(launch("recipes/ddp_checkpoint.py", f"cpu:{processes}", *args(digits, out)))
+            result = result_of(launch("recipes/ddp_checkpoint.py", f"cpu:{processes}", *args(digits, out),
+                                      env=instrument_env(LOG_BUCKETS_DIR=out / "buckets")))
             assert result["steps"] == 2 * STEPS_PER_EPOCH and result["start_step"] == 0
-            runs[processes] = (params(out / "model.pt"), result)
+            runs[processes] = (params(out / "model.pt"), result, bucket_layouts(out / "buckets"))
         return runs[processes]
     return get
 
 
 def stopped_then_resumed(digits, tmp_path, processes, fault, *flags, env=None, resume=True):
-    """The run with FAULT_SIGNAL=fault: exit 75 and a whole latest.pt; then (resume) --resume auto to the end."""
+    """The run with FAULT_SIGNAL=fault: exit 75 and a whole latest.pt; then (resume) --resume auto to the end, its
+    bucket layouts counted (tests/instrument; tests/faults, the other sitecustomize, is on the stopped run's path)."""
     out = tmp_path / "run"
     first = launch("recipes/ddp_checkpoint.py", f"cpu:{processes}", *args(digits, out), *flags,
                    env={"PYTHONPATH": FAULTS, "FAULT_SIGNAL": fault, **(env or {})})
@@ -78,11 +89,12 @@ def stopped_then_resumed(digits, tmp_path, processes, fault, *flags, env=None, r
             f"with --batch-size {GLOBAL_BATCH} (global); resume it with the same --batch-size") in other.stderr, (
             other.stderr)
     if not resume:
-        return first, saved, None, None
-    resumed = launch("recipes/ddp_checkpoint.py", f"cpu:{processes}", *args(digits, out), "--resume", "auto")
+        return first, saved, None, None, None
+    resumed = launch("recipes/ddp_checkpoint.py", f"cpu:{processes}", *args(digits, out), "--resume", "auto",
+                     env=instrument_env(LOG_BUCKETS_DIR=tmp_path / "buckets"))
     result = result_of(resumed)
     assert result["start_step"] == saved["step"] and result["steps"] == 2 * STEPS_PER_EPOCH
-    return first, saved, result, params(out / "model.pt")
+    return first, saved, result, params(out / "model.pt"), bucket_layouts(tmp_path / "buckets")
 
 
 def signal_step(rng, epoch):
@@ -101,15 +113,22 @@ def test_a_stop_mid_epoch_resumes_bitwise(digits, straight, tmp_path, processes,
     signalled = processes - 1 if target == "self" else 0  # one rank alone: the last
     fault = f"{signalled}:step={step}:{target}"
     # MAX_RESTARTS: a save for a requeue is not a failure to restart from (a launch.sh restart would run it again).
-    first, saved, result, weights = stopped_then_resumed(digits, tmp_path, processes, fault,
-                                                         env={"MAX_RESTARTS": "2"})
+    first, saved, result, weights, layouts = stopped_then_resumed(digits, tmp_path, processes, fault,
+                                                                  env={"MAX_RESTARTS": "2"})
     where = f"seed {seed}, {fault}, saved at step {saved['step']} ({saved['step_in_epoch']} into its epoch)"
     assert first.stdout.count("setup: world_size=") == 1, where  # started once: not restarted
     # The signal lands after step `step` (tests/faults waits for it there): the next step's vote carries it, and the
     # ranks read that vote one step later.
     assert saved["step"] == step + 1 and saved["epoch"] == epoch and saved["step_in_epoch"] > 0, where
     assert len(saved["rng"]) == len(saved["meters"]) == processes, where
-    reference, straight_result = straight(processes)
+    reference, straight_result, straight_layouts = straight(processes)
+    # The recipe's claim: its backward before training gives the resumed steps DDP's buckets as the run never
+    # stopped had them at those steps (its first step, alone, has DDP's first layout: gradients in the parameters'
+    # order). Without it, the first resumed step has that first layout: on 3 ranks a sum rounded otherwise, which
+    # the weights below show only now and then (an update an ulp off often rounds the same).
+    left = 2 * STEPS_PER_EPOCH - saved["step"]
+    assert straight_layouts[0][0] != straight_layouts[0][1], "DDP rebuilt no bucket: the check below shows nothing"
+    assert [rank[-left:] for rank in layouts] == [rank[-left:] for rank in straight_layouts], where
     assert max_diff(weights, reference) == 0, where
     assert result["train_loss"] == straight_result["train_loss"], where  # the epoch's sums went on from the save
 
@@ -120,13 +139,14 @@ def test_signals_inside_saves_and_near_an_epochs_end(digits, straight, tmp_path)
     # its barrier): the job stops at the next steps, with a save of its own; a second signal, to every process while
     # that save writes, changes nothing. Then one 3 steps before epoch 1's end: the epoch's own save is the stop's.
     fault = "0:save=1:launcher,0:save=2:job"
-    first, saved, _, weights = stopped_then_resumed(digits, tmp_path, 2, fault, "--save-every", "5")
+    first, saved, _, weights, _ = stopped_then_resumed(digits, tmp_path, 2, fault, "--save-every", "5")
     assert "saved: " + str(tmp_path / "run" / "latest.pt") + " at step 5 (5 of epoch 1)" in first.stdout
     assert saved["step"] == 7, saved["step"]  # step 6's vote carries it (step 5's was cast before the save)
     assert max_diff(weights, straight(2)[0]) == 0
     # (Not resumed: that is the epoch-end checkpoint every run writes, and tests/test_conformance.py resumes it.)
     late = STEPS_PER_EPOCH - 3  # agreed at step 14 of 16: fewer than 4 left
-    first, saved, _, _ = stopped_then_resumed(digits, tmp_path / "late", 2, f"0:step={late}:launcher", resume=False)
+    first, saved, _, _, _ = stopped_then_resumed(digits, tmp_path / "late", 2, f"0:step={late}:launcher",
+                                                 resume=False)
     assert (saved["epoch"], saved["step"], saved["step_in_epoch"]) == (1, STEPS_PER_EPOCH, 0)
     assert "val_acc1=" in first.stdout  # the epoch ended as usual: evaluated, then saved
 

@@ -57,6 +57,12 @@ format of the input and weight ("channels_last", "contiguous", or "either" where
 the output's dtype. It rewrites LOG_LAYERS_DIR/<pid>.json each time a new one appears (layers_seen() in
 conftest.py reads them). Code that torch.compile traces records nothing (what --channels-last and --amp-dtype change
 in the eager recipes).
+With LOG_BUCKETS_DIR set, each forward through the DDP wrapper with autograd on appends to LOG_BUCKETS_DIR/rank<R>.jsonl
+the gradient buckets that forward's backward reduces, [[bucket index, [the shape of each parameter in it, in the
+bucket's order]], ...] (Reducer._get_zeros_like_grad_buckets, read after the forward, where DDP rebuilds its buckets
+once): where each gradient element sits in the all-reduce. It registers no comm hook: COUNT_DDP_DIR's divides each
+gradient by the world size where DDP's built-in reduction multiplies it by the reciprocal (reducer.cpp), so on 3
+ranks a run counted rounds otherwise than one not counted; a run logged here is bitwise the run not logged.
 Processes that never import those modules (launch.sh's port picker) do not pay for importing torch.
 """
 
@@ -78,6 +84,7 @@ _FSDP_DIR = os.environ.get("COUNT_FSDP_DIR")
 _PP_DIR = os.environ.get("LOG_PP_DIR")
 _SAMPLES_DIR = os.environ.get("LOG_SAMPLES_DIR")
 _LAYERS_DIR = os.environ.get("LOG_LAYERS_DIR")
+_BUCKETS_DIR = os.environ.get("LOG_BUCKETS_DIR")
 
 
 def _rank():
@@ -152,6 +159,31 @@ def _patch(ddp_module):
     default_hooks.dist = powerSGD_hook.dist = _counting_dist("all_reduce", count_bytes)
     GradScaler._maybe_opt_step = counting_opt_step
     ddp._sync_buffers, ddp._find_common_rank = counting_sync_buffers, counting_common_rank
+
+
+def _patch_buckets(ddp_module):
+    import torch
+
+    ddp = ddp_module.DistributedDataParallel
+    forward = ddp.forward
+
+    def logged_forward(self, *args, **kwargs):
+        output = forward(self, *args, **kwargs)
+        if torch.is_grad_enabled():
+            buckets = [[b.index(), [list(p.shape) for p in b.parameters()]]
+                       for b in self.reducer._get_zeros_like_grad_buckets()]
+            with open(os.path.join(_BUCKETS_DIR, f"rank{_rank()}.jsonl"), "a") as f:
+                f.write(json.dumps(buckets) + "\n")
+        return output
+
+    ddp.forward = logged_forward
+
+
+def _patch_ddp(ddp_module):
+    if _DIR:
+        _patch(ddp_module)
+    if _BUCKETS_DIR:
+        _patch_buckets(ddp_module)
 
 
 def _counting_dist(name, count):
@@ -431,8 +463,8 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 _COUNTS = {"grad_allreduces": 0, "eval_forwards": 0, "scaler_host_reads": 0, "buffer_syncs": 0,
            "common_rank_agreements": 0, "zero_broadcasts_per_step": []}
-_PATCHES = {**({"torch.nn.parallel.distributed": _patch,
-                "torch.distributed.optim.zero_redundancy_optimizer": _patch_zero} if _DIR else {}),
+_PATCHES = {**({"torch.nn.parallel.distributed": _patch_ddp} if _DIR or _BUCKETS_DIR else {}),
+            **({"torch.distributed.optim.zero_redundancy_optimizer": _patch_zero} if _DIR else {}),
             **({"torch.utils.data.dataloader": _patch_dataloader} if _RNG_DIR or _SAMPLES_DIR else {}),
             **({"torch.nn.modules.conv": _patch_conv, "torch.nn.modules.linear": _patch_linear} if _LAYERS_DIR
                else {}),
