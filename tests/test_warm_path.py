@@ -54,8 +54,15 @@ def numbers(proc):
 def test_the_two_paths_compute_the_same(recipe, tmp_path):
     devices, flags = FLAGS[recipe]
     args = [f"recipes/{recipe}.py", devices, *flags]
-    real = run_group([str(LAUNCH), *args, "--out-dir", tmp_path / "real"], env=launch_env(), cwd=REPO, timeout=600)
+    tmp = tmp_path / "tmp"  # the real job's TMPDIR (torchrun's two launchers; their recipes compile nothing)
+    tmp.mkdir()
+    env = launch_env({"TMPDIR": str(tmp)} if recipe in ("ddp_torchrun", "ddp_launch") else {})
+    real = run_group([str(LAUNCH), *args, "--out-dir", tmp_path / "real"], env=env, cwd=REPO, timeout=600)
     assert result_of(real)["world_size"] == int(devices.split(":")[1]), real.stdout
+    # The launcher's folders went with it: its stacks folder, and torchrun's log folder inside it (tools/torchrun.py's
+    # logs_in; left to torchrun, every launch leaves a torchelastic_* folder behind).
+    # (torch's import makes an empty torchinductor_<user> there, its compile cache: not the launcher's to remove.)
+    assert [p.name for p in tmp.iterdir() if p.name.startswith(("torchelastic_", "launch_stacks_"))] == [], real.stderr
     if recipe == "ddp_launch":  # launch.sh chose the real legacy launcher from the recipe's marker, and it trained
         assert "torch.distributed.launch" in real.stderr.splitlines()[0], real.stderr
     warm.forbidden.why = None

@@ -29,6 +29,9 @@ rank until it has that handler (and to ranks started later), so one sent while a
 Recipes without a save on it ignore it. torchrun's own --signals-to-handle loses SIGUSR1 (its handler would stop
 every rank at once, with no save).
 
+torchrun's log folder (each rank's error.json) goes with this process, in the temporary folder the ranks' stacks use,
+unless --log-dir names one: torchrun alone leaves a /tmp/torchelastic_* folder behind at every launch.
+
 After a hang or a lost peer (a rank's collective timed out, or its peer is gone; or NCCL's watchdog aborted a rank),
 every rank's Python stack is printed, in rank order, before the ranks are stopped: show_stacks, docs/failures.md.
 """
@@ -318,18 +321,27 @@ def main(argv):
     with tempfile.TemporaryDirectory(prefix="launch_stacks_") as folder:
         os.environ[STACKS_ENV] = folder  # the ranks inherit it: their stacks, and their error line after a hang
         stacks_before_stopping(Path(folder))
-        return run(legacy, argv)
+        return run(legacy, argv, folder)
 
 
-def run(legacy, argv):
+def logs_in(args, folder):
+    """torchrun's log folder (each rank's error.json, and its output under --redirects/--tee) inside `folder`, which
+    goes when this process ends, unless --log-dir names one: left to torchrun, every launch leaves a
+    /tmp/torchelastic_* folder behind (its DefaultLogsSpecs makes one with mkdtemp and never removes it)."""
+    if not args.log_dir:
+        args.log_dir = os.path.join(folder, "torchelastic")
+    return args
+
+
+def run(legacy, argv, folder):
     # What torch's import made lives as long as this process: out of the collector's sight, the exit does not walk
     # it in a last collection (half a second of CPU, per launch, while the ranks are exiting too).
     gc.freeze()
     try:
         if legacy:
-            legacy_launch.launch(without_sigusr1(legacy_launch.parse_args(argv)))
+            legacy_launch.launch(without_sigusr1(logs_in(legacy_launch.parse_args(argv), folder)))
         else:
-            torch_run.run(without_sigusr1(torch_run.parse_args(argv)))
+            torch_run.run(without_sigusr1(logs_in(torch_run.parse_args(argv), folder)))
     except ChildFailedError as exc:
         for failure in exc.failures.values():
             # torchrun stops the process groups of the ranks still running; a rank that died (SIGKILL, OOM) leaves

@@ -5,7 +5,8 @@ Python imports this module at start-up when tests/instrument is on PYTHONPATH (e
 With COUNT_DDP_DIR set, once torch's DistributedDataParallel is imported, each process counts
   grad_allreduces: gradient buckets DDP hands to its comm hook: the recipe's own (register_comm_hook, wrapped), or
                    where the recipe registers none, one registered at the first training forward that does what
-                   DDP's built-in one does (divide by the world size, all-reduce);
+                   DDP's built-in one does (divide by the world size, all-reduce; DDP multiplies by the reciprocal,
+                   so on 3 ranks an element may round otherwise: compare such a run bitwise only with another);
   allreduce_bytes_per_step: per training forward through the wrapper, the bytes the comm hooks pass to
                    dist.all_reduce: torch's default_hooks and powerSGD_hook modules get a `dist` of their own whose
                    all_reduce counts (torch.distributed itself is untouched: the recipe's all-reduces of its meters
