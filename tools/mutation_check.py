@@ -1,6 +1,6 @@
 """Delete the cookbook's lessons from the recipes, one at a time, and report which deletions the tests miss.
 
-    python tools/mutation_check.py                               # every edit on every recipe, one at a time: 249
+    python tools/mutation_check.py                               # every edit on every recipe, one at a time: 250
     python tools/mutation_check.py --jobs 2                      # two at a time: 251 took 53 min (2026-11-30)
     python tools/mutation_check.py --recipes torch_amp --edits unscale,no_sync
     python tools/mutation_check.py --out bench/mutation.json     # also write the results as JSON
@@ -175,6 +175,8 @@ EDITS = [
          file="common/data.py"),
     Edit("restart_after_save", "MAX_RESTARTS restarts ranks that saved and exited 75 for a requeue",
          "self._remaining_restarts = 0  # as torch does", "pass  # as torch does", file="tools/torchrun.py"),
+    Edit("torchelastic_left", "torchrun's log folder left to torchrun: a /tmp/torchelastic_* behind every launch",
+         'args.log_dir = os.path.join(folder, "torchelastic")', "pass", file="tools/torchrun.py"),
     # Issue 43: --async-save (the crash while the thread writes: tests/test_fsdp.py, test_lm.py, test_lm_tp.py).
     Edit("async_named_early", "--async-save naming the shards in latest.pt as their write starts, not once written",
          *NAMED_EARLY, file="common/checkpoint.py"),
@@ -377,6 +379,7 @@ GUARDS = {
     "seeded_samples": {"ddp_checkpoint": [PREEMPT, "-k", "3-self"]},
     "skip_first": {"ddp_checkpoint": [PREEMPT, "-k", "2-launcher"]},
     "restart_after_save": {"ddp_checkpoint": [PREEMPT, "-k", "2-launcher"]},
+    "torchelastic_left": {"ddp_torchrun": ["tests/test_warm_path.py", "-k", "two_paths and ddp_torchrun"]},
     # The heads per rank matter only where heads are cut (common/lm.py).
     "lm_heads_per_rank": {"lm_tp": own_tests, "lm_fsdp_tp": own_tests},
     # What the CPU cannot see in a conformance run: a checkpoint tagged as saved on cuda:1 must be loaded with
