@@ -211,17 +211,20 @@ def load_shards(model, optimizer, path, saves):
 def evaluate(model, inputs, targets, dp_rank, dp, dp_group, batch, device, amp):
     """Mean loss per byte over every validation window. New: dp rank r scores windows r, r + dp, ... (a tp group
     together); the sums are all-reduced across dp. Every rank runs as many forwards (each all-gathers a block's
-    shards across dp): a rank whose windows ran out runs empty ones."""
+    shards across dp): a rank whose windows ran out runs window 0 again, unscored."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)  # summed loss, bytes
     mine_x, mine_y = inputs[dp_rank::dp], targets[dp_rank::dp]  # New
     for i in range(0, len(inputs[::dp]), batch):  # New: dp rank 0's count of windows, the most any rank has
         x, y = mine_x[i:i + batch].to(device), mine_y[i:i + batch].to(device)  # New
+        scored = len(x) > 0  # New: out of windows (its whole tp group alike): a forward all the same, not scored
+        x, y = (x, y) if scored else (inputs[:1].to(device), targets[:1].to(device))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             logits = model(x)
-        with loss_parallel():  # from the logits cut by bytes, as in training
-            total[0] += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").to_local()
-        total[1] += y.numel()
+        if scored:
+            with loss_parallel():  # from the logits cut by bytes, as in training (all-reduces in the tp group)
+                total[0] += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").to_local()
+            total[1] += y.numel()
     dist.all_reduce(total, group=dp_group)  # New: a tp group's ranks hold the same sums: across dp only
     model.train()
     return (total[0] / total[1]).item()
