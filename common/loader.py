@@ -91,9 +91,8 @@ def _produce(box, q, stop, device, stream, on_device):
 
 
 class _PrefetchIterator:
-    def __init__(self, batches, device, depth, on_device):
+    def __init__(self, batches, device, depth, on_device, stream):
         self.device = device
-        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.queue = queue.Queue(maxsize=depth)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=_produce, args=([batches], self.queue, self.stop, device, stream,
@@ -157,6 +156,12 @@ class DataLoaderX(DataLoader):
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.prefetch = prefetch
         self.on_device = on_device or (lambda batch: _to_device(batch, self.device))
+        self.stream = None  # CUDA: the side stream, made at the first iter() and kept
 
     def __iter__(self):
-        return _PrefetchIterator(super().__iter__(), self.device, self.prefetch, self.on_device)
+        # One side stream for every epoch: the caching allocator keeps a freed block for the stream it was made on,
+        # so a new stream each epoch (torch lends one of a pool of 32) would strand each epoch's batch memory as
+        # reserved and unusable (timm's PrefetchLoader did: pytorch-image-models#2781).
+        if self.device.type == "cuda" and self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        return _PrefetchIterator(super().__iter__(), self.device, self.prefetch, self.on_device, self.stream)

@@ -346,6 +346,20 @@ def test_dataloaderx_cuda_stream_gives_the_same_batches():
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 
+def test_dataloaderx_keeps_one_side_stream_so_its_epochs_reserve_no_more_memory():
+    # The caching allocator keeps a freed block for the stream it was made on: a new side stream each epoch (one of
+    # torch's pool of 32) would leave every epoch's batches reserved and unusable (pytorch-image-models#2781).
+    loader = DataLoaderX("cuda", TensorDataset(torch.randn(32, 256, 1024)), batch_size=4, pin_memory=True)
+    reserved, streams = [], set()
+    for _ in range(4):
+        for (x,) in loader:  # 4 MiB a batch
+            x.mul_(2)  # the step's stream uses it
+        streams.add(loader.stream.cuda_stream)
+        torch.cuda.synchronize()
+        reserved.append(torch.cuda.memory_reserved())
+    assert len(streams) == 1 and reserved == [reserved[0]] * 4, (streams, reserved)
+
+
 # ------------------------------------------------------------------------------------ torch.amp
 
 
