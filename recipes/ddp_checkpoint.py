@@ -276,13 +276,14 @@ def main():
         train_set.set_epoch(epoch)  # New: the epoch in each sample's augmentation seed
         model.train()
         loss_meter, acc_meter = AverageMeter(), AverageMeter()
-        in_epoch = 0  # New: steps of this epoch done
+        in_epoch, before = 0, 0  # New: steps of this epoch done; its images trained before the save (not timed here)
         if epoch == start_epoch and resumed_in_epoch:  # New: mid-epoch: skip what was trained, go on with its sums
             in_epoch, train_sampler.skip = resumed_in_epoch, resumed_in_epoch * batch_per_process
             sums = ckpt["meters"]  # per rank; saved by another world size: all of it on rank 0 (all-reduced: same)
             mine = sums[rank] if len(sums) == world_size else [
                 (sum(r[i][0] for r in sums), sum(r[i][1] for r in sums)) if is_main else (0.0, 0) for i in range(2)]
             (loss_meter.sum, loss_meter.count), (acc_meter.sum, acc_meter.count) = mine
+            before = sum(r[0][1] for r in sums)  # New: every rank's count: img/s below is this run's images alone
         recent = collections.deque(maxlen=4)  # this epoch's last inputs, for BatchNorm below
         speed.start()
         bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", leave=False, disable=not (is_main and sys.stdout.isatty()))
@@ -345,10 +346,10 @@ def main():
         val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device, normalize)
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
                f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
-               f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={speed.eta(total_steps - step)}"
+               f"val_acc5={val_acc5:.2f} img/s={(loss_meter.count - before) / epoch_time:.1f} eta={speed.eta(total_steps - step)}"
                f"{speed.spread}")  # each rank's own work per step: a straggler has the max
         tb.epoch(step, device, train_loss=loss_meter.avg, train_acc1=acc_meter.avg, val_loss=val_loss,
-                 val_acc1=val_acc1, val_acc5=val_acc5, images_per_sec=loss_meter.count / epoch_time)
+                 val_acc1=val_acc1, val_acc5=val_acc5, images_per_sec=(loss_meter.count - before) / epoch_time)
 
         # New: ---------------------------------------------- checkpoint: rank 0 saves, barrier, all load
         if step % len(train_loader):  # an epoch cut short by --max-steps is not a resume point

@@ -363,11 +363,12 @@ def main():
         train_images.set_epoch(epoch)  # New: the epoch in each sample's augmentation seed
         model.train()
         loss_meter, acc_meter = AverageMeter(), AverageMeter()
-        in_epoch = 0  # New: steps of this epoch done
+        in_epoch, before = 0, 0  # New: steps of this epoch done; its images trained before the save (not timed here)
         if epoch == start_epoch and in_epoch_at_start:  # New: mid-epoch: skip what was trained, go on with its sums
             in_epoch, train_sampler.skip = in_epoch_at_start, in_epoch_at_start * batch_per_process
             if is_main:  # the sums of every rank: all-reduced at the epoch's end, as the ranks' own would be
                 (loss_meter.sum, loss_meter.count, acc_meter.sum, acc_meter.count) = sums
+            before = sums[1]  # New: img/s below is this run's images alone
         recent = collections.deque(maxlen=4)  # this epoch's last inputs, for BatchNorm below
         speed.start()
         left = (steps_per_epoch - in_epoch) * args.accum_steps  # New: micro-batches
@@ -443,10 +444,10 @@ def main():
             val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device)
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
                f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
-               f"val_acc5={val_acc5:.2f} img/s={loss_meter.count / epoch_time:.1f} eta={speed.eta(total_steps - step)}"
+               f"val_acc5={val_acc5:.2f} img/s={(loss_meter.count - before) / epoch_time:.1f} eta={speed.eta(total_steps - step)}"
                f"{speed.spread}")  # each rank's own work per step: a straggler has the max
         tb.epoch(step, device, train_loss=loss_meter.avg, train_acc1=acc_meter.avg, val_loss=val_loss,
-                 val_acc1=val_acc1, val_acc5=val_acc5, images_per_sec=loss_meter.count / epoch_time)
+                 val_acc1=val_acc1, val_acc5=val_acc5, images_per_sec=(loss_meter.count - before) / epoch_time)
         # after each whole epoch (not one cut short by --max-steps), so an interrupted run can --resume.
         if is_main and step % steps_per_epoch == 0:  # atomic: a crash mid-write keeps the previous checkpoint
             save_atomic({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
