@@ -84,14 +84,14 @@ FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     lm.add_flags(p, "lm_pp", sharded=True)  # New: sharded: OUT_DIR/checkpoint/, DCP shards and latest.pt
-    p.add_argument("--batch-size", type=int, help="GLOBAL batch in sequences: every stage takes all of it, in "
-                   "--microbatches pieces (default: 32, rounded down to a multiple of --microbatches)")  # New
+    p.add_argument("--batch-size", type=int, default=32, help="GLOBAL batch in sequences: every stage takes all of "
+                   "it, in --microbatches pieces (default: 32 on any --pp, so a checkpoint resumes on another)")  # New
     p.add_argument("--pp", type=int, help="pipeline stages: the number of processes (the default)")  # New
     p.add_argument("--schedule", choices=sorted(SCHEDULES), default="gpipe",  # New
                    help="the order of the microbatches' forwards and backwards on each stage: gpipe (all forwards, "
                    "then all backwards) or 1f1b (alternating: fewer activations held)")
     p.add_argument("--microbatches", type=int, help="pieces each step's batch is cut into, to flow through the "
-                   "stages (default: 2 x --pp)")  # New
+                   "stages (default: the fewest that divide --batch-size and are 2 x --pp or more)")  # New
     return p.parse_args(argv)
 
 
@@ -101,11 +101,11 @@ def check_args(args, world_size):
     if args.pp != world_size:  # New: one pipeline of all the processes, no data parallelism
         harness.die(f"--pp {args.pp} must equal the number of processes, {world_size}: lm_pp.py is pipeline parallel "
                     f"only (every rank holds one stage); launch {args.pp} processes or leave --pp out")
-    args.microbatches = 2 * args.pp if args.microbatches is None else args.microbatches  # New
+    if args.microbatches is None:  # New: 2 a stage or more (the bubble: (pp - 1) / (m + pp - 1) of a step), dividing
+        fits = [m for m in range(args.pp, args.batch_size + 1) if args.batch_size % m == 0]  # (else the error below)
+        args.microbatches = next((m for m in fits if m >= 2 * args.pp), fits[-1] if fits else 2 * args.pp)
     if args.microbatches < 1:  # New
         harness.die(f"--microbatches {args.microbatches} must be >= 1")
-    if args.batch_size is None:  # New: the default, rounded down so that it divides: 30 in 6 microbatches
-        args.batch_size = max(1, 32 // args.microbatches) * args.microbatches
     if args.warmup_steps is None:
         args.warmup_steps = args.steps // 20
     try:
@@ -268,9 +268,9 @@ def main():
     # ----------------------------------------------------------------------------------- model
     torch.manual_seed(args.seed)  # the same full model on every rank
     # YOUR MODEL goes here: an nn.Module from tokens (B, T) to logits (B, T, vocab).
-    model = lm.Transformer(args.n_layer, args.n_head, args.d_model, args.block_size).to(device)
+    model = lm.Transformer(args.n_layer, args.n_head, args.d_model, args.block_size)  # New: on the CPU, whole
     model_bytes = harness.state_bytes(model)  # New: the whole model's, before the cut (model.pt's size)
-    model = Stage(model, rank, args.pp, amp=args.amp_dtype == "bf16")  # New: this rank's piece of it; the rest freed
+    model = Stage(model, rank, args.pp, amp=args.amp_dtype == "bf16").to(device)  # New: this rank's piece, alone
     print0("pipeline: " + " | ".join(f"stage {s}: block{f' {a}' if b - a == 1 else f's {a}-{b - 1}'}"  # New
                                      for s, (a, b) in enumerate(stage_blocks(args.n_layer, args.pp)))
            + " (the embeddings on the first, the norm and the head on the last)")

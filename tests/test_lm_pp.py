@@ -436,11 +436,17 @@ def test_bad_pp_flags_fail_with_one_line_before_any_collective(world, flags, lin
 
 
 def test_the_defaults_divide_on_any_number_of_stages():
+    # The batch is 32 on any --pp (it is in every checkpoint's flags: a resume on another --pp takes the defaults);
+    # the microbatches the fewest that divide it and are 2 a stage or more (2 x --pp where that divides 32).
     recipe = load_recipe("lm_pp")
-    for world, batch in ((1, 32), (2, 32), (3, 30), (4, 32), (8, 32)):
-        args = recipe.parse_args(["--n-layer", "8"])
+    for world, microbatches in ((1, 2), (2, 4), (3, 8), (4, 8), (5, 16), (8, 16), (12, 32)):
+        args = recipe.parse_args(["--n-layer", "12"])
         recipe.check_args(args, world)
-        assert (args.pp, args.microbatches, args.batch_size, args.schedule) == (world, 2 * world, batch, "gpipe")
+        assert (args.pp, args.microbatches, args.batch_size, args.schedule) == (world, microbatches, 32, "gpipe")
+    for batch, world, microbatches in ((8, 3, 8), (6, 4, 6), (5, 3, 5)):  # a batch given: 2 x --pp, or the most
+        args = recipe.parse_args(["--n-layer", "8", "--batch-size", str(batch)])
+        recipe.check_args(args, world)
+        assert args.microbatches == microbatches, (batch, world, args.microbatches)
     assert recipe.stage_blocks(4, 3) == [(0, 1), (1, 2), (2, 4)] and recipe.stage_blocks(8, 8)[-1] == (7, 8)
 
 

@@ -111,7 +111,9 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # lm_pp: the stages, the schedule, the loss on the last stage, the clip across stages, DCP checkpoints (lm_tp's).
     # 323 until the preemption save: the wrapped import and the backward, as lm_tp; 427 until issue 58 (the plumbing
     # as named calls, as lm_tp's).
-    ("lm_ddp", "lm_pp", 362),  # 352 until --compile (issue 66), 360 until AdamW's implementation kept on resume
+    # 364: the model moved to the device after the cut (lm_ddp's `.to(device)` on the Transformer's line: each GPU
+    # held the whole model first), and the default batch 32 on any --pp (the microbatches fit it, not it them).
+    ("lm_ddp", "lm_pp", 364),  # 352 until --compile (issue 66), 360 until AdamW's implementation kept on resume
     # lm_fsdp_tp: lm_tp's with a dp dimension: the mesh, meta init, FSDP2, accumulation, the clip across meshes.
     # 302 until --async-save: lm_tp's lines for it, without their `# New` tags (here they are lm_tp's). 324 until
     # issue 58; about 25 of its 309 lines are lm_tp's `# New` tags, which this file leaves off the lines it shares.
