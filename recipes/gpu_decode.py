@@ -444,8 +444,8 @@ def main():
             val_loss, val_acc1, val_acc5, val_samples = evaluate(model.module, val_loader, criterion, device)
         print0(f"epoch={epoch + 1}/{args.epochs} step={step}/{total_steps} train_loss={loss_meter.avg:.4f} "
                f"train_acc1={acc_meter.avg:.2f} val_loss={val_loss:.4f} val_acc1={val_acc1:.2f} "
-               f"val_acc5={val_acc5:.2f} img/s={(loss_meter.count - before) / epoch_time:.1f} eta={speed.eta(total_steps - step)}"
-               f"{speed.spread}")  # each rank's own work per step: a straggler has the max
+               f"val_acc5={val_acc5:.2f} img/s={(loss_meter.count - before) / epoch_time:.1f} "
+               f"eta={speed.eta(total_steps - step)}{speed.spread}")  # own work per step: a straggler has the max
         tb.epoch(step, device, train_loss=loss_meter.avg, train_acc1=acc_meter.avg, val_loss=val_loss,
                  val_acc1=val_acc1, val_acc5=val_acc5, images_per_sec=(loss_meter.count - before) / epoch_time)
         # after each whole epoch (not one cut short by --max-steps), so an interrupted run can --resume.

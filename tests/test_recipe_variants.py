@@ -58,11 +58,11 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     ("ddp_torchrun", "ddp_spawn", 141),
     # ddp_checkpoint: 129, then 219 with the preemption save (issue 43: SIGUSR1's vote, --save-every, mid-epoch
     # resume with each sample's seed, the bucket layout's backward on resume, and its docstring); 220 with the
-    # curves flushed before exit 75; 225 with img/s counting only the images a resumed run trained (the epoch's
-    # saved count apart: it was that count over this run's seconds).
+    # curves flushed before exit 75; 227 with img/s counting only the images a resumed run trained (the epoch's
+    # saved count apart: it was that count over this run's seconds; its epoch line wrapped onto one more line).
     # torch_amp: 176 until issue 57 found its evaluate() without --channels-last's memory_format (182).
     # 202 with --compile (issue 65: the data path measured against a compiled step), torch_amp's and gpu_decode's.
-    ("ddp_torchrun", "torch_amp", 202), ("ddp_torchrun", "ddp_checkpoint", 225), ("ddp_torchrun", "apex_ddp", 63),
+    ("ddp_torchrun", "torch_amp", 202), ("ddp_torchrun", "ddp_checkpoint", 227), ("ddp_torchrun", "apex_ddp", 63),
     # gpu_decode (issue 65): torch_amp's, the data path moved to the main process's device (EncodedImages, collate,
     # decode_batch, DataLoaderX's on_device), --save-every's mid-epoch resume, its docstring, and torch_amp's
     # `# New` tags left off the lines it shares (here they are torch_amp's): 282; 283 without torch_amp's reseed on
@@ -73,8 +73,8 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # on the CPU in the main process, each file of a failed batch alone (a traceback naming no file before). 304 with
     # each sample's box and flip drawn from a generator of its own (crop_box: with --workers 0 the step's dropout drew
     # from the seeded global one in DataLoaderX's thread) and a resume's reseed by its step (dropout's draws anew).
-    # 309 with img/s counting only the images a resumed run trained (as ddp_checkpoint).
-    ("torch_amp", "gpu_decode", 309),
+    # 311 with img/s counting only the images a resumed run trained (as ddp_checkpoint).
+    ("torch_amp", "gpu_decode", 311),
     # mx_face_prefetch: 150, then 160 with issue 65's device_normalize in the flagship (its RecordIO transforms kept
     # insightface's ToTensor and Normalize(0.5, 0.5) in the workers), 153 since they hand over uint8 as well.
     ("ddp_torchrun", "apex_amp", 259), ("ddp_torchrun", "mx_face_prefetch", 153),
@@ -94,9 +94,9 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # with latest.pt named at the first step after the write, the writer's copy-ahead off and the default stager
     # named; each +1 for ddp_checkpoint's curves flushed before exit 75. fsdp 393 with the shard folders' scheme in
     # common/checkpoint.py (issue 58: ShardFolders, which the sharded language models share).
-    # fsdp 394: the root kept gathered from forward to backward (issue 57). Each +5 for ddp_checkpoint's img/s after
+    # fsdp 394: the root kept gathered from forward to backward (issue 57). Each +7 for ddp_checkpoint's img/s after
     # a mid-epoch resume.
-    ("ddp_checkpoint", "fsdp", 399), ("ddp_checkpoint", "ddp_zero", 187), ("ddp_checkpoint", "ddp_comm_hooks", 227),
+    ("ddp_checkpoint", "fsdp", 401), ("ddp_checkpoint", "ddp_zero", 189), ("ddp_checkpoint", "ddp_comm_hooks", 229),
     # lm_tp: the plan, sharded checkpoints (fsdp.py's), loss_parallel, the gradients' layouts, and its block picture.
     # 276 until the preemption save (issue 43): the same lines as lm_ddp's, but its import of common.checkpoint
     # then wraps onto 10 lines, and lm_ddp's backward before a resumed run (DDP's bucket layout) is not its.
