@@ -2,6 +2,7 @@
 3 timed steps after 1 warm-up) shared by the tests, its JSON's keys and numbers, the medians recomputed from the
 recorded steps, the table's rows; bad flags fail in one line; the MFU arithmetic and the datasheet peaks exactly."""
 
+import argparse
 import importlib.metadata
 import json
 import math
@@ -19,7 +20,7 @@ import torch
 from conftest import REPO, run_script
 
 from common.lm import Transformer
-from tools import gpu_bench
+from tools import gpu_bench, junit
 
 STEPS, WARMUP = 3, 1
 TIMED = {"throughput": [()], "overhead": [("recipe",), ("bare",)], "compile": [("eager",), ("compiled",)],
@@ -198,12 +199,67 @@ def test_the_data_section_runs_each_path_as_the_recipes_own_job(run):
         assert (compiled["recompiles"], compiled["graph_breaks"]) == ([0], [0]), compiled
         assert "compiled_graphs" not in eager
     assert d["ratio_compiled"] == max(d[f"{n}_decode_compiled"]["of_in_memory"] for n in ("cpu", "gpu"))
+    for name in recipes:  # each job's whole output kept beside the JSON (a job that fails on the GPU: its traceback)
+        log = (Path(report["settings"]["out"]).with_name(f"gpu.json.data-{name}.log")).read_text()
+        assert log.startswith(f"$ {d[name]['command']}\nexit 0\n--- stdout\n") and "RESULT " in log, log[:300]
     assert f"Compiled: GPU decode {d['gpu_decode_compiled']['images_per_sec']:,.0f} img/s" in row
     # Each job's figures also written as it ends, beside the JSON (a time limit on the section then keeps them).
     partial = json.loads(Path(report["settings"]["out"] + ".data.partial").read_text())
     jobs = [name + suffix for suffix in ("", "_compiled") for name in recipes]
     assert list(partial) == ["config", "files", "compile_error", *jobs]
     assert all(partial[job] == {k: v for k, v in d[job].items() if k != "of_in_memory"} for job in jobs), partial
+
+
+def test_a_data_job_that_fails_keeps_its_error_and_the_other_paths_their_figures(tmp_path):
+    # On a GPU each path is a first: one that fails (a decoder, a compile on that torch) must not cost the others.
+    args = argparse.Namespace(out=tmp_path / "gpu.json", arch="resnet50", image_size=224, batch_size=256, steps=3,
+                              warmup=1)
+    failed = gpu_bench.data_job(args, "gpu_decode", ["recipes/no_such.py", "cpu:1"])  # launch.sh refuses it at once
+    assert set(failed) == {"command", "error"} and failed["command"] == "./launch.sh recipes/no_such.py cpu:1"
+    assert failed["error"].startswith("exit 2: launch.sh: error: recipe"), failed
+    log = (tmp_path / "gpu.json.data-gpu_decode.log").read_text()
+    assert log.startswith("$ ./launch.sh recipes/no_such.py cpu:1\nexit 2\n") and "not found" in log, log
+    ran = {"amp": "fp16", "cores_busy": 9.0}
+    out = {"compile_error": None, "in_memory": {"images_per_sec": 100.0, **ran},
+           "cpu_decode": {"images_per_sec": 90.0, **ran}, "gpu_decode": failed,
+           "in_memory_compiled": {"images_per_sec": 200.0, **ran},
+           "cpu_decode_compiled": {"images_per_sec": 150.0, **ran},
+           "gpu_decode_compiled": {"images_per_sec": 190.0, **ran}}
+    gpu_bench.data_ratios(out)
+    assert (out["best"], out["ratio"], out["best_compiled"], out["ratio_compiled"]) == (
+        "cpu_decode", 0.9, "gpu_decode", 0.95)
+    assert "of_in_memory" not in out["gpu_decode"]
+    env = {"device": "cuda", "device_name": "NVIDIA H200", "driver": "1", "torch": "2.11", "cuda": "13.0", "cpu": "-"}
+    md = gpu_bench.table({"sections": {"data": out}, "environment": env, "wall_s": 1.0, "command": "c"}, args)
+    row = next(line for line in md.splitlines() if line.startswith("| 6 data"))
+    assert "GPU decode failed (exit 2: launch.sh: error: recipe" in row and "CPU decode 90 img/s" in row, row
+    assert row.endswith("| eager 0.90x; compiled 0.95x | missed (of the jobs that ran) |"), row
+    del out["in_memory"]["images_per_sec"], out["ratio"], out["best"]  # the in-memory job failed too: no eager ratio
+    out["in_memory"]["error"] = "exit 1: a traceback's last line"
+    row = next(line for line in gpu_bench.table({"sections": {"data": out}, "environment": env, "wall_s": 1.0,
+                                                 "command": "c"}, args).splitlines() if line.startswith("| 6 data"))
+    assert row.endswith("| compiled 0.95x | met (of the jobs that ran) |"), row
+
+
+def test_a_language_model_row_that_fails_leaves_the_others_on_the_page():
+    # The recipes' --compile never ran on a GPU: a row that fails there holds its error (run_lm), and the page says
+    # what ran; a ratio whose rows did not both run is "-".
+    args = argparse.Namespace(arch="resnet50", image_size=224, batch_size=256, steps=3, warmup=1)
+    env = {"device": "cuda", "device_name": "NVIDIA H200", "driver": "1", "torch": "2.11", "cuda": "13.0", "cpu": "-"}
+    ok = {"tokens_per_sec": 500000.0, "mfu": 0.40, "median_ms": 65.0, "first_step_s": 20.0, "graphs": 2,
+          "graph_breaks": 0, "achieved_tflops": 400.0}
+    lm = {"compile_error": None, "lm_ddp": ok, "lm_ddp_compiled": {**ok, "mfu": 0.46},
+          "lm_tp": {"error": "RuntimeError: boom"}, "lm_tp_compiled": ok}
+    report = {"sections": {"lm": lm}, "environment": env, "wall_s": 1.0, "command": "c",
+              "peak": {"tflops": 989.0, "source": "datasheet"}}
+    rows = {line.split(" | ")[0]: line for line in gpu_bench.table(report, args).splitlines() if line.startswith("| 4")}
+    assert rows["| 4 lm_ddp"].endswith("| 46.0% | met |"), rows
+    assert "| eager failed: RuntimeError: boom; compiled 500,000 tokens/s, MFU 40.0% |" in rows["| 4 lm_tp"], rows
+    assert rows["| 4 lm_tp"].endswith("| - | not measured |"), rows
+    lm.update(lm_tp=ok, lm_ddp_compiled={"error": "BackendCompilerFailed: x"}, tp_over_ddp_step=1.5)
+    rows = {line.split(" | ")[0]: line for line in gpu_bench.table(report, args).splitlines() if line.startswith("| 4")}
+    assert "| eager 500,000 tokens/s, MFU 40.0%; compiled failed: BackendCompilerFailed: x |" in rows["| 4 lm_ddp"]
+    assert rows["| 4 lm_tp"].endswith("| 1.50x; - | eager met; compiled - |"), rows
 
 
 def test_the_table_has_each_sections_row(run):
@@ -542,6 +598,23 @@ def tier_xml(folder, drop=(), spread=("-n", "2")):
                            "tier.xml", "test_gpu.py"], cwd=folder, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "1 failed, 3 passed, 1 skipped" in proc.stdout, proc.stdout
     return folder / "tier.xml"
+
+
+def test_the_tier_stopped_at_its_limit_keeps_the_tests_that_ended(tmp_path):
+    """tools/gpu_session.sh stops the tier at its limit with TIER_SIGNAL: pytest, under xdist as there, still writes
+    its JUnit XML, with the tests that ended and their printed lines (on SIGTERM, timeout's default, it writes none)."""
+    signal_name = re.search(r"^TIER_SIGNAL=(\w+)$", SESSION.read_text(), re.M)[1]
+    args = shlex.split(re.search(r"^TIER_ARGS=\((.*)\)", SESSION.read_text(), re.M)[1])
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: the GPU tier\n")
+    (tmp_path / "test_gpu.py").write_text("import time\n\nimport pytest\n\n\n@pytest.mark.gpu\ndef test_ends():\n"
+                                          "    print('lm_moe: {}')\n\n\n@pytest.mark.gpu\ndef test_runs_on():\n"
+                                          "    time.sleep(120)\n")
+    proc = subprocess.run(["timeout", "-s", signal_name, "--kill-after", "20", "8", sys.executable, "-m", "pytest",
+                           *args, "-n", "2", "-p", "no:cacheprovider", "--junitxml", "tier.xml", "test_gpu.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 124, proc.stdout[-2000:]
+    cases, _ = junit.read(tmp_path / "tier.xml")  # (and not the test it cut short: a testcase without a name there)
+    assert [case[:2] for case in cases] == [("test_gpu.py::test_ends", "passed")] and "\nlm_moe: {}\n" in cases[0][2]
 
 
 def test_the_tiers_language_model_runs_go_on_the_page(tmp_path, capsys):

@@ -16,9 +16,12 @@
 #
 # Each part writes OUT/machine.txt (the date, the tree if it is a git checkout, nvidia-smi, the versions) first. A
 # section's JSON is written when it ends, so one that runs out of time leaves its log, which says so (and data, each
-# job's figures as it ended: OUT/bench/data.json.data.partial; lm, each row: OUT/bench/lm.json.lm.partial). Back on a
-# machine with the project:
-#   python tools/gpu_bench.py --render OUT/bench --tier OUT/tier.xml --tree SHA --md bench/gpu.md
+# job's figures as it ended: OUT/bench/data.json.data.partial, and its whole output, data.json.data-JOB.log; lm, each
+# row: OUT/bench/lm.json.lm.partial). Each call's OUT comes back on its own: copy both into one folder of bench/, then,
+# back on a machine with the project, render them with the first run's other four sections (the same machine kind):
+#   python tools/gpu_bench.py --render OUT1/bench OUT2/bench \
+#     bench/gpu-2026-11-28-h200/{throughput,amp,overhead,compile}.json --tier OUT2/tier.xml --tree SHA --md bench/gpu.md
+# (and point tests/test_gpu_bench.py's RUN_DIR, which re-renders the page, at the new folder).
 # (--tier: the language models' one-GPU runs from the tier, lm_moe's tokens/s among them. pytest keeps no output of a
 # test that passed unless told to: TIER_ARGS' junit_logging puts each test's printed lines into tier.xml.)
 set -uo pipefail
@@ -41,6 +44,10 @@ shift 2
 # there costs lm_fsdp_tp's rows alone.
 declare -A LIMIT=([throughput]=90 [amp]=100 [overhead]=75 [lm]=210 [compile]=120 [data]=540)
 TIER_LIMIT=380
+TIER_LIMIT=${GPU_TIER_LIMIT:-$TIER_LIMIT}  # a loan with less time left: the tier's limit to fit it (it keeps what ran)
+# The tier is stopped at its limit with SIGINT: pytest writes its JUnit XML on KeyboardInterrupt, with the tests that
+# ended (tests/test_gpu_bench.py runs it so), and none on SIGTERM: tier.xml, lm_moe's tokens/s in it, would be lost.
+TIER_SIGNAL=INT
 TIER_ARGS=(-m gpu -v -rfEs -o junit_logging=system-out)  # tests/test_gpu_bench.py runs pytest with these
 RUN_ORDER=(throughput amp overhead lm compile data)  # tools/gpu_bench.py's RUN_ORDER (tests/test_gpu_bench.py)
 case $part in
@@ -79,11 +86,12 @@ settle() {
   return 0
 }
 
-# Runs LOG LIMIT COMMAND...: COMMAND under a time limit, its output into LOG; says when it ran out and settles.
+# Runs LOG LIMIT SIGNAL COMMAND...: COMMAND under a time limit (then SIGNAL, and SIGKILL 20 s later), its output into
+# LOG; says when it ran out and settles.
 limited() {
-  local log=$1 limit=$2 start=$SECONDS code
-  shift 2
-  timeout --kill-after 10 "$limit" "$@" > "$log" 2>&1
+  local log=$1 limit=$2 signal=$3 start=$SECONDS code
+  shift 3
+  timeout -s "$signal" --kill-after 20 "$limit" "$@" > "$log" 2>&1
   code=$?
   if [[ ($code -eq 124 || $code -eq 137) && $((SECONDS - start)) -ge $limit ]]; then
     echo "gpu_session.sh: ran out of its $limit s" >> "$log"
@@ -97,19 +105,20 @@ if [[ $part == bench ]]; then
   mkdir -p "$out/bench"
   for section in "${sections[@]}"; do
     start=$SECONDS
-    limited "$out/bench/$section.log" "${LIMIT[$section]}" "$python" tools/gpu_bench.py --only "$section" \
+    limited "$out/bench/$section.log" "${LIMIT[$section]}" TERM "$python" tools/gpu_bench.py --only "$section" \
       --out "$out/bench/$section.json"
     code=$?
     echo "$section: exit $code after $((SECONDS - start)) s"
     [[ $code -eq 0 ]] || failed=1
   done
 else
-  timeout 180 "$python" -m pip install --no-index --disable-pip-version-check --no-build-isolation --no-deps \
+  timeout 60 "$python" -m pip install --no-index --disable-pip-version-check --no-build-isolation --no-deps \
     ./vendor/apex-25.04.tar.gz > "$out/apex.log" 2>&1 || echo "apex: not installed ($out/apex.log); its tests say so"
   spread=()
   "$python" -c 'import xdist' 2> /dev/null && spread=(-n 8)
   start=$SECONDS
-  limited "$out/tier.log" "$TIER_LIMIT" "$python" -m pytest "${TIER_ARGS[@]}" "${spread[@]}" --junitxml "$out/tier.xml"
+  limited "$out/tier.log" "$TIER_LIMIT" "$TIER_SIGNAL" "$python" -m pytest "${TIER_ARGS[@]}" "${spread[@]}" \
+    --junitxml "$out/tier.xml"
   code=$?
   echo "tier: exit $code after $((SECONDS - start)) s; $(tail -n 1 "$out/tier.log")"
   [[ $code -eq 0 ]] || failed=1
