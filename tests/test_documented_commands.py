@@ -104,7 +104,7 @@ NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsew
                                        "tests/test_lm_tp.py runs the same measurement at a small size",
     "python tools/gpu_bench.py --out bench/gpu.json --md bench/gpu_table.md":
         "GPU 0 at resnet50 and GPT-2 small's sizes: it needs a GPU; tests/test_gpu_bench.py runs it with --device cpu",
-    "python tools/gpu_bench.py --render OUT/bench --tier OUT/tier.xml --tree SHA --md bench/gpu.md":
+    "python tools/gpu_bench.py --render OUT1/bench OUT2/bench --tier OUT2/tier.xml --tree SHA --md bench/gpu.md":
         "OUT is a GPU session's folder; tests/test_gpu_bench.py renders the first run's JSONs with a stand-in tier.xml",
     "python tools/tune_loader.py --dataset imagefolder --data-root ~/my_data --batch-size 256 --processes 4 "
     "--device cuda": "--device cuda needs a GPU; tests/test_tune_loader.py runs the tool on the CPU",
