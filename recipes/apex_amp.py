@@ -266,10 +266,11 @@ def main():
                 group.update(fused=True, foreach=None)
             scaler.load_state_dict(ckpt["amp"])
             masters.copy_from_model()  # as apex does: the masters re-made from the loaded model
-        start_epoch, step = ckpt["epoch"], ckpt["step"]
-        # The schedule goes by this run's steps per epoch (another world size or batch counts others).
-        scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs,
-                                  start_epoch * len(train_loader))
+        start_epoch = ckpt["epoch"]
+        # The step and the schedule go by this run's steps per epoch (another world size or batch counts others: the
+        # saved step, in the old count, ended this run's epochs off their boundaries and it stopped early, unsaved).
+        step = start_epoch * len(train_loader)
+        scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs, step)
         print0(f"resumed: {resume} epoch={start_epoch} step={step} amp={ckpt['amp']}")
     if impl == "apex":  # New
         model = ApexDDP(model, delay_allreduce=True)  # one all-reduce of all gradients after backward

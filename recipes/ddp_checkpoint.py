@@ -224,16 +224,17 @@ def main():
             "model", "optimizer", "scheduler", "epoch", "step", "best_acc1", "rng", "args"))
         load_weights(model.module, ckpt["model"], resume)
         optimizer.load_state_dict(ckpt["optimizer"])
-        start_epoch, step, best_acc1 = ckpt["epoch"], ckpt["step"], ckpt["best_acc1"]
-        start_step, resumed_in_epoch = step, ckpt.get("step_in_epoch", 0)  # New: 0 from an epoch's end
+        start_epoch, best_acc1 = ckpt["epoch"], ckpt["best_acc1"]
+        resumed_in_epoch = ckpt.get("step_in_epoch", 0)  # New: 0 from an epoch's end
         if ckpt["args"]["epochs"] != args.epochs:  # the cosine schedule was laid out for that many epochs
             harness.die(f"{resume} was trained with --epochs {ckpt['args']['epochs']}; resume with the same --epochs")
         if resumed_in_epoch and ckpt["args"]["batch_size"] != args.batch_size:  # New: steps would cover other samples
             harness.die(f"{resume} was saved at step {resumed_in_epoch} of epoch {start_epoch + 1} with --batch-size "
                         f"{ckpt['args']['batch_size']} (global); resume it with the same --batch-size")
-        # The schedule goes by this run's steps per epoch (another world size or batch counts others).
-        scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs,
-                                  start_epoch * len(train_loader) + resumed_in_epoch)
+        # The step and the schedule go by this run's steps per epoch (another world size or batch counts others: the
+        # saved step, in the old count, ended this run's epochs off their boundaries and it stopped early, unsaved).
+        step = start_step = start_epoch * len(train_loader) + resumed_in_epoch  # New: + resumed_in_epoch
+        scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs, step)
         # What the saved streams do not cover (another world size; the CUDA stream of a checkpoint saved on CPU) gets
         # a seed per epoch: seed + rank again would replay epoch 0's random draws (distinct below 10,000 ranks).
         torch.manual_seed(args.seed + rank + 10_000 * start_epoch)

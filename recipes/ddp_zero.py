@@ -188,10 +188,11 @@ def main():
             "model", "optimizer", "scheduler", "epoch", "step", "best_acc1", "rng", "args"))
         load_weights(model.module, ckpt["model"], resume)
         optimizer.load_state_dict(ckpt["optimizer"])  # New: the whole state on every rank; each keeps its shard
-        start_epoch, step, best_acc1 = ckpt["epoch"], ckpt["step"], ckpt["best_acc1"]
-        # The schedule goes by this run's steps per epoch (another world size or batch counts others).
-        scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs,
-                                  start_epoch * len(train_loader))
+        start_epoch, best_acc1 = ckpt["epoch"], ckpt["best_acc1"]
+        # The step and the schedule go by this run's steps per epoch (another world size or batch counts others: the
+        # saved step, in the old count, ended this run's epochs off their boundaries and it stopped early, unsaved).
+        step = start_epoch * len(train_loader)
+        scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs, step)
         if ckpt["args"]["epochs"] != args.epochs:  # the cosine schedule was laid out for that many epochs
             harness.die(f"{resume} was trained with --epochs {ckpt['args']['epochs']}; resume with the same --epochs")
         # What the saved streams do not cover (another world size; the CUDA stream of a checkpoint saved on CPU) gets

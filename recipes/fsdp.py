@@ -284,10 +284,11 @@ def main():
             if ckpt["args"][flag] != getattr(args, flag):  # for that many epochs
                 harness.die(f"{resume} was trained with --{flag} {ckpt['args'][flag]}; resume with the same --{flag}")
         load_shards(model, optimizer, os.path.join(os.path.dirname(resume), ckpt["shards"]), saves)
-        start_epoch, step, best_acc1 = ckpt["epoch"], ckpt["step"], ckpt["best_acc1"]
-        # The schedule goes by this run's steps per epoch (another world size or batch counts others).
-        scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs,
-                                  start_epoch * len(train_loader))
+        start_epoch, best_acc1 = ckpt["epoch"], ckpt["best_acc1"]
+        # The step and the schedule go by this run's steps per epoch (another world size or batch counts others: the
+        # saved step, in the old count, ended this run's epochs off their boundaries and it stopped early, unsaved).
+        step = start_epoch * len(train_loader)
+        scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs, step)
         # What the saved streams do not cover (another world size; the CUDA stream of a checkpoint saved on CPU) gets
         # a seed per epoch: seed + rank again would replay epoch 0's random draws (distinct below 10,000 ranks).
         torch.manual_seed(args.seed + rank + 10_000 * start_epoch)

@@ -199,9 +199,9 @@ def main():
         for group in optimizer.param_groups:  # a plain SGD's checkpoint would switch fused off (GradScaler then fails)
             group.update(fused=True, foreach=None)
         scaler.load_state_dict(ckpt["scaler"])  # without it fp16 restarts at scale 65536 and skips steps
-        start_epoch, step = ckpt["epoch"], ckpt["step"]
-        scheduler = warmup_cosine(optimizer, args.epochs, steps_per_epoch, args.warmup_epochs,
-                                  start_epoch * steps_per_epoch)  # this run's steps per epoch
+        start_epoch = ckpt["epoch"]
+        step = start_epoch * steps_per_epoch  # this run's count (the saved step: another world size's or batch's)
+        scheduler = warmup_cosine(optimizer, args.epochs, steps_per_epoch, args.warmup_epochs, step)
         torch.manual_seed(args.seed + rank + 10_000 * start_epoch)  # no RNG state saved: not epoch 0's draws again
         print0(f"resumed: {resume} epoch={start_epoch} step={step} scaler={scaler.state_dict()}")
     print0(f"amp: {amp_name} autocast={amp_dtype != torch.float32} grad_scaler={scaler.is_enabled()}"

@@ -66,7 +66,7 @@ def runs(tmp_path_factory):
                              env=rng_env(tmp / "rng_straight"))
     got["one"] = run_direct("fsdp", *ARGS, "--out-dir", tmp / "one")  # one process, the whole batch
     got["first"] = launch("recipes/fsdp.py", "cpu:2", *ARGS, "--max-steps", PER_EPOCH, "--out-dir", tmp / "first")
-    for name in ("r2", "r3", "r1", "wrong_arch", "truncated"):
+    for name in ("r2", "r3", "r1", "r1_other_batch", "wrong_arch", "truncated"):
         shutil.copytree(tmp / "first", tmp / name)
     # r2 with --async-save, rank 0's training forwards 0.3 s slower (tests/faults' FAULT_SLOW): epoch 2's few kB are
     # written while epoch 3 trains, and seen done by one of its steps (the background changes no weight).
@@ -76,6 +76,9 @@ def runs(tmp_path_factory):
                        "--out-dir", tmp / "r3",
                        env=rng_env(tmp / "rng_r3", instrument_env(COUNT_FSDP_DIR=tmp / "counts_r3")))
     got["r1"] = run_direct("fsdp", *ARGS, "--resume", "auto", "--out-dir", tmp / "r1", env=rng_env(tmp / "rng_r1"))
+    # another global batch: 2 steps an epoch, not 3
+    got["r1_other_batch"] = run_direct("fsdp", *ARGS, "--batch-size", "72", "--resume", "auto", "--out-dir",
+                                       tmp / "r1_other_batch")
     return got
 
 
@@ -100,6 +103,16 @@ def test_resume_on_the_same_world_size_is_bitwise(runs):
     # --async-save: epoch 2's save named in latest.pt by a step of epoch 3, before epoch 3's line.
     named = re.search(r"^saved: \S+/epoch_2-\w+ \(written in the background\)$", resumed.stdout, re.M)
     assert named and named.start() < resumed.stdout.index("epoch=3/3"), resumed.stdout
+
+
+def test_a_resume_with_other_steps_per_epoch_trains_every_epoch_left(runs):
+    # Steps counted in this run's epochs (the checkpoint's step 3 is the 48-sample batch's count): with the saved
+    # count, epoch 2 ended at step 5, off its boundary, and the run stopped there as if --max-steps had cut it, unsaved.
+    proc = runs["r1_other_batch"]
+    assert result_of(proc)["steps"] == 3 * 2 and " at epoch 1 step 2" in proc.stdout, proc.stdout
+    assert [line.split()[0] for line in epoch_lines(proc.stdout)] == ["epoch=2/3", "epoch=3/3"]
+    shards = torch.load(runs["tmp"] / "r1_other_batch/checkpoint/latest.pt", weights_only=True)["shards"]
+    assert shards.startswith("epoch_3-"), shards
 
 
 @pytest.mark.parametrize(("name", "world"), [("r3", 3), ("r1", 1)])

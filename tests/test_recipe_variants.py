@@ -59,10 +59,11 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # ddp_checkpoint: 129, then 219 with the preemption save (issue 43: SIGUSR1's vote, --save-every, mid-epoch
     # resume with each sample's seed, the bucket layout's backward on resume, and its docstring); 220 with the
     # curves flushed before exit 75; 227 with img/s counting only the images a resumed run trained (the epoch's
-    # saved count apart: it was that count over this run's seconds; its epoch line wrapped onto one more line).
+    # saved count apart: it was that count over this run's seconds; its epoch line wrapped onto one more line); 228
+    # with the step of a resume counted in this run's epochs (the saved count stopped it early on another batch).
     # torch_amp: 176 until issue 57 found its evaluate() without --channels-last's memory_format (182).
     # 202 with --compile (issue 65: the data path measured against a compiled step), torch_amp's and gpu_decode's.
-    ("ddp_torchrun", "torch_amp", 202), ("ddp_torchrun", "ddp_checkpoint", 227), ("ddp_torchrun", "apex_ddp", 63),
+    ("ddp_torchrun", "torch_amp", 202), ("ddp_torchrun", "ddp_checkpoint", 228), ("ddp_torchrun", "apex_ddp", 63),
     # gpu_decode (issue 65): torch_amp's, the data path moved to the main process's device (EncodedImages, collate,
     # decode_batch, DataLoaderX's on_device), --save-every's mid-epoch resume, its docstring, and torch_amp's
     # `# New` tags left off the lines it shares (here they are torch_amp's): 282; 283 without torch_amp's reseed on
@@ -74,10 +75,12 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # each sample's box and flip drawn from a generator of its own (crop_box: with --workers 0 the step's dropout drew
     # from the seeded global one in DataLoaderX's thread) and a resume's reseed by its step (dropout's draws anew).
     # 311 with img/s counting only the images a resumed run trained (as ddp_checkpoint).
-    ("torch_amp", "gpu_decode", 311),
+    # 313 with torch_amp's resumed step counted in this run's epochs (gpu_decode's: the same --batch-size, its step).
+    ("torch_amp", "gpu_decode", 313),
+    # apex_amp 260: its resumed step counted in this run's epochs (a saved count from another batch stopped it early).
     # mx_face_prefetch: 150, then 160 with issue 65's device_normalize in the flagship (its RecordIO transforms kept
     # insightface's ToTensor and Normalize(0.5, 0.5) in the workers), 153 since they hand over uint8 as well.
-    ("ddp_torchrun", "apex_amp", 259), ("ddp_torchrun", "mx_face_prefetch", 153),
+    ("ddp_torchrun", "apex_amp", 260), ("ddp_torchrun", "mx_face_prefetch", 153),
     # ddp_compile: 78, then 81 with what --sync-bn costs it (issue 39) in its docstring and the breaks' reasons; 87
     # with DDP's spurious grad-strides warning explained (tests/test_documented_commands.py checks it is spurious).
     ("ddp_torchrun", "ddp_compile", 87),

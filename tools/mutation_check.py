@@ -1,6 +1,6 @@
 """Delete the cookbook's lessons from the recipes, one at a time, and report which deletions the tests miss.
 
-    python tools/mutation_check.py                               # every edit on every recipe, one at a time: 252
+    python tools/mutation_check.py                               # every edit on every recipe, one at a time: 253
     python tools/mutation_check.py --jobs 2                      # two at a time: 251 took 53 min (2026-11-30)
     python tools/mutation_check.py --recipes torch_amp --edits unscale,no_sync
     python tools/mutation_check.py --out bench/mutation.json     # also write the results as JSON
@@ -259,6 +259,9 @@ EDITS = [
          "generator = torch.default_generator.manual_seed(sample_seed(self.seed, self.epoch, index))"),
     Edit("gpu_decode_resume_reseed", "a resume reseeds with seed + rank: epoch 0's dropout draws again",
          "torch.manual_seed(args.seed + rank + 10_000 * step)", "torch.manual_seed(args.seed + rank)"),
+    Edit("resume_saved_step", "a resume counts steps as the checkpoint did: with another batch its epochs end off "
+         "their boundaries and it stops early, unsaved",
+         "        step = start_epoch * len(train_loader)\n", '        step = ckpt["step"]\n'),
     Edit("lm_eval_stand_in", "an evaluation out of windows runs an empty batch: that rank raises in the attention's "
          "view, the others wait in its collectives",
          "        x, y = (x, y) if scored else (inputs[:1].to(device), targets[:1].to(device))", "        pass"),
@@ -442,6 +445,7 @@ GUARDS = {
     # lm_moe's four claims: its --ep 2 run's records (the cheapest of the claims test's layouts notices each).
     **{name: {"lm_moe": [MOE_CLAIMS]} for name in ("lm_moe_dropped_experts_kept", "lm_moe_rows_to_every_rank",
                                                    "lm_moe_experts_on_every_row", "lm_moe_expert_grads_world_zeroed")},
+    "resume_saved_step": {"fsdp": ["tests/test_fsdp.py", "-k", "other_steps_per_epoch"]},
     "lm_eval_stand_in": {"lm_fsdp_tp": ["tests/test_lm_fsdp_tp.py", "-k", "2x2_mesh_with"],
                          "lm_moe": ["tests/test_lm_moe.py", "-k", "trains_the_one_process_model and ep2"]},
     "lm_compile_dropped": {"lm_ddp": ["tests/test_lm.py", "-k", "compiled"],
