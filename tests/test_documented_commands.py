@@ -445,7 +445,8 @@ def test_every_documented_command_runs_on_a_cpu_stand_in(index, digits, folders,
         setup = re.search(r"^setup: world_size=(\d+) .*?global_batch=(\d+) ", "".join(r.stdout for r in results), re.M)
         if "--batch-size" not in map(str, argv) and "recipes/dp.py" not in words:  # the stand-in's own: not checked
             parts = int(setup[1]) * int(_flag(words, "--accum-steps") or 1)
-            parts = 1 if "recipes/lm_tp.py" in words else parts  # tensor parallel: every rank takes the whole batch
+            # tensor and pipeline parallel: every rank takes the whole batch (lm_pp's microbatches divide it)
+            parts = 1 if {"recipes/lm_tp.py", "recipes/lm_pp.py"} & set(words) else parts
             default = 32 if any(w.startswith("recipes/lm_") for w in words) else 128  # sequences, images
             assert int(setup[2]) == default // parts * parts, setup[0]
     # DDP's "Grad strides do not match bucket view strides" (ddp_compile.py's docstring: spurious, a 1x1
