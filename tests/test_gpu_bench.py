@@ -219,6 +219,11 @@ def test_a_data_job_that_fails_keeps_its_error_and_the_other_paths_their_figures
     assert failed["error"].startswith("exit 2: launch.sh: error: recipe"), failed
     log = (tmp_path / "gpu.json.data-gpu_decode.log").read_text()
     assert log.startswith("$ ./launch.sh recipes/no_such.py cpu:1\nexit 2\n") and "not found" in log, log
+    slow = tmp_path / "slow.py"  # a job past its limit: its output so far kept (bytes there, text=True or not)
+    slow.write_text("# launcher: python\nimport time\nprint('started', flush=True)\ntime.sleep(20)\n")
+    late = gpu_bench.data_job(args, "late", [str(slow), "cpu:1"], timeout=4)
+    assert late["error"].startswith("exit timed out after 4 s"), late
+    assert "exit timed out after 4 s\n--- stdout\nstarted\n" in (tmp_path / "gpu.json.data-late.log").read_text()
     ran = {"amp": "fp16", "cores_busy": 9.0}
     out = {"compile_error": None, "in_memory": {"images_per_sec": 100.0, **ran},
            "cpu_decode": {"images_per_sec": 90.0, **ran}, "gpu_decode": failed,

@@ -851,7 +851,7 @@ def run_data(args, device, cache):
     return out
 
 
-def data_job(args, name, argv):
+def data_job(args, name, argv, timeout=600):
     """One job of section data: `./launch.sh ARGV`, its figures; or, where it failed, {"error": its last line} and
     the others go on (a path that fails on this GPU or torch leaves the rest measured). Its whole output goes to
     --out's name + '.data-NAME.log' either way."""
@@ -861,9 +861,10 @@ def data_job(args, name, argv):
     before, started = cpu_seconds_of_children(), time.perf_counter()
     try:
         proc = subprocess.run([str(REPO / "launch.sh"), *argv], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=600)
-    except subprocess.TimeoutExpired as exc:
-        proc = subprocess.CompletedProcess(exc.cmd, "timed out after 600 s", exc.stdout or "", exc.stderr or "")
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as exc:  # its output so far: bytes, text=True notwithstanding
+        text = [x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (exc.stdout, exc.stderr)]
+        proc = subprocess.CompletedProcess(exc.cmd, f"timed out after {timeout} s", *text)
     wall, cpu = time.perf_counter() - started, cpu_seconds_of_children() - before
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_name(f"{args.out.name}.data-{name}.log").write_text(
