@@ -210,10 +210,18 @@ def test_the_data_section_runs_each_path_as_the_recipes_own_job(run):
     assert all(partial[job] == {k: v for k, v in d[job].items() if k != "of_in_memory"} for job in jobs), partial
 
 
+def h200_rows(section, figures):
+    """The table's rows ({"| 6 data": line, ...}) of a report holding one section's figures, as an H200 run's."""
+    env = {"device": "cuda", "device_name": "NVIDIA H200", "driver": "1", "torch": "2.11", "cuda": "13.0", "cpu": "-"}
+    report = {"sections": {section: figures}, "environment": env, "wall_s": 1.0, "command": "c",
+              "peak": {"tflops": 989.0, "source": "datasheet"}}
+    args = argparse.Namespace(arch="resnet50", image_size=224, batch_size=256, steps=3, warmup=1)
+    return {line.split(" | ")[0]: line for line in gpu_bench.table(report, args).splitlines() if line.startswith("| ")}
+
+
 def test_a_data_job_that_fails_keeps_its_error_and_the_other_paths_their_figures(tmp_path):
     # On a GPU each path is a first: one that fails (a decoder, a compile on that torch) must not cost the others.
-    args = argparse.Namespace(out=tmp_path / "gpu.json", arch="resnet50", image_size=224, batch_size=256, steps=3,
-                              warmup=1)
+    args = argparse.Namespace(out=tmp_path / "gpu.json")
     failed = gpu_bench.data_job(args, "gpu_decode", ["recipes/no_such.py", "cpu:1"])  # launch.sh refuses it at once
     assert set(failed) == {"command", "error"} and failed["command"] == "./launch.sh recipes/no_such.py cpu:1"
     assert failed["error"].startswith("exit 2: launch.sh: error: recipe"), failed
@@ -234,35 +242,28 @@ def test_a_data_job_that_fails_keeps_its_error_and_the_other_paths_their_figures
     assert (out["best"], out["ratio"], out["best_compiled"], out["ratio_compiled"]) == (
         "cpu_decode", 0.9, "gpu_decode", 0.95)
     assert "of_in_memory" not in out["gpu_decode"]
-    env = {"device": "cuda", "device_name": "NVIDIA H200", "driver": "1", "torch": "2.11", "cuda": "13.0", "cpu": "-"}
-    md = gpu_bench.table({"sections": {"data": out}, "environment": env, "wall_s": 1.0, "command": "c"}, args)
-    row = next(line for line in md.splitlines() if line.startswith("| 6 data"))
+    row = h200_rows("data", out)["| 6 data"]
     assert "GPU decode failed (exit 2: launch.sh: error: recipe" in row and "CPU decode 90 img/s" in row, row
     assert row.endswith("| eager 0.90x; compiled 0.95x | missed (of the jobs that ran) |"), row
     del out["in_memory"]["images_per_sec"], out["ratio"], out["best"]  # the in-memory job failed too: no eager ratio
     out["in_memory"]["error"] = "exit 1: a traceback's last line"
-    row = next(line for line in gpu_bench.table({"sections": {"data": out}, "environment": env, "wall_s": 1.0,
-                                                 "command": "c"}, args).splitlines() if line.startswith("| 6 data"))
+    row = h200_rows("data", out)["| 6 data"]
     assert row.endswith("| compiled 0.95x | met (of the jobs that ran) |"), row
 
 
 def test_a_language_model_row_that_fails_leaves_the_others_on_the_page():
     # The recipes' --compile never ran on a GPU: a row that fails there holds its error (run_lm), and the page says
     # what ran; a ratio whose rows did not both run is "-".
-    args = argparse.Namespace(arch="resnet50", image_size=224, batch_size=256, steps=3, warmup=1)
-    env = {"device": "cuda", "device_name": "NVIDIA H200", "driver": "1", "torch": "2.11", "cuda": "13.0", "cpu": "-"}
     ok = {"tokens_per_sec": 500000.0, "mfu": 0.40, "median_ms": 65.0, "first_step_s": 20.0, "graphs": 2,
           "graph_breaks": 0, "achieved_tflops": 400.0}
     lm = {"compile_error": None, "lm_ddp": ok, "lm_ddp_compiled": {**ok, "mfu": 0.46},
           "lm_tp": {"error": "RuntimeError: boom"}, "lm_tp_compiled": ok}
-    report = {"sections": {"lm": lm}, "environment": env, "wall_s": 1.0, "command": "c",
-              "peak": {"tflops": 989.0, "source": "datasheet"}}
-    rows = {line.split(" | ")[0]: line for line in gpu_bench.table(report, args).splitlines() if line.startswith("| 4")}
+    rows = h200_rows("lm", lm)
     assert rows["| 4 lm_ddp"].endswith("| 46.0% | met |"), rows
     assert "| eager failed: RuntimeError: boom; compiled 500,000 tokens/s, MFU 40.0% |" in rows["| 4 lm_tp"], rows
     assert rows["| 4 lm_tp"].endswith("| - | not measured |"), rows
     lm.update(lm_tp=ok, lm_ddp_compiled={"error": "BackendCompilerFailed: x"}, tp_over_ddp_step=1.5)
-    rows = {line.split(" | ")[0]: line for line in gpu_bench.table(report, args).splitlines() if line.startswith("| 4")}
+    rows = h200_rows("lm", lm)
     assert "| eager 500,000 tokens/s, MFU 40.0%; compiled failed: BackendCompilerFailed: x |" in rows["| 4 lm_ddp"]
     assert rows["| 4 lm_tp"].endswith("| 1.50x; - | eager met; compiled - |"), rows
 

@@ -91,7 +91,7 @@ from common.compiler import missing_compiler  # noqa: E402
 from common.lm import Transformer, adamw_implementation, check_model_flags, train_batch  # noqa: E402
 from common.models import build_model, check_arch, check_image_size  # noqa: E402
 from common.schedule import default_lr, warmup_cosine  # noqa: E402
-from common.utils import AverageMeter, accuracy  # noqa: E402
+from common.utils import AverageMeter, accuracy, first_line  # noqa: E402
 from tools import junit  # noqa: E402
 from tools.free_port import free_port  # noqa: E402
 from tools.recipes import load_recipe  # noqa: E402
@@ -718,6 +718,13 @@ def lm_flops_per_token(args, n_matmul):
     return 6 * n_matmul + 12 * args.lm_layers * args.lm_d_model * args.lm_seq_len
 
 
+def failure(what, exc):
+    """A measurement's one-line error in place of its figures, {"error": ...}, said on stderr: the others go on."""
+    error = {"error": f"{type(exc).__name__}: {first_line(exc) or type(exc).__name__}"[:300]}
+    print(f"gpu_bench: {what} failed: {error['error']}", file=sys.stderr, flush=True)
+    return error
+
+
 def keep_partial(args, section, out):
     """A section's figures so far, to --out's name + '.<section>.partial': a time limit that cuts the section short
     keeps what ended (not *.json: --render takes whole sections only)."""
@@ -767,10 +774,7 @@ def run_lm(args, device, cache, peak):
         try:
             out[name] = measure(recipe, compiled)
         except Exception as exc:
-            message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            out[name] = {"error": f"{type(exc).__name__}: {message}"[:300]}
-            print(f"gpu_bench: lm {name} failed: {out[name]['error']}", file=sys.stderr, flush=True)
-        keep_partial(args, "lm", out)
+            out[name] = failure(f"lm {name}", exc)
 
     def ratio(key, over, under):
         if "median_ms" in out.get(over, {}) and "median_ms" in out.get(under, {}):
@@ -779,6 +783,7 @@ def run_lm(args, device, cache, peak):
     for recipe, compiled in (("lm_ddp", False), ("lm_tp", False), ("lm_ddp", True), ("lm_tp", True)):
         if not (compiled and missing):
             row(recipe + "_compiled" * compiled, recipe, compiled)
+            keep_partial(args, "lm", out)
     ratio("tp_over_ddp_step", "lm_tp", "lm_ddp")
     ratio("tp_over_ddp_step_compiled", "lm_tp_compiled", "lm_ddp_compiled")
     ratio("compiled_speedup", "lm_ddp", "lm_ddp_compiled")
@@ -872,7 +877,7 @@ def data_job(args, name, argv, timeout=600):
     rates = re.findall(r"^epoch=2/2 .* img/s=([\d.]+)", proc.stdout, re.M)
     results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not rates or not results:
-        tail = (str(proc.stderr).strip().splitlines() or ["no output"])[-1]
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         print(f"gpu_bench: data {name} failed: exit {proc.returncode}: {tail}", file=sys.stderr, flush=True)
         return {"command": command, "error": f"exit {proc.returncode}: {tail}"[:300]}
     result = json.loads(results[0][7:])
@@ -1352,9 +1357,7 @@ def main(argv=None):
             try:
                 sections[name] = runners[name](args, device, cache)
             except Exception as exc:  # one section's failure (an OOM, no compiler) leaves the others to run
-                message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                sections[name] = {"error": f"{type(exc).__name__}: {message}"[:300]}
-                print(f"gpu_bench: {name} failed: {sections[name]['error']}", file=sys.stderr, flush=True)
+                sections[name] = failure(name, exc)
             sections[name]["section_s"] = time.perf_counter() - t0
             write()
             print(f"gpu_bench: {name} done in {sections[name]['section_s']:.1f} s", flush=True)
