@@ -195,6 +195,9 @@ def main():
         scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs, step)
         if ckpt["args"]["epochs"] != args.epochs:  # the cosine schedule was laid out for that many epochs
             harness.die(f"{resume} was trained with --epochs {ckpt['args']['epochs']}; resume with the same --epochs")
+        if ckpt.get("step_in_epoch"):  # ddp_checkpoint.py's mid-epoch save: from here the epoch would train twice
+            harness.die(f"{resume} was saved {ckpt['step_in_epoch']} steps into epoch {start_epoch + 1}; this recipe "
+                        "resumes from an epoch's end: resume it with recipes/ddp_checkpoint.py")
         # What the saved streams do not cover (another world size; the CUDA stream of a checkpoint saved on CPU) gets
         # a seed per epoch: seed + rank again would replay epoch 0's random draws (distinct below 10,000 ranks).
         torch.manual_seed(args.seed + rank + 10_000 * start_epoch)

@@ -68,9 +68,11 @@ def straight(digits, tmp_path_factory):
     return get
 
 
-def stopped_then_resumed(digits, tmp_path, processes, fault, *flags, env=None, resume=True):
+def stopped_then_resumed(digits, tmp_path, processes, fault, *flags, env=None, resume=True, refusals=False):
     """The run with FAULT_SIGNAL=fault: exit 75 and a whole latest.pt; then (resume) --resume auto to the end, its
-    bucket layouts counted (tests/instrument; tests/faults, the other sitecustomize, is on the stopped run's path)."""
+    bucket layouts counted (tests/instrument; tests/faults, the other sitecustomize, is on the stopped run's path).
+    refusals: first, the resumes of that mid-epoch save that are refused (another global batch; the recipes that
+    resume from an epoch's end only)."""
     out = tmp_path / "run"
     first = launch("recipes/ddp_checkpoint.py", f"cpu:{processes}", *args(digits, out), *flags,
                    env={"PYTHONPATH": FAULTS, "FAULT_SIGNAL": fault, **(env or {})})
@@ -81,13 +83,20 @@ def stopped_then_resumed(digits, tmp_path, processes, fault, *flags, env=None, r
     saved = torch.load(out / "latest.pt", weights_only=True)  # whole: torch.load reads it
     assert f"preempt: SIGUSR1: saved {out / 'latest.pt'} at step {saved['step']}; exit {EX_TEMPFAIL}" in first.stdout
     assert not list(out.glob("*.tmp")), said
-    if processes == 2 and saved["step_in_epoch"]:  # another global batch would make its steps other samples: refused
-        other = launch("recipes/ddp_checkpoint.py", "cpu:2", *args(digits, out), "--resume", "auto",
-                       "--batch-size", "12")
+    if refusals:
+        assert saved["step_in_epoch"], saved
+        other = launch("recipes/ddp_checkpoint.py", f"cpu:{processes}", *args(digits, out), "--resume", "auto",
+                       "--batch-size", str(GLOBAL_BATCH // 2))  # its steps would be other samples
         assert other.returncode == 2 and (
             f"error: {out / 'latest.pt'} was saved at step {saved['step_in_epoch']} of epoch {saved['epoch'] + 1} "
             f"with --batch-size {GLOBAL_BATCH} (global); resume it with the same --batch-size") in other.stderr, (
             other.stderr)
+        for recipe in ("ddp_zero", "ddp_comm_hooks"):  # they would train the epoch's first steps twice
+            other = launch(f"recipes/{recipe}.py", f"cpu:{processes}", *args(digits, out), "--resume", "auto")
+            assert other.returncode == 2 and (
+                f"error: {out / 'latest.pt'} was saved {saved['step_in_epoch']} steps into epoch {saved['epoch'] + 1}; "
+                "this recipe resumes from an epoch's end: resume it with recipes/ddp_checkpoint.py") in (
+                other.stderr.splitlines()), other.stderr
     if not resume:
         return first, saved, None, None, None
     resumed = launch("recipes/ddp_checkpoint.py", f"cpu:{processes}", *args(digits, out), "--resume", "auto",
@@ -114,7 +123,7 @@ def test_a_stop_mid_epoch_resumes_bitwise(digits, straight, tmp_path, processes,
     fault = f"{signalled}:step={step}:{target}"
     # MAX_RESTARTS: a save for a requeue is not a failure to restart from (a launch.sh restart would run it again).
     first, saved, result, weights, layouts = stopped_then_resumed(digits, tmp_path, processes, fault,
-                                                                  env={"MAX_RESTARTS": "2"})
+                                                                  env={"MAX_RESTARTS": "2"}, refusals=processes == 2)
     where = f"seed {seed}, {fault}, saved at step {saved['step']} ({saved['step_in_epoch']} into its epoch)"
     assert first.stdout.count("setup: world_size=") == 1, where  # started once: not restarted
     # The signal lands after step `step` (tests/faults waits for it there): the next step's vote carries it, and the

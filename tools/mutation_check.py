@@ -1,6 +1,6 @@
 """Delete the cookbook's lessons from the recipes, one at a time, and report which deletions the tests miss.
 
-    python tools/mutation_check.py                               # every edit on every recipe, one at a time: 253
+    python tools/mutation_check.py                               # every edit on every recipe, one at a time: 255
     python tools/mutation_check.py --jobs 2                      # two at a time: 251 took 53 min (2026-11-30)
     python tools/mutation_check.py --recipes torch_amp --edits unscale,no_sync
     python tools/mutation_check.py --out bench/mutation.json     # also write the results as JSON
@@ -262,6 +262,9 @@ EDITS = [
     Edit("resume_saved_step", "a resume counts steps as the checkpoint did: with another batch its epochs end off "
          "their boundaries and it stops early, unsaved",
          "        step = start_epoch * len(train_loader)\n", '        step = ckpt["step"]\n'),
+    Edit("resume_mid_epoch_anywhere", "a recipe that resumes at an epoch's end takes ddp_checkpoint.py's mid-epoch "
+         "save: the epoch's first steps train twice",
+         '        if ckpt.get("step_in_epoch"):', "        if False:"),
     Edit("lm_eval_stand_in", "an evaluation out of windows runs an empty batch: that rank raises in the attention's "
          "view, the others wait in its collectives",
          "        x, y = (x, y) if scored else (inputs[:1].to(device), targets[:1].to(device))", "        pass"),
@@ -446,6 +449,8 @@ GUARDS = {
     **{name: {"lm_moe": [MOE_CLAIMS]} for name in ("lm_moe_dropped_experts_kept", "lm_moe_rows_to_every_rank",
                                                    "lm_moe_experts_on_every_row", "lm_moe_expert_grads_world_zeroed")},
     "resume_saved_step": {"fsdp": ["tests/test_fsdp.py", "-k", "other_steps_per_epoch"]},
+    **{"resume_mid_epoch_anywhere": {recipe: ["tests/test_preempt.py", "-k", "2-launcher"]
+                                     for recipe in ("ddp_zero", "ddp_comm_hooks")}},
     "lm_eval_stand_in": {"lm_fsdp_tp": ["tests/test_lm_fsdp_tp.py", "-k", "2x2_mesh_with"],
                          "lm_moe": ["tests/test_lm_moe.py", "-k", "trains_the_one_process_model and ep2"]},
     "lm_compile_dropped": {"lm_ddp": ["tests/test_lm.py", "-k", "compiled"],
