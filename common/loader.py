@@ -9,12 +9,15 @@ batch to the GPU on a side stream, so the next batch's copy overlaps the current
 
 Guarantees: the same batches in the same order as the DataLoader it extends; an exception raised
 while loading (in a worker or in the thread) is re-raised in the loop, never swallowed or hung on;
-leaving the loop early (break, exception) stops the thread and the DataLoader's workers.
+leaving the loop early (break, exception) stops the thread and the DataLoader's workers, once nothing else
+holds the iterator (an islice or a tqdm around the loader holds it until they go).
 on_device (recipes/gpu_decode.py: decode JPEGs on the GPU) replaces the copy: it runs in the thread, on
 CUDA with the side stream current, and the loop's stream waits for all it queued there before the
 batch is handed out (an event recorded after it), so no step reads a batch that is still being made.
 """
 
+import copy
+import functools
 import queue
 import threading
 import traceback
@@ -31,12 +34,18 @@ class _Failure:
 
 
 def _to_device(batch, device):
+    """Each tensor of a batch on `device`, in the containers default_collate gives (their types kept, as
+    pin_memory keeps them: a namedtuple, an OrderedDict); anything else as it is."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)  # async only from pinned memory: pass pin_memory=True
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple takes its fields one by one
+        return type(batch)(*(_to_device(b, device) for b in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(_to_device(b, device) for b in batch)
     if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
+        moved = copy.copy(batch)  # its own type (OrderedDict, defaultdict), then each value moved
+        moved.update({k: _to_device(v, device) for k, v in batch.items()})
+        return moved
     return batch
 
 
@@ -155,7 +164,7 @@ class DataLoaderX(DataLoader):
         if self.device.type == "cuda" and self.device.index is None:  # the thread must set a definite GPU
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.prefetch = prefetch
-        self.on_device = on_device or (lambda batch: _to_device(batch, self.device))
+        self.on_device = on_device or functools.partial(_to_device, device=self.device)  # no cycle through self
         self.stream = None  # CUDA: the side stream, made at the first iter() and kept
 
     def __iter__(self):

@@ -1,5 +1,6 @@
 """common/: meters, accuracy, dataset builders on real on-disk formats, DataLoaderX."""
 
+import collections
 import errno
 import gc
 import io
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -507,6 +509,44 @@ def test_dataloaderx_break_stops_the_thread_and_workers(workers):
     while (producer_threads() or multiprocessing.active_children()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert producer_threads() == []
+    assert multiprocessing.active_children() == []
+
+
+Pair = collections.namedtuple("Pair", "image label")
+
+
+class Structured(Dataset):  # what default_collate keeps: a namedtuple, an OrderedDict, strings beside tensors
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return Pair(torch.full((2,), float(i)), collections.OrderedDict(id=i, name=f"n{i}"))
+
+
+def test_dataloaderx_keeps_the_dataloaders_batch_types():
+    kwargs = dict(batch_size=4, num_workers=0)
+    for plain, prefetched in zip(DataLoader(Structured(), **kwargs), DataLoaderX("cpu", Structured(), **kwargs),
+                                 strict=True):
+        assert type(prefetched) is Pair and type(prefetched.label) is collections.OrderedDict
+        assert torch.equal(prefetched.image, plain.image) and torch.equal(prefetched.label["id"], plain.label["id"])
+        assert prefetched.label["name"] == plain.label["name"]
+
+
+def test_dataloaderx_with_persistent_workers_goes_without_a_garbage_collection():
+    # Its default copy must not refer back to the loader: a cycle would keep the loader, and with it its persistent
+    # workers, until some later collection (which can run inside a newly forked worker).
+    loader = DataLoaderX("cpu", FailsAt(8, bad=-1), batch_size=2, num_workers=1, persistent_workers=True)
+    assert len(list(loader)) == 4 and len(multiprocessing.active_children()) == 1
+    gone = weakref.ref(loader)
+    gc.disable()
+    try:
+        del loader
+        assert gone() is None
+    finally:
+        gc.enable()
+    deadline = time.monotonic() + 10
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert multiprocessing.active_children() == []
 
 

@@ -1,6 +1,7 @@
 """tools/make_jpegs.py: a tiny real-JPEG ImageFolder made in-process (layout, sizes, modes, quality, determinism,
 the --odd and --corrupt files as PIL and torchvision read them, learnable classes), and bad input as one line."""
 
+import importlib.util
 import io
 import re
 import subprocess
@@ -167,6 +168,17 @@ def test_cli_refuses_a_folder_that_is_not_empty(tmp_path):
     assert proc.stderr.startswith("make_jpegs: error: ") and str(tmp_path) in proc.stderr
     assert "empty or new folder" in proc.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["mine.txt"]
+
+
+def test_without_scikit_learn_one_line_before_any_file(tmp_path, capsys, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sklearn" else real(name, *a))
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path / "set"), "--train", "20", "--val", "10"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err == ("make_jpegs: error: scikit-learn is not installed, and its two sample "
+                                             "photographs are the source: pip install -r requirements-dev.txt\n")
+    assert not (tmp_path / "set").exists()
 
 
 @pytest.mark.parametrize("args", [["--classes", "1"], ["--classes", "101"], ["--train", "9"], ["--val", "0"],

@@ -87,6 +87,21 @@ def test_loader_benchmark_prints_both_epoch_times(capsys):
     assert re.search(r"^DataLoaderX: [\d.]+ s/epoch", out, re.M) and "speed-up: " in out
 
 
+@pytest.mark.parametrize("flags, said", [
+    (["--batch-size", "0"], "--batch-size 0 must be at least 1"),
+    (["--batches", "0"], "--batches 0 must be at least 1"),
+    (["--load-ms", "nan"], "--load-ms nan must be 0 or more"),
+    (["--workers", "-1"], "--workers -1 must be 0 or more"),
+    (["--device", "cuda"], "--device cuda: no CUDA GPU here; --device cpu measures the same on the CPU")])
+def test_loader_benchmark_refuses_bad_flags_in_one_line(capsys, flags, said):
+    if flags[0] == "--device" and torch.cuda.is_available():
+        pytest.skip("a GPU is here: --device cuda is no error")
+    with pytest.raises(SystemExit) as exit_:
+        bench_loader(flags)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.strip().splitlines()[-1].endswith(f"error: {said}"), err
+
+
 def test_reader_benchmark_prints_records_per_second(capsys):
     assert bench_recordio(["--records", "300"]) == 0
     out = capsys.readouterr().out

@@ -6,7 +6,9 @@
 Loading is simulated by a dataset that sleeps (as file I/O and decoding wait); compute is a real matmul
 sized to take --compute-ms (it releases the GIL, as a GPU step does). With --workers 0 a plain DataLoader
 loads and computes in turn (about load + compute per batch); DataLoaderX loads the next batches in a
-thread meanwhile (about max(load, compute)). Prints one line per loader and the speed-up.
+thread meanwhile (about max(load, compute)). Prints one line per loader and the speed-up. On CUDA each step ends
+with a synchronize, as a step that reads its loss does: without one, the GPU's queue would let the plain loader
+load the next batch while the last step runs, and the two would measure alike.
 """
 
 import argparse
@@ -38,6 +40,9 @@ def matmul_size_for(ms, device):
     size = 64
     while True:
         a = torch.randn(size, size, device=device)
+        a @ a  # untimed: the first call on CUDA also loads cuBLAS's kernels and makes its handle
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(3):
             a @ a
@@ -55,8 +60,8 @@ def epoch_seconds(loader, device, size):
     for images, _ in loader:
         images = images.to(device, non_blocking=True)
         weights @ weights + images.mean()  # the "step"
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+        if device.type == "cuda":  # the step's end, as a step that reads its loss waits for it
+            torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
@@ -69,6 +74,14 @@ def main(argv=None):
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
+    for flag in ("batches", "batch_size"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
+    for flag in ("load_ms", "compute_ms", "workers"):
+        if not getattr(args, flag) >= 0:  # nan too
+            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be 0 or more")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: no CUDA GPU here; --device cpu measures the same on the CPU")
     torch.set_num_threads(1)
     device = torch.device(args.device)
     size = matmul_size_for(args.compute_ms, device)

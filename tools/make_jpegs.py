@@ -179,6 +179,9 @@ def main(argv=None):
         p.error(f"{args.root} is a file: pass an empty or new folder")
     if args.root.exists() and any(args.root.iterdir()) and not args.force:
         p.error(f"{args.root} is not empty: pass an empty or new folder (or --force to write into it)")
+    if importlib.util.find_spec("sklearn") is None:  # before any file is made
+        p.error("scikit-learn is not installed, and its two sample photographs are the source: "
+                "pip install -r requirements-dev.txt")
     s = make_set(args.root, train=args.train, val=args.val, classes=args.classes, size=args.size,
                  quality=args.quality, seed=args.seed, jobs=args.jobs, odd=args.odd, corrupt=args.corrupt)
     extra = f" (+{s['extra']} odd)" if s["extra"] else ""
