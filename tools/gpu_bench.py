@@ -1,7 +1,7 @@
 """The recipes' speed on one GPU against published references: throughput, the recipe's cost over a bare loop,
 torch.compile's gain, the language model's MFU at GPT-2 small's shape, and AMP's gain (issue 59).
 
-    python tools/gpu_bench.py --out bench/gpu.json --md bench/gpu_table.md   # one H100 or H200: sized for <= 8 min
+    python tools/gpu_bench.py --out bench/gpu.json --md bench/gpu_table.md   # one H100 or H200: about 9-10 min
     python tools/gpu_bench.py --render bench/gpu-2026-11-28-h200 --tree b41c64a --md bench/gpu.md   # no GPU
 
 One process, world size 1, synthetic data made on the device (no download, no dataset). Every figure is the median
@@ -40,7 +40,9 @@ so that the long compile comes late and the recipes' own jobs last):
                torch_amp.py on --data-files real JPEGs (tools/make_jpegs.py, 500x375 px) decoded by its workers with
                PIL, and gpu_decode.py on the same files decoded on the GPU; the last epoch's img/s of each at the
                recipe's default precision, and the CPU cores each job kept busy. Goal: the best file path at least
-               0.95x in memory. About 3 minutes on an H200 with 16 cores (20,000 files made in about 20 s).
+               0.95x in memory; then the three again with --compile (goal 0.90x). Estimated at 6-7 minutes on an
+               H200 with 16 cores (20,000 files made in about 20 s), not yet run on a GPU: tools/gpu_session.sh
+               gives it a call of its own.
 
 After each measurement's timed steps, 3 more run under torch.profiler: its JSON's top_ops, the ops that take the
 step's time on the device, from which a missed goal's cause is read (the timed steps are not profiled).
