@@ -16,6 +16,7 @@ usage: ./launch.sh [--dry-run] RECIPE [DEVICES] [recipe args...]
             cpu     2 processes on the CPU (gloo backend)
             cpu:N   N processes on the CPU
             omitted CUDA_VISIBLE_DEVICES if set, else all GPUs, or cpu:2 when there is none
+            (given, a list replaces a CUDA_VISIBLE_DEVICES that names other GPUs, and says so)
 
   --dry-run (or LAUNCH_DRY_RUN=1) prints the command and its environment instead of running it.
 
@@ -81,12 +82,20 @@ gpu_count() {
 }
 
 devices=""
+given=0
 if [[ $# -gt 0 && $1 != -* ]]; then
   devices=$1
+  given=1
   shift
+  if [[ $devices == *, && $# -gt 0 && $1 =~ ^[0-9] ]]; then # `0, 1`: the shell split the list at the space
+    fail "the GPU list '$devices $1' has a space in it; write it without one, e.g. ${devices}$1"
+  fi
 fi
 if [[ -z $devices ]]; then
-  if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
+  if [[ ${CUDA_VISIBLE_DEVICES:-} == -1 || ${CUDA_VISIBLE_DEVICES:-} == NoDevFiles ]]; then # no GPU for this job
+    devices=cpu:2
+    echo "launch.sh: CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES hides every GPU, running cpu:2 (2 processes, gloo); pass DEVICES to choose" >&2
+  elif [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
     devices=$CUDA_VISIBLE_DEVICES
   elif [[ -n ${CUDA_VISIBLE_DEVICES+set} ]]; then # set but empty: the usual way to hide every GPU
     devices=cpu:2
@@ -126,7 +135,7 @@ elif [[ $devices =~ ^[0-9]+(,[0-9]+)*$ ]]; then
   visible=""
   for id in "${ids[@]}"; do
     id=$((10#$id))
-    [[ -z ${seen[$id]:-} ]] || fail "GPU $id is listed twice in '$devices'; list each GPU once, e.g. $(tr ',' '\n' <<<"$devices" | sort -nu | paste -sd,)"
+    [[ -z ${seen[$id]:-} ]] || fail "GPU $id is listed twice in '$devices'; list each GPU once, e.g. $(tr ',' '\n' <<<"$devices" | awk '!seen[$0 + 0]++' | paste -sd,)"
     seen[$id]=1
     visible+=${visible:+,}$id
   done
@@ -136,6 +145,10 @@ elif [[ $devices =~ ^[0-9]+(,[0-9]+)*$ ]]; then
     ((id < count)) || fail "GPU $id does not exist: this machine has $count GPU(s), ids 0-$((count - 1)); e.g. $(seq -s, 0 $((count - 1)))"
   done
   nprocs=$((${#ids[@]} * ranks_per_gpu))
+  if ((given)) && [[ -n ${CUDA_VISIBLE_DEVICES:-} && $CUDA_VISIBLE_DEVICES != "$visible" ]]; then
+    # A scheduler's allocation, or the user's: DEVICES replaces it (nvidia-smi's numbering, not places in it).
+    echo "launch.sh: DEVICES $asked replaces CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES: GPU(s) $visible by nvidia-smi's numbering will run; omit DEVICES to run on the ones it names" >&2
+  fi
   where="GPU $visible"
   ((ranks_per_gpu == 1)) || where+=" shared by $nprocs processes (gloo: NCCL takes one process per GPU)"
 elif [[ $devices =~ ^(GPU|MIG)-[A-Za-z0-9/-]+(,(GPU|MIG)-[A-Za-z0-9/-]+)*$ ]]; then

@@ -115,8 +115,8 @@ def sbatch_node(node, env, *args):
 
 @pytest.mark.slow
 def test_the_sbatch_node_part_forms_one_world_from_slurms_variables(tmp_path):
-    port = free_port(20000, 40000)  # the script's MASTER_PORT: 20000 + SLURM_JOB_ID % 20000
-    env = {"SLURM_JOB_ID": str(port - 20000 + 20000 * 7), "SLURM_JOB_NODELIST": "localhost", "DEVICES": "cpu:1"}
+    port = free_port(20000, 32000)  # the script's MASTER_PORT: 20000 + SLURM_JOB_ID % 12000
+    env = {"SLURM_JOB_ID": str(port - 20000 + 12000 * 7), "SLURM_JOB_NODELIST": "localhost", "DEVICES": "cpu:1"}
     procs = [sbatch_node(node, env, "recipes/ddp_torchrun.py", *TINY, "--max-steps", "3", "--batch-size", "16",
                          "--out-dir", tmp_path) for node in (0, 1)]
     outputs = [proc.communicate(timeout=180) for proc in procs]
@@ -134,11 +134,12 @@ def test_sbatch_passes_sigusr1_on_requeues_after_the_save_and_the_requeued_run_g
     # tests/slurm_double, as are scontrol and the 2 nodes, both here), srun to each node's launch.sh, launch.sh to
     # the ranks: they save, exit 75, and the batch shell requeues the job. The requeued run, the same command, goes
     # on from the save to the end, and requeues nothing.
-    port = free_port(20000, 40000)  # the script's MASTER_PORT: 20000 + SLURM_JOB_ID % 20000
-    job_id = str(port - 20000 + 20000 * 3)
+    port = free_port(20000, 32000)  # the script's MASTER_PORT: 20000 + SLURM_JOB_ID % 12000
+    job_id = str(port - 20000 + 12000 * 3)
     env = {"PATH": f"{REPO / 'tests' / 'slurm_double'}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": job_id,
            "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "localhost", "SLURM_SUBMIT_DIR": str(REPO), "DEVICES": "cpu:1",
-           "SCONTROL_LOG": str(tmp_path / "scontrol.log")}
+           "SCONTROL_LOG": str(tmp_path / "scontrol.log"), "SRUN_LOG": str(tmp_path / "srun.log"),
+           "SLURM_CPUS_PER_TASK": "3"}
     command = ["bash", str(SBATCH), "recipes/ddp_checkpoint.py", *TINY, "--synthetic-train", "8192", "--batch-size",
                "64", "--save-every", "5", "--out-dir", tmp_path / "out", "--resume", "auto"]
     job = Job(env=env, command=list(map(str, command)))
@@ -149,6 +150,8 @@ def test_sbatch_passes_sigusr1_on_requeues_after_the_save_and_the_requeued_run_g
     assert (saved["epoch"], len(saved["rng"])) == (0, 2) and 5 < saved["step"] < 128, job.output()
     assert (tmp_path / "scontrol.log").read_text() == f"requeue {job_id}\n", job.output()
     assert "srun (test double): tasks ended, exit 75" in "".join(job.stderr), job.output()
+    # sbatch's --cpus-per-task passed on: SLURM 22.05's srun no longer takes it from the job
+    assert (tmp_path / "srun.log").read_text() == "--ntasks-per-node=1\n--cpus-per-task=3\n"
     again = Job(env=env, command=list(map(str, command)))
     assert again.finish(timeout=120) == 0, again.output()
     result = result_of(subprocess.CompletedProcess([], 0, "".join(again.stdout), ""))

@@ -64,6 +64,30 @@ def test_empty_cuda_visible_devices_means_cpu(fake_gpus):
     assert "CUDA_VISIBLE_DEVICES is empty, running cpu:2" in stderr
 
 
+@pytest.mark.parametrize("hidden", ["-1", "NoDevFiles"])  # CUDA's "no device", SLURM's for a job given no GPU
+def test_cuda_visible_devices_that_hides_every_gpu_means_cpu(fake_gpus, hidden):
+    env, argv, stderr = dry_run("recipes/ddp_torchrun.py", env={**fake_gpus(4), "CUDA_VISIBLE_DEVICES": hidden})
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and flag(argv, "nproc-per-node") == "2"
+    assert f"launch.sh: CUDA_VISIBLE_DEVICES={hidden} hides every GPU, running cpu:2" in stderr
+
+
+def test_devices_given_over_a_cuda_visible_devices_say_which_gpus_run(fake_gpus):
+    # A scheduler gave GPUs 2,3 (without device cgroups); DEVICES 0,1 is nvidia-smi's numbering: GPUs 0 and 1 run,
+    # and launch.sh says so, once, where the two differ.
+    env, _, stderr = dry_run("recipes/ddp_torchrun.py", "0,1", env={**fake_gpus(4), "CUDA_VISIBLE_DEVICES": "2,3"})
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert ("launch.sh: DEVICES 0,1 replaces CUDA_VISIBLE_DEVICES=2,3: GPU(s) 0,1 by nvidia-smi's numbering will run; "
+            "omit DEVICES to run on the ones it names") in stderr.splitlines()
+    _, _, stderr = dry_run("recipes/ddp_torchrun.py", "2,3", env={**fake_gpus(4), "CUDA_VISIBLE_DEVICES": "2,3"})
+    assert "replaces" not in stderr
+
+
+def test_a_gpu_list_split_by_a_space_is_one_line(fake_gpus):
+    proc = launch("recipes/ddp_torchrun.py", "0,", "1", env=fake_gpus(4))  # ./launch.sh recipes/x.py 0, 1
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "launch.sh: error: the GPU list '0, 1' has a space in it; write it without one, e.g. 0,1")
+
+
 def test_leading_zeros_are_decimal():
     env, argv, _ = dry_run("recipes/ddp_torchrun.py", "cpu",
                            env={"NNODES": "09", "NODE_RANK": "08", "MASTER_ADDR": "h", "MASTER_PORT": "029500"})
@@ -82,6 +106,7 @@ def test_devices_omitted_without_gpu_runs_cpu2_and_says_so(fake_gpus):
     (",1", 4, "an empty entry between commas"),
     ("a,b", 4, "bad DEVICES 'a,b': expected a GPU list like 0,1,3, or G:N (N processes on GPU G), or cpu, or cpu:N"),
     ("0,1,1", 4, "GPU 1 is listed twice in '0,1,1'; list each GPU once, e.g. 0,1"),
+    ("3,1,01", 4, "GPU 1 is listed twice in '3,1,01'; list each GPU once, e.g. 3,1"),  # in order: rank 0 keeps GPU 3
     ("0,7", 4, "GPU 7 does not exist: this machine has 4 GPU(s), ids 0-3; e.g. 0,1,2,3"),
     ("0,1", 0, "DEVICES '0,1' asks for GPUs, but this machine has none (nvidia-smi, or torch without it); use cpu"),
     ("0:2", 0, "DEVICES '0:2' asks for GPUs, but this machine has none"),
@@ -257,6 +282,36 @@ def test_jobs_started_together_get_different_free_ports():
     for port in ports:  # and each was free when picked
         with socket.socket() as s:
             s.bind(("", port))
+
+
+def test_a_master_port_taken_after_launch_sh_checked_it_is_one_line():
+    # launch.sh checks MASTER_PORT, but another process can take it before torchrun listens: its DistNetworkError,
+    # one line from tools/torchrun.py, not the agent's traceback.
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = run_script([REPO / "tools" / "torchrun.py", "--nnodes=1", "--nproc-per-node=1", "--node-rank=0",
+                           "--master-addr=127.0.0.1", f"--master-port={port}", REPO / "recipes" / "ddp_torchrun.py"])
+    assert proc.returncode == 1 and proc.stdout == "", proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("launch.sh: error: the rendezvous failed: The server socket has "
+                                                   "failed to listen") and f"port: {port}" in lines[0], proc.stderr
+
+
+def test_the_ranks_port_of_a_restartable_job_is_below_the_ephemeral_range(monkeypatch):
+    # MAX_RESTARTS: each attempt's store hands the ranks a MASTER_PORT that torchrun picks on node 0
+    # (RendezvousStoreInfo.build): tools/torchrun.py has it picked below the kernel's ephemeral range.
+    from torch.distributed import HashStore
+    from torch.distributed.elastic.rendezvous import api as rendezvous_api
+
+    from tools import torchrun
+
+    monkeypatch.setattr(rendezvous_api, "get_free_port", rendezvous_api.get_free_port)  # put back after the test
+    torchrun.ranks_port_below_the_ephemeral_range()
+    low = ephemeral_range()[0]
+    ports = [rendezvous_api.RendezvousStoreInfo.build(0, HashStore(), "127.0.0.1").master_port for _ in range(20)]
+    assert all(max(1024, low - 12000) <= port < low for port in ports), (ports, low)
 
 
 def test_multi_node_environment_is_passed_to_torchrun():

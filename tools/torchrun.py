@@ -55,6 +55,7 @@ from pathlib import Path
 EARLY_SIGUSR1 = []
 signal.signal(signal.SIGUSR1, lambda signum, frame: EARLY_SIGUSR1.append(signum))
 
+from torch.distributed import DistError  # noqa: E402
 from torch.distributed import launch as legacy_launch  # noqa: E402
 from torch.distributed import run as torch_run  # noqa: E402
 from torch.distributed.elastic.agent.server.api import WorkerState  # noqa: E402
@@ -62,10 +63,12 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SignalException, SubprocessContext  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
 from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler  # noqa: E402
+from torch.distributed.elastic.rendezvous import api as rendezvous_api  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/, for a script run from anywhere
 from common.checkpoint import EX_TEMPFAIL  # noqa: E402
-from common.utils import STACK_SIGNAL, STACKS_ENV  # noqa: E402
+from common.utils import STACK_SIGNAL, STACKS_ENV, first_line  # noqa: E402
+from tools.free_port import free_port  # noqa: E402
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 RANKS = []  # the Popen of every rank started, for SIGUSR1
@@ -94,6 +97,15 @@ def start_ranks_here():
 
     # torchrun's SubprocessHandler starts each rank with this module's Popen.
     subprocess_handler.Popen = popen
+
+
+def ranks_port_below_the_ephemeral_range():
+    """With --max-restarts (the c10d rendezvous, a store for each attempt: launch.sh), torchrun picks the ranks'
+    MASTER_PORT on node 0 with a bind to port 0 (RendezvousStoreInfo.build's get_free_port): from the kernel's
+    ephemeral range, where another job's connection can take it before rank 0 listens (tools/free_port.py). It picks
+    with free_port instead: below that range."""
+    if hasattr(rendezvous_api, "get_free_port"):
+        rendezvous_api.get_free_port = free_port
 
 
 def handles(pid, signum):
@@ -316,6 +328,7 @@ def main(argv):
     if legacy:
         argv = argv[1:]
     start_ranks_here()
+    ranks_port_below_the_ephemeral_range()
     pass_sigusr1_to_the_ranks()
     no_restart_after_a_save()
     with tempfile.TemporaryDirectory(prefix="launch_stacks_") as folder:
@@ -351,6 +364,10 @@ def run(legacy, argv, folder):
         code, line = job_failed(exc.failures)
         print(line, file=sys.stderr, flush=True)
         return code
+    except (DistError, rendezvous_api.RendezvousError) as exc:  # the nodes did not meet: a port taken, a node missing
+        print(f"launch.sh: error: the rendezvous failed: {first_line(exc)[:300]}", file=sys.stderr,
+              flush=True)
+        return 1
     except SignalException as exc:  # torchrun has already stopped every rank with the same signal
         print(f"launch.sh: {exc.sigval.name} received: all ranks were stopped", file=sys.stderr, flush=True)
         return 128 + exc.sigval
