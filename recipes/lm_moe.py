@@ -263,13 +263,19 @@ def load_shards(model, optimizer, path, saves):  # New, as lm_pp.py's
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=FLAT)
 
 
-def gather_full_weights(model, rank, ep, world_size):  # New
-    """The full weights onto rank 0's CPU (a collective; the others get None), for common.lm.Transformer: its own state
-    and its ep group's experts (ranks 1 .. ep - 1; every other rank holds copies of those and sends nothing)."""
-    mine = {k: v.cpu() for k, v in model.state_dict().items() if rank == 0 or (rank < ep and ".experts." in k)}
-    parts = [None] * world_size if rank == 0 else None
-    dist.gather_object(mine, parts, dst=0)
-    return {k: v for part in parts for k, v in part.items()} if rank == 0 else None
+def gather_full_weights(model, rank, ep):  # New
+    """The full weights onto rank 0's CPU (the others get None): its own state, then from ranks 1 .. ep - 1 their
+    experts, one rank at a time (on NCCL each passes through rank 0's GPU alone; a gather_object would stage every
+    rank's there, padded to rank 0's whole state). Every other rank holds copies of those and takes no part."""
+    full = {k: v.cpu() for k, v in model.state_dict().items() if rank == 0 or (rank < ep and ".experts." in k)}
+    if rank == 0:
+        for source in range(1, ep):
+            received = [None]
+            dist.recv_object_list(received, src=source)
+            full.update(received[0])
+    elif rank < ep:
+        dist.send_object_list([full], dst=0)
+    return full if rank == 0 else None
 
 
 # ------------------------------------------------------------------------------------------- eval
@@ -450,7 +456,7 @@ def main():
                     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=folder)
                 except dcp.CheckpointException as exc:  # a full disk, on any rank: every rank gets it
                     raise saves.failure(exc, folder) from exc
-                full = gather_full_weights(model, rank, args.ep, world_size)  # New: a collective
+                full = gather_full_weights(model, rank, args.ep)  # New: ranks 1 .. ep - 1 send to 0
                 if is_main:  # dcp.save returned on every rank: all shards are written. Now point latest.pt at them.
                     saves.point_latest(pointer)
                     save_atomic(full, os.path.join(args.out_dir, "model.pt"))  # New: every expert
@@ -463,7 +469,7 @@ def main():
     vote.wait()  # the last vote; every rank started as many
     saves.finish_async()  # New: the last save in flight ends (and latest.pt names it) before the job does
     if args.async_save:  # New: the full weights once, at the end or a stop (gathered at every save: a wait for all)
-        full = gather_full_weights(model, rank, args.ep, world_size)
+        full = gather_full_weights(model, rank, args.ep)
         if is_main:
             save_atomic(full, os.path.join(args.out_dir, "model.pt"))  # every expert
             print0(f"saved: model.pt at step {step}")

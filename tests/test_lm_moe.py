@@ -283,6 +283,21 @@ def test_each_rank_sends_what_its_router_chose_runs_its_own_experts_and_reduces_
             for layer in range(2):
                 for e, rows in ran[layer * share:(layer + 1) * share]:
                     assert rows == sum(routes[d * ep + i, layer][0][e] for i in range(ep)), (k, rank, layer, e)
+    # model.pt at step 4's save (--eval-every 4): rank 0 receives the experts of ranks 1 .. ep - 1 from each of them,
+    # point to point (a size, then the pickled experts, which hold this rank's share alone); every other rank, which
+    # holds copies of those, sends nothing (a gather_object padded every rank's part to rank 0's whole state: the
+    # gathers at a save are DCP's own, of its plans).
+    share_bytes = 4 * expert // ep
+    for rank in range(world):
+        p2p = [(r[0], r[2][1], r[3]) for r in steps[rank][4] if r[0] in ("send", "recv_")]
+        if rank == 0:
+            assert [(op, peer) for op, peer, _ in p2p] == [("recv_", i) for i in range(1, ep) for _ in range(2)], p2p
+        elif rank < ep:
+            assert [(op, peer) for op, peer, _ in p2p] == [("send", 0)] * 2, (rank, p2p)
+            # its experts, pickled (15.7 kB over their bytes here); not the dense weights, which rank 0 has
+            assert share_bytes < p2p[1][2] < share_bytes + 2**15 < share_bytes + 4 * dense, (rank, p2p)
+        else:
+            assert p2p == [], (rank, p2p)
 
 
 def test_under_bf16_autocast_the_rows_travel_in_bf16(runs):

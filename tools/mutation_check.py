@@ -1,6 +1,6 @@
 """Delete the cookbook's lessons from the recipes, one at a time, and report which deletions the tests miss.
 
-    python tools/mutation_check.py                               # every edit on every recipe, one at a time: 255
+    python tools/mutation_check.py                               # every edit on every recipe, one at a time: 256
     python tools/mutation_check.py --jobs 2                      # two at a time: 251 took 53 min (2026-11-30)
     python tools/mutation_check.py --recipes torch_amp --edits unscale,no_sync
     python tools/mutation_check.py --out bench/mutation.json     # also write the results as JSON
@@ -269,6 +269,8 @@ EDITS = [
          "view, the others wait in its collectives",
          "        x, y = (x, y) if scored else (inputs[:1].to(device), targets[:1].to(device))", "        pass"),
     # Issue 67: mixture of experts, expert parallelism (recipes/lm_moe.py).
+    Edit("lm_moe_model_pt_dense_sent", "same numbers, model.pt's ranks 1 .. ep - 1 send rank 0 their dense weights "
+         "too, which it holds", '(rank < ep and ".experts." in k)', "(rank < ep)"),
     Edit("lm_moe_expert_grads_everywhere", "each expert's gradient all-reduced over every rank: other ranks' experts "
          "summed into it", "all_reduce_gradients(experts, dp_group, world_size)",
          "all_reduce_gradients(experts, None, world_size)"),
@@ -447,7 +449,8 @@ GUARDS = {
                         "gpu_decode": ["tests/test_gpu_bench.py", "-k", "data_section"]},
     # lm_moe's four claims: its --ep 2 run's records (the cheapest of the claims test's layouts notices each).
     **{name: {"lm_moe": [MOE_CLAIMS]} for name in ("lm_moe_dropped_experts_kept", "lm_moe_rows_to_every_rank",
-                                                   "lm_moe_experts_on_every_row", "lm_moe_expert_grads_world_zeroed")},
+                                                   "lm_moe_experts_on_every_row", "lm_moe_expert_grads_world_zeroed",
+                                                   "lm_moe_model_pt_dense_sent")},
     "resume_saved_step": {"fsdp": ["tests/test_fsdp.py", "-k", "other_steps_per_epoch"]},
     **{"resume_mid_epoch_anywhere": {recipe: ["tests/test_preempt.py", "-k", "2-launcher"]
                                      for recipe in ("ddp_zero", "ddp_comm_hooks")}},
