@@ -13,10 +13,10 @@ What it shows, against lm_ddp.py (diff them: the lesson is what experts, a route
   router (fp32, under bf16 autocast too): a softmax gate, each token's --top-k experts, their gates renormalised
   over the k (k > 1). Dropless: an expert takes every token routed to it, however many (no capacity, no token
   dropped), so every layout computes the one-process model.
-- The balance loss (Switch Transformer, GShard): --aux-loss-weight x E x sum_e f_e P_e, f_e the share of the global
-  batch's routed tokens that expert e got (counts all-reduced over every rank: the global-batch balance), P_e its
-  mean gate probability; 1.0 when balanced. --z-loss-weight: ST-MoE's router z-loss (logsumexp of the router's
-  logits, squared).
+- The balance loss (Switch Transformer, GShard): --aux-loss-weight x E x sum_e f_e P_e, the layers' mean (Switch
+  weighs each layer's: x --n-layer to match), f_e the share of the global batch's routed rows that expert e got
+  (counts all-reduced over every rank), P_e its mean gate probability; 1.0 when balanced. --z-loss-weight: ST-MoE's
+  router z-loss (logsumexp of the router's logits, squared), the layers' mean too.
 - Expert parallelism (--ep N): rank j of an ep group holds experts j E/N .. (j+1) E/N - 1. Per MoE layer a step:
   route; exchange the per-expert counts (all_to_all_single); send each token to its expert's rank and the outputs
   back (all_to_all_single with uneven splits, AllToAll: its backward is the same exchange the other way); the
@@ -86,8 +86,8 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=2, help="experts each token goes to (k)")  # New
     p.add_argument("--expert-width", type=int, help="each expert's hidden units (default: 4 x --d-model / --top-k: "
                    "lm_ddp's active parameters per token)")  # New
-    p.add_argument("--aux-loss-weight", type=float, default=0.01, help="the load-balancing loss's weight")  # New
-    p.add_argument("--z-loss-weight", type=float, default=0.0, help="the router z-loss's weight (ST-MoE: 1e-3)")  # New
+    p.add_argument("--aux-loss-weight", type=float, default=0.01, help="balance loss weight (layers' mean)")  # New
+    p.add_argument("--z-loss-weight", type=float, default=0.0, help="router z-loss weight (layers' mean)")  # New
     p.add_argument("--ep", type=int, help="expert-parallel degree: ranks that split each layer's experts (default: "
                    "the largest that divides both --experts and the process count)")  # New
     p.add_argument("--dp", type=int, help="replicas of each expert: processes / --ep (the default)")  # New
