@@ -278,6 +278,7 @@ def main():
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     find_unused_parameters=args.find_unused_parameters,
                     process_group=harness.ddp_process_group(timeout))
+        masters.copy_from_model()  # O2: the wrap gave every rank rank 0's weights; the masters, made before, follow
     # From here on, augmentation and dropout differ per rank; a resume (no RNG state saved) seeds per epoch, or it
     # would replay epoch 0's random draws.
     torch.manual_seed(args.seed + rank + 10_000 * start_epoch)

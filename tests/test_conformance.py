@@ -162,7 +162,11 @@ def run(request, tmp_path_factory):
     proc = launch(f"recipes/{case.recipe}.py", case.devices, *SMALL, "--batch-size", case.batch, *case.flags,
                   "--out-dir", out,
                   "--tb-dir", out / "tb", "--tb-every", TB_EVERY,
-                  env=rng_env(out / "rng", instrument_env(COUNT_DDP_DIR=counts, LOG_SAMPLES_DIR=out / "samples",
+                  # DDP: each rank builds its own initial weights; the wrap must make them rank 0's (fsdp's
+                  # fully_shard takes each rank's: it needs the seeded init the recipe gives it)
+                  env=rng_env(out / "rng", instrument_env({"UNEVEN_INIT": "1"} if case.recipe in DDP else None,
+                                                          COUNT_DDP_DIR=counts,
+                                                          LOG_SAMPLES_DIR=out / "samples",
                                                           LOG_LAYERS_DIR=out / "layers",
                                                           COUNT_FSDP_DIR=out / "fsdp_counts")))
     train_set, _ = datasets()

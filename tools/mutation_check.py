@@ -1,6 +1,6 @@
 """Delete the cookbook's lessons from the recipes, one at a time, and report which deletions the tests miss.
 
-    python tools/mutation_check.py                               # every edit on every recipe, one at a time: 256
+    python tools/mutation_check.py                               # every edit on every recipe, one at a time: 257
     python tools/mutation_check.py --jobs 2                      # two at a time: 251 took 53 min (2026-11-30)
     python tools/mutation_check.py --recipes torch_amp --edits unscale,no_sync
     python tools/mutation_check.py --out bench/mutation.json     # also write the results as JSON
@@ -262,6 +262,9 @@ EDITS = [
     Edit("resume_saved_step", "a resume counts steps as the checkpoint did: with another batch its epochs end off "
          "their boundaries and it stops early, unsaved",
          "        step = start_epoch * len(train_loader)\n", '        step = ckpt["step"]\n'),
+    Edit("o2_masters_before_wrap", "apex_amp's torch O2 keeps the fp32 masters made before the DDP wrap: each rank "
+         "trains from its own initial weights, not rank 0's",
+         "        masters.copy_from_model()  # O2: the wrap gave", "        pass  # O2: the wrap gave"),
     Edit("resume_mid_epoch_anywhere", "a recipe that resumes at an epoch's end takes ddp_checkpoint.py's mid-epoch "
          "save: the epoch's first steps train twice",
          '        if ckpt.get("step_in_epoch"):', "        if False:"),

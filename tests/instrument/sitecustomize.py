@@ -64,6 +64,10 @@ bucket's order]], ...] (Reducer._get_zeros_like_grad_buckets, read after the for
 once): where each gradient element sits in the all-reduce. It registers no comm hook: COUNT_DDP_DIR's divides each
 gradient by the world size where DDP's built-in reduction multiplies it by the reciprocal (reducer.cpp), so on 3
 ranks a run counted rounds otherwise than one not counted; a run logged here is bitwise the run not logged.
+With UNEVEN_INIT set, each rank's model differs from rank 0's as common.models.build_model returns it (every
+floating parameter and buffer plus 0.01 x the rank), as where each rank drew or loaded its initial weights on its
+own: DistributedDataParallel's wrap broadcasts rank 0's, and whatever a recipe built from them before the wrap
+(apex_amp's O2 fp32 masters) must follow, or the ranks train apart.
 Processes that never import those modules (launch.sh's port picker) do not pay for importing torch.
 """
 
@@ -86,6 +90,7 @@ _PP_DIR = os.environ.get("LOG_PP_DIR")
 _SAMPLES_DIR = os.environ.get("LOG_SAMPLES_DIR")
 _LAYERS_DIR = os.environ.get("LOG_LAYERS_DIR")
 _BUCKETS_DIR = os.environ.get("LOG_BUCKETS_DIR")
+_UNEVEN_INIT = os.environ.get("UNEVEN_INIT")
 
 
 def _rank():
@@ -178,6 +183,22 @@ def _patch_buckets(ddp_module):
         return output
 
     ddp.forward = logged_forward
+
+
+def _patch_build_model(models_module):
+    import torch
+
+    build = models_module.build_model
+
+    def uneven_build(*args, **kwargs):
+        model = build(*args, **kwargs)
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                if tensor.is_floating_point():
+                    tensor.add_(0.01 * _rank())
+        return model
+
+    models_module.build_model = uneven_build
 
 
 def _patch_ddp(ddp_module):
@@ -465,6 +486,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 _COUNTS = {"grad_allreduces": 0, "eval_forwards": 0, "scaler_host_reads": 0, "buffer_syncs": 0,
            "common_rank_agreements": 0, "zero_broadcasts_per_step": []}
 _PATCHES = {**({"torch.nn.parallel.distributed": _patch_ddp} if _DIR or _BUCKETS_DIR else {}),
+            **({"common.models": _patch_build_model} if _UNEVEN_INIT else {}),
             **({"torch.distributed.optim.zero_redundancy_optimizer": _patch_zero} if _DIR else {}),
             **({"torch.utils.data.dataloader": _patch_dataloader} if _RNG_DIR or _SAMPLES_DIR else {}),
             **({"torch.nn.modules.conv": _patch_conv, "torch.nn.modules.linear": _patch_linear} if _LAYERS_DIR
