@@ -170,8 +170,9 @@ def main():
     # number of classes. build_datasets fails with one line naming the folder or file that is wrong.
     flip = [] if args.no_flip else [T.RandomHorizontalFlip()]  # aligned faces: flipping is insightface's only one
     # uint8 pixels to the training process (a quarter of float32's bytes to pin and copy); the device normalises them
-    train_tf = T.Compose([T.Resize(args.image_size), *flip, T.PILToTensor()])
-    val_tf = T.Compose([T.Resize(args.image_size), T.PILToTensor()])
+    square = (args.image_size, args.image_size)  # Resize(int) scales the short side alone: other shapes, no batch
+    train_tf = T.Compose([T.Resize(square), *flip, T.PILToTensor()])
+    val_tf = T.Compose([T.Resize(square), T.PILToTensor()])
     normalize = device_normalize("synthetic" if args.rec == "synthetic" else "faces", device)  # insightface's 0.5s
     if args.rec == "synthetic":
         train_set, val_set, num_classes = build_datasets("synthetic", image_size=args.image_size,

@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 from conftest import import_mxnet, launch, make_imagefolder, result_of, run_direct
+from PIL import Image
 
 from tools.bench_loader import main as bench_loader
 from tools.bench_recordio import main as bench_recordio
@@ -33,6 +34,21 @@ def test_trains_on_a_packed_rec_well_above_chance(faces_rec, tmp_path):
     assert f"data: {faces_rec} reader=auto train=180 val=20 classes=5" in proc.stdout
     state = torch.load(tmp_path / "model.pt", weights_only=True)
     assert state["head.weight"].shape == (5, 128) and not any(k.startswith("module.") for k in state)
+
+
+def test_faces_of_other_shapes_are_resized_to_the_square(tmp_path):
+    # pack_rec keeps each image's size: a .rec of faces 40 x 32, 32 x 40 and 32 x 32 trains at --image-size 32 (a
+    # Resize of the short side alone gave 32 x 40 and 40 x 32: no batch could stack them).
+    src = make_imagefolder(tmp_path / "src", classes=2, train_per_class=10, val_per_class=0, size=32) / "train"
+    for k, path in enumerate(sorted(src.rglob("*.png"))):
+        image = Image.open(path)
+        image.resize([(40, 32), (32, 40), (32, 32)][k % 3]).save(path)
+    assert {Image.open(p).size for p in src.rglob("*.png")} == {(40, 32), (32, 40), (32, 32)}
+    assert pack_folder(src, tmp_path / "rec").images == 20
+    proc = launch("recipes/mx_face_prefetch.py", "cpu:1", "--rec", tmp_path / "rec", "--arch", "tiny",
+                  "--image-size", "32", "--batch-size", "6", "--workers", "0", "--epochs", "1",
+                  "--out-dir", tmp_path / "out")
+    assert result_of(proc)["steps"] == 3, proc.stderr[-2000:]  # 18 training faces: 3 steps of 6
 
 
 @pytest.mark.slow
