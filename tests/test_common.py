@@ -512,6 +512,38 @@ def test_dataloaderx_break_stops_the_thread_and_workers(workers):
     assert multiprocessing.active_children() == []
 
 
+class Logged(Dataset):
+    def __init__(self, n):
+        self.n, self.fetched, self.lock = n, [], threading.Lock()
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        with self.lock:
+            self.fetched.append(i)
+        return torch.tensor([i])
+
+
+def test_dataloaderx_loads_ahead_of_the_loop_and_no_further_than_its_prefetch():
+    data = Logged(40)
+    batches = iter(DataLoaderX("cpu", data, batch_size=4, num_workers=0, prefetch=2))
+    assert next(batches).flatten().tolist() == [0, 1, 2, 3]
+    # While the loop holds batch 0 and asks for nothing, the thread loads batches 1 and 2 into its queue (2 deep)
+    # and batch 3, whose put waits for room; batch 4 not until the loop takes one.
+    deadline = time.monotonic() + 10
+    while len(data.fetched) < 16 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # room for a wrong loader to fetch more
+    assert data.fetched == list(range(16))
+    assert next(batches).flatten().tolist() == [4, 5, 6, 7]
+    batches.close()
+    deadline = time.monotonic() + 10
+    while producer_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert producer_threads() == []
+
+
 Pair = collections.namedtuple("Pair", "image label")
 
 

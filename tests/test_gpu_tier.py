@@ -475,6 +475,7 @@ def test_every_result_key_the_tier_reads_is_one_its_recipes_print():
 
 def test_every_file_the_tier_reads_is_one_its_recipes_write():
     # model.pt, checkpoint.pt, latest.pt: each name a tier test opens must be one each recipe it launches writes.
+    checked = set()
     for function in tier_tests():
         recipes = {recipe for case in parametrized(function) for argv, evaluated in launches(function, case)
                    for recipe in re.findall(r"recipes/(\w+)\.py", argv[0] if evaluated else " ".join(argv))}
@@ -485,6 +486,9 @@ def test_every_file_the_tier_reads_is_one_its_recipes_write():
             if "ShardFolders(" in source:  # the sharded recipes' checkpoint/latest.pt: common/checkpoint.py names it
                 source += (REPO / "common" / "checkpoint.py").read_text()
             assert all(f'"{name}"' in source for name in names), (function.name, recipe, names)
+            checked |= {(recipe, name) for name in names}
+    assert len(checked) >= 20 and {r for r, _ in checked} >= {"ddp_checkpoint", "fsdp", "lm_ddp"}, checked
+    assert '"checkpoint.pt"' not in (REPO / "recipes" / "lm_ddp.py").read_text()  # the check can fail
 
 
 # --------------------------------------------------------------------------- the weights a run starts from

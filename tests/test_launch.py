@@ -116,15 +116,16 @@ def test_devices_omitted_without_gpu_runs_cpu2_and_says_so(fake_gpus):
     ("cpu:0", 0, "cpu:N needs a whole number N >= 1"),
     ("cpu:two", 0, "cpu:N needs a whole number N >= 1"),
 ])
-def test_bad_devices(devices, gpus, message, fake_gpus):
-    start = time.monotonic()
-    proc = launch("recipes/ddp_torchrun.py", devices, env=fake_gpus(gpus))
-    elapsed = time.monotonic() - start
+def test_bad_devices(devices, gpus, message, fake_gpus, tmp_path):
+    # Refused before any Python starts (a second, not torch's import): PYTHON is a stand-in that leaves a mark.
+    (tmp_path / "python").write_text(f"#!/bin/sh\ntouch {tmp_path / 'ran'}\nexit 1\n")
+    (tmp_path / "python").chmod(0o755)
+    proc = launch("recipes/ddp_torchrun.py", devices, env={**fake_gpus(gpus), "PYTHON": str(tmp_path / "python")})
     assert proc.returncode == 2
     assert proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("launch.sh: error: ") and message in lines[0], proc.stderr
-    assert elapsed < 1.0
+    assert not (tmp_path / "ran").exists()
 
 
 def test_n_processes_share_one_gpu(fake_gpus):
@@ -351,11 +352,13 @@ def test_bad_max_restarts(recipe, value, message):
     assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_cpu_threads_split_across_processes():
-    env, _, _ = dry_run("recipes/ddp_torchrun.py", "cpu:2")
-    cores = int(subprocess.run(["nproc"], capture_output=True, text=True).stdout)
-    assert env["OMP_NUM_THREADS"] == str(max(1, cores // 2))
-    env, _, _ = dry_run("recipes/ddp_torchrun.py", "cpu:2", env={"OMP_NUM_THREADS": "7"})
+@pytest.mark.parametrize(("cores", "devices", "threads"), [(8, "cpu:2", "4"), (16, "cpu:3", "5"), (1, "cpu:3", "1")])
+def test_cpu_threads_split_across_processes(tmp_path, cores, devices, threads):
+    (tmp_path / "nproc").write_text(f"#!/bin/sh\necho {cores}\n")  # a machine of that many cores
+    (tmp_path / "nproc").chmod(0o755)
+    path = {"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    assert dry_run("recipes/ddp_torchrun.py", devices, env=path)[0]["OMP_NUM_THREADS"] == threads
+    env, _, _ = dry_run("recipes/ddp_torchrun.py", devices, env={**path, "OMP_NUM_THREADS": "7"})
     assert env["OMP_NUM_THREADS"] == "7"
 
 
