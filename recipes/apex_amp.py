@@ -285,7 +285,7 @@ def main():
 
     harness.broadcast_out_dir_check(args.out_dir, is_main, {
         "checkpoint.pt": harness.state_bytes(model.module, optimizer), "model.pt": harness.state_bytes(model.module)},
-        tb_dir=args.tb_dir)
+        shared=True, tb_dir=args.tb_dir)  # New: shared: every rank loads checkpoint.pt on a resume
     # ----------------------------------------------------------------------------------- train
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
     speed = harness.Throughput(device)

@@ -346,7 +346,7 @@ def main():
            + (f" ({harness.cpu_amp_default(why=True)})" if args.amp_dtype is None and device.type == "cpu" else ""))
     harness.broadcast_out_dir_check(args.out_dir, is_main, {
         "checkpoint.pt": harness.state_bytes(model.module, optimizer), "model.pt": harness.state_bytes(model.module)},
-        tb_dir=args.tb_dir)
+        shared=True, tb_dir=args.tb_dir)  # New: shared: every rank loads checkpoint.pt on a resume
     # ----------------------------------------------------------------------------------- train
     total_steps = min(args.epochs * steps_per_epoch, args.max_steps or float("inf"))
     speed = harness.Throughput(device)

@@ -523,13 +523,17 @@ def test_a_disk_that_fills_during_a_save_keeps_the_previous_checkpoint(tmp_path)
     assert sorted(p.name for p in out.iterdir()) == ["best.pt", "latest.pt"]  # no temp file, no model.pt
 
 
-def test_an_out_dir_that_another_node_cannot_see_stops_both_nodes(tmp_path):
+# The image recipes' checkpoints and the language models' (tests/test_recipe_variants.py: every recipe that resumes
+# asks for the check).
+@pytest.mark.parametrize(("recipe", "flags"), [
+    ("ddp_checkpoint", TINY), ("lm_ddp", ["--n-layer", "1", "--d-model", "16", "--n-head", "2", "--steps", "2"])])
+def test_an_out_dir_that_another_node_cannot_see_stops_both_nodes(tmp_path, recipe, flags):
     # Two "nodes" on this box, one process each, each with its own --out-dir: what a folder on each node's local
-    # disk looks like. ddp_checkpoint's ranks load what rank 0 saves, so this must stop before training.
+    # disk looks like. The ranks load what rank 0 saves, so this must stop before training.
     with socket.socket() as s:
         s.bind(("", 0))
         port = str(s.getsockname()[1])
-    jobs = [Job("recipes/ddp_checkpoint.py", "cpu:1", *TINY, "--out-dir", tmp_path / f"node{node}",
+    jobs = [Job(f"recipes/{recipe}.py", "cpu:1", *flags, "--out-dir", tmp_path / f"node{node}",
                 env={"NNODES": "2", "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
             for node in (0, 1)]
     start = time.monotonic()
@@ -541,5 +545,5 @@ def test_an_out_dir_that_another_node_cannot_see_stops_both_nodes(tmp_path):
             f"error: --out-dir {tmp_path / f'node{node}'} must be on storage that every node shares: rank 1 on "
             f"{socket.gethostname()} cannot see the file rank 0 wrote there, and would not see its checkpoints; use "
             "a shared folder (NFS, Lustre, a cluster file system)"], job.output()
-        assert not trained("".join(job.stdout))
+        assert not trained("".join(job.stdout)) and "step=" not in "".join(job.stdout)
     assert list(tmp_path.iterdir()) == []  # node 0's folder, made for the test file, is gone again

@@ -153,6 +153,20 @@ def test_diff_against_its_sibling_stays_small(base, recipe, max_changed):
 # lm_ddp 270 until its backward before a resumed run took the step's autocast (2 lines); lm_ddp 271, lm_fsdp_tp 430
 # and lm_moe 492 until AdamW's implementation was kept on a resume (1 line each). lm_fsdp_tp 434 with its evaluation's
 # forwards paired up where a dp rank's windows run out (lm_moe's 3 lines).
+def test_every_recipe_that_resumes_asks_every_node_to_see_its_out_dir():
+    # A resume loads rank 0's checkpoint on every rank: an --out-dir on each node's own disk would leave the others
+    # starting afresh (a hang or replicas apart), so the start-up check must prove every node sees it (shared=True;
+    # tests/test_failures.py runs it on ddp_checkpoint and lm_ddp).
+    resuming = [r for r in RECIPES if "find_resume(" in (REPO / "recipes" / f"{r}.py").read_text()]
+    assert len(resuming) >= 12, resuming
+    for recipe in resuming:
+        source = (REPO / "recipes" / f"{recipe}.py").read_text()
+        call = source[source.index("harness.broadcast_out_dir_check("):]
+        call = call[:call.index("\n    #")]  # to the banner or comment that follows it
+        assert "shared=True" in call, (recipe, call)
+    assert "shared=True" not in (REPO / "recipes" / "ddp_torchrun.py").read_text()  # the check can fail
+
+
 @pytest.mark.parametrize(("recipe", "most"), [("lm_ddp", 272), ("lm_tp", 380), ("lm_pp", 410), ("lm_fsdp_tp", 434),
                                              ("lm_moe", 499)])  # lm_moe 479 before its --expert-width check,
 # 481 before the model moved to the device after the cut, not before it, 482 before its --ep and --dp checks said
