@@ -49,6 +49,21 @@ def _free(path):
         return "unknown"
 
 
+def _fsync_folder(path):
+    """The folder's entries (a rename) onto the disk, as POSIX asks for a rename to last a crash; where the file system
+    cannot fsync a folder (some network ones refuse), it has ordered the rename itself."""
+    try:
+        folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(folder)
+    except OSError:
+        pass
+    finally:
+        os.close(folder)
+
+
 def save_atomic(obj, path):
     """torch.save to a temp file in the same folder, then rename over `path` (atomic on POSIX): a crash or a full
     disk mid-write leaves the previous file whole."""
@@ -67,6 +82,7 @@ def save_atomic(obj, path):
             f.flush()
             os.fsync(f.fileno())  # the bytes are on disk before the name points at them
         os.replace(tmp, path)
+        _fsync_folder(path)  # and the new name is: a machine that crashes now still resumes from this save
     except OSError as exc:
         raise SaveError(f"cannot write {path} ({exc.strerror or exc}; {_free(path)} free there): the previous "
                         f"{os.path.basename(path)}, if any, is whole; free some space, then --resume") from exc

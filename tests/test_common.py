@@ -603,6 +603,30 @@ def test_cpu_copy_is_a_copy_that_later_steps_do_not_change():
     assert copy["flags"] == {"lr": 0.1}
 
 
+def test_save_atomic_syncs_the_file_then_its_new_name(tmp_path, monkeypatch):
+    # POSIX: a rename lasts a crash once its folder is synced; the file's bytes before the rename points at them.
+    synced, real_fsync, real_replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda a, b: synced.append(("rename", str(b))) or real_replace(a, b))
+    save_atomic({"step": 3}, tmp_path / "latest.pt")
+    assert synced == [str(tmp_path / "latest.pt.tmp"), ("rename", str(tmp_path / "latest.pt")), str(tmp_path)]
+    assert torch.load(tmp_path / "latest.pt", weights_only=True) == {"step": 3}
+    # A file system that cannot open or fsync a folder (some network ones): the save stands, said by no error.
+    for fails in ("open", "fsync"):
+        real = getattr(os, fails)
+
+        def refuse(target, *args, real=real):
+            is_folder = os.path.isdir(target) if isinstance(target, str) else os.path.isdir(f"/proc/self/fd/{target}")
+            if is_folder:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real(target, *args)
+
+        monkeypatch.setattr(os, fails, refuse)
+        save_atomic({"step": 4}, tmp_path / "latest.pt")
+        monkeypatch.setattr(os, fails, real)
+        assert torch.load(tmp_path / "latest.pt", weights_only=True) == {"step": 4}
+
+
 def test_save_atomic_keeps_the_previous_file_when_the_disk_fills(tmp_path, monkeypatch):
     path = tmp_path / "latest.pt"
     save_atomic({"epoch": 1}, path)
