@@ -1,7 +1,7 @@
 """Delete the cookbook's lessons from the recipes, one at a time, and report which deletions the tests miss.
 
     python tools/mutation_check.py                               # every edit on every recipe, one at a time: 257
-    python tools/mutation_check.py --jobs 2                      # two at a time: 251 took 53 min (2026-11-30)
+    python tools/mutation_check.py --jobs 2                      # two at a time: 255 took 69 min (2026-11-30)
     python tools/mutation_check.py --recipes torch_amp --edits unscale,no_sync
     python tools/mutation_check.py --out bench/mutation.json     # also write the results as JSON
 
