@@ -469,6 +469,13 @@ def producer_threads():
     return [t for t in threading.enumerate() if t.name == "DataLoaderX-producer"]
 
 
+def wait_until(done, timeout=10, every=0.05):
+    """Polls done() until it is true or `timeout` seconds pass; the caller asserts what it waited for."""
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        time.sleep(every)
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_dataloaderx_yields_the_same_batches_in_the_same_order(workers):
     ds = TensorDataset(torch.randn(103, 3), torch.arange(103))
@@ -505,9 +512,7 @@ def test_dataloaderx_break_stops_the_thread_and_workers(workers):
             assert len(producer_threads()) == 1
             break
     # No gc.collect(): leaving the loop must be enough.
-    deadline = time.monotonic() + 10
-    while (producer_threads() or multiprocessing.active_children()) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: not (producer_threads() or multiprocessing.active_children()))
     assert producer_threads() == []
     assert multiprocessing.active_children() == []
 
@@ -531,16 +536,12 @@ def test_dataloaderx_loads_ahead_of_the_loop_and_no_further_than_its_prefetch():
     assert next(batches).flatten().tolist() == [0, 1, 2, 3]
     # While the loop holds batch 0 and asks for nothing, the thread loads batches 1 and 2 into its queue (2 deep)
     # and batch 3, whose put waits for room; batch 4 not until the loop takes one.
-    deadline = time.monotonic() + 10
-    while len(data.fetched) < 16 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: len(data.fetched) >= 16, every=0.01)
     time.sleep(0.3)  # room for a wrong loader to fetch more
     assert data.fetched == list(range(16))
     assert next(batches).flatten().tolist() == [4, 5, 6, 7]
     batches.close()
-    deadline = time.monotonic() + 10
-    while producer_threads() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: not producer_threads())
     assert producer_threads() == []
 
 
@@ -576,9 +577,7 @@ def test_dataloaderx_with_persistent_workers_goes_without_a_garbage_collection()
         assert gone() is None
     finally:
         gc.enable()
-    deadline = time.monotonic() + 10
-    while multiprocessing.active_children() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: not multiprocessing.active_children())
     assert multiprocessing.active_children() == []
 
 
