@@ -389,18 +389,23 @@ def imagefolder(tmp_path_factory):
     return make_imagefolder(tmp_path_factory.mktemp("imagefolder"))
 
 
+def stand_in_command(folder, name, body):
+    """An executable shell script folder/name running `body` (a test double of a command: nvidia-smi, nproc, the
+    PYTHON launch.sh starts); returns {"PATH": folder first}, for a command looked up on PATH."""
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / name
+    script.write_text("#!/bin/sh\n" + body)
+    script.chmod(0o755)
+    return {"PATH": f"{folder}{os.pathsep}{os.environ['PATH']}"}
+
+
 @pytest.fixture
 def fake_gpus(tmp_path):
     """A stand-in nvidia-smi (the real one cannot run without a GPU) listing n GPUs; returns env with PATH."""
 
     def make(n):
-        bin_dir = tmp_path / f"fake_nvidia_smi_{n}"
-        bin_dir.mkdir(exist_ok=True)
-        script = bin_dir / "nvidia-smi"
         lines = "".join(f'echo "GPU {i}: Fake GPU (UUID: GPU-{i:08d})"\n' for i in range(n))
         body = lines if n else 'echo "No devices were found"\nexit 6\n'
-        script.write_text("#!/bin/sh\n" + body)
-        script.chmod(0o755)
-        return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+        return stand_in_command(tmp_path / f"fake_nvidia_smi_{n}", "nvidia-smi", body)
 
     return make

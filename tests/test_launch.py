@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import LAUNCH, REPO, launch, run_script
+from conftest import LAUNCH, REPO, launch, run_script, stand_in_command
 
 from tools.free_port import ephemeral_range
 
@@ -118,8 +118,7 @@ def test_devices_omitted_without_gpu_runs_cpu2_and_says_so(fake_gpus):
 ])
 def test_bad_devices(devices, gpus, message, fake_gpus, tmp_path):
     # Refused before any Python starts (a second, not torch's import): PYTHON is a stand-in that leaves a mark.
-    (tmp_path / "python").write_text(f"#!/bin/sh\ntouch {tmp_path / 'ran'}\nexit 1\n")
-    (tmp_path / "python").chmod(0o755)
+    stand_in_command(tmp_path, "python", f"touch {tmp_path / 'ran'}\nexit 1\n")
     proc = launch("recipes/ddp_torchrun.py", devices, env={**fake_gpus(gpus), "PYTHON": str(tmp_path / "python")})
     assert proc.returncode == 2
     assert proc.stdout == ""
@@ -354,9 +353,7 @@ def test_bad_max_restarts(recipe, value, message):
 
 @pytest.mark.parametrize(("cores", "devices", "threads"), [(8, "cpu:2", "4"), (16, "cpu:3", "5"), (1, "cpu:3", "1")])
 def test_cpu_threads_split_across_processes(tmp_path, cores, devices, threads):
-    (tmp_path / "nproc").write_text(f"#!/bin/sh\necho {cores}\n")  # a machine of that many cores
-    (tmp_path / "nproc").chmod(0o755)
-    path = {"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    path = stand_in_command(tmp_path, "nproc", f"echo {cores}\n")  # a machine of that many cores
     assert dry_run("recipes/ddp_torchrun.py", devices, env=path)[0]["OMP_NUM_THREADS"] == threads
     env, _, _ = dry_run("recipes/ddp_torchrun.py", devices, env={**path, "OMP_NUM_THREADS": "7"})
     assert env["OMP_NUM_THREADS"] == "7"
