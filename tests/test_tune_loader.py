@@ -102,7 +102,8 @@ def test_progress_table_and_recommendation(cpu_sweep):
     assert (f"  the recipes' default here: --workers {default} (one per core of the process beyond its own, at most "
             f"16): {said}") in lines
     # --target: the step's rate over 2 processes; none of these rows feeds 500,000 a process
-    assert report["target"] == {"images_per_sec": 1e6, "per_process": 5e5, "row": None}
+    assert report["target"] == {"images_per_sec": 1e6, "per_process": 5e5,
+                                "rows": {"DataLoader": None, "DataLoaderX": None}}
     assert tune_loader.target_line(report["rows"], 1e6, 2) in lines
 
 
@@ -220,16 +221,35 @@ def test_target_the_fewest_workers_that_feed_the_step_or_how_long_the_gpu_would_
             row("DataLoader", 16, 1400.0)]
     # 4,000 images/s over 4 processes: 1,000 each; 4 workers are the fewest that load it
     assert tune_loader.feeding(rows, 1000.0) == rows[1]
+    # each loader answered apart: DataLoaderX needs 8 workers for what the recipes' DataLoader gets from 4
     assert tune_loader.target_line(rows, 4000, 4) == ("target: 4,000 images/s over 4 process(es), 1,000.0 each: "
                                                       "--workers 4 (DataLoader, pin_memory=False) feeds it at 1200.0 "
-                                                      "images/s")
+                                                      "images/s; --workers 8 (DataLoaderX, pin_memory=False) feeds "
+                                                      "it at 1500.0 images/s")
     assert tune_loader.feeding(rows, 1400.0) == rows[2]  # 8 workers before 16: the fewest that reach it
+    # 1,450 a process: only DataLoaderX's row reaches it, and the line says the DataLoader's does not
+    assert tune_loader.target_line(rows, 1450, 1).endswith("no DataLoader row feeds it; --workers 8 (DataLoaderX, "
+                                                           "pin_memory=False) feeds it at 1500.0 images/s")
     # An H200's fp16 resnet50 step, 6,184 images/s, on one process: the fastest row loads 24% of it
     assert tune_loader.feeding(rows, 6184.0) is None
     line = tune_loader.target_line(rows, 6184, 1)
     assert line.startswith("target: 6,184 images/s over 1 process(es), 6,184.0 each: no row feeds it: the fastest, "
                            "--workers 8 (DataLoaderX), loads 1500.0, 24% of it: the GPU would wait for data 76% of "
                            "each step. Decode on the GPU (recipes/gpu_decode.py"), line
+
+
+def test_on_a_gpu_only_the_pinned_rows_a_recipe_can_be_set_to_are_recommended_or_feed_the_target():
+    # every recipe pins on a GPU: an unpinned row, here the fastest and the fewest workers, is a measurement only
+    rows = [row("DataLoader", 0, 2000.0), row("DataLoader", 0, 900.0, pin=True), row("DataLoader", 2, 1000.0),
+            row("DataLoader", 2, 1900.0, pin=True), row("DataLoaderX", 0, 2100.0),
+            row("DataLoaderX", 0, 950.0, pin=True)]
+    assert tune_loader.usable(rows, "cpu") == [rows[0], rows[2], rows[4]]
+    assert tune_loader.usable(rows, "cuda") == [rows[1], rows[3], rows[5]]
+    assert recommend(tune_loader.usable(rows, "cuda")) == rows[3]  # not workers 0 unpinned, the fastest
+    fed = tune_loader.feeding_by_loader(tune_loader.usable(rows, "cuda"), 1500.0)
+    assert fed == {"DataLoader": rows[3], "DataLoaderX": None}
+    assert tune_loader.target_line(tune_loader.usable(rows, "cuda"), 1500, 1).endswith(
+        "--workers 2 (DataLoader, pin_memory=True) feeds it at 1900.0 images/s; no DataLoaderX row feeds it")
 
 
 def test_help_states_the_rule(capsys):
@@ -247,6 +267,8 @@ def test_help_states_the_rule(capsys):
     (["--max-workers", "-1"], "--max-workers -1 must be >= 0"),
     (["--target", "0"], "--target 0.0 must be > 0 (images/s)"),
     (["--target", "nan"], "--target nan must be > 0 (images/s)"),
+    (["--out", "{tmp}/chart.txt"], "--out {tmp}/chart.txt must end in .png, .svg, .pdf (the chart's format)"),
+    (["--out", "{tmp}"], "--out {tmp} must end in .png, .svg, .pdf"),  # matplotlib would write {tmp}.png
     (["--batch-size", "10", "--processes", "4"], "--batch-size 10 is the GLOBAL batch and must be a multiple of "
      "--processes 4; try --batch-size 8"),
     (["--dataset", "imagefolder", "--data-root", "{tmp}/missing"], "--data-root '{tmp}/missing' has no train/ folder"),

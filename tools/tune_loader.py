@@ -29,14 +29,17 @@ that one of --processes training processes gets. Every row reads the same sample
 pays alone for the disk (on data larger than memory, real epochs read from the disk and can be slower).
 
 Recommended: the fastest row; among rows within 5% of it, the one with the fewest workers (fewer workers cost
-less memory and start-up for the same speed), printed as the recipe flag: --workers N (per process). Where that
-row is DataLoaderX's, the same rule over the DataLoader rows follows: most recipes build a plain DataLoader.
+less memory and start-up for the same speed), printed as the recipe flag: --workers N (per process). Only the rows
+a recipe can be set to count: on a GPU the pinned ones (every recipe pins there; the unpinned rows show what pinning
+gains). Where that row is DataLoaderX's, the same rule over the DataLoader rows follows: most recipes build a plain
+DataLoader.
 
 --target IMAGES_PER_SEC asks the seeds' question with the GPU's own step as the answer to reach: the images/s your
 training step runs at with the data already on the GPU, all processes together (tools/gpu_bench.py's section 1 on
 your GPU: one H200 ran torch_amp.py's resnet50 step at 6,184 images/s in fp16, bench/gpu.md). Each process must then
-load --target / --processes a second; the tool prints the fewest workers that do, or, where no row does, how much
-of each step the GPU would wait (1 - fastest / needed) and what to do instead.
+load --target / --processes a second; the tool prints, for each loader, the fewest workers that do (among the rows a
+recipe can be set to, as above), or, where no row does, how much of each step the GPU would wait
+(1 - fastest / needed) and what to do instead.
 
 Output: one progress line per measurement as it finishes, then a table (loader, workers, pin_memory, images/s,
 ms/batch), the recommendation and what the recipes' default worker count measured (their DataLoader row); a
@@ -79,6 +82,7 @@ LOADERS = ("DataLoader", "DataLoaderX")
 TOLERANCE = 0.05  # rows within 5% of the fastest count as equally fast
 RULE = "the fastest row; among rows within 5% of it, the one with the fewest workers"
 COLUMNS = ("loader", "workers", "pin_memory", "images/s", "ms/batch")
+CHART_SUFFIXES = (".png", ".svg", ".pdf")
 
 
 # ------------------------------------------------------------------------------------------- args
@@ -103,7 +107,7 @@ def parse_args(argv=None):
                    help="measure every row this many times, the rounds one after the other, and report each row's "
                    "median: on a machine that other jobs share, 3 or more (default 1)")
     p.add_argument("--out", type=Path, default=Path("runs/tune_loader.png"),
-                   help="the chart (PNG; default runs/tune_loader.png)")
+                   help="the chart: .png, .svg or .pdf (default runs/tune_loader.png)")
     p.add_argument("--json", type=Path, help="also write the settings and every row here")
     p.add_argument("--target", type=float, help="the training step's images/s, all processes together, data on "
                    "the GPU (tools/gpu_bench.py section 1): the fewest workers that feed it, or how far short it is")
@@ -118,6 +122,8 @@ def check_args(args):
             return f"{flag} {value} must be >= 1"
     if args.target is not None and not args.target > 0:  # nan too
         return f"--target {args.target} must be > 0 (images/s)"
+    if args.out.suffix.lower() not in CHART_SUFFIXES:  # matplotlib decides by the suffix: before any measurement
+        return f"--out {args.out} must end in {', '.join(CHART_SUFFIXES)} (the chart's format)"
     if args.max_workers is not None and args.max_workers < 0:
         return f"--max-workers {args.max_workers} must be >= 0"
     if args.batch_size % args.processes:
@@ -154,6 +160,12 @@ def recommend(rows, tolerance=TOLERANCE):
     return min(close, key=lambda row: (row["workers"], -row["images_per_sec"]))
 
 
+def usable(rows, device_type):
+    """The rows a recipe can be set to: every recipe pins its batches on a GPU (pin_memory=device.type == "cuda"),
+    so there the unpinned rows are measurements only."""
+    return [row for row in rows if row["pin_memory"] == (device_type == "cuda")]
+
+
 def feeding(rows, needed):
     """The row that feeds a step of `needed` images/s a process: among rows at or above it, the fewest workers, then
     the faster; None where no row reaches it."""
@@ -161,14 +173,23 @@ def feeding(rows, needed):
     return min(fast, key=lambda row: (row["workers"], -row["images_per_sec"])) if fast else None
 
 
+def feeding_by_loader(rows, needed):
+    """{loader: the row of that loader that feeds `needed` images/s (feeding), or None}: the DataLoader first, the
+    loader of most recipes, so that a DataLoaderX row never stands in for the loader a recipe builds."""
+    return {loader: feeding([row for row in rows if row["loader"] == loader], needed) for loader in LOADERS}
+
+
 def target_line(rows, target, processes):
-    """What --target answers: the workers that feed the step, or how much of it the GPU would wait."""
+    """What --target answers over `rows` (the usable ones): for each loader, the workers that feed the step; or,
+    where no row does, how much of it the GPU would wait."""
     needed = target / processes
     head = f"target: {target:,.0f} images/s over {processes} process(es), {needed:,.1f} each: "
-    row = feeding(rows, needed)
-    if row is not None:
-        return (f"{head}--workers {row['workers']} ({row['loader']}, pin_memory={row['pin_memory']}) feeds it at "
-                f"{row['images_per_sec']:.1f} images/s")
+    fed = feeding_by_loader(rows, needed)
+    said = [f"--workers {row['workers']} ({loader}, pin_memory={row['pin_memory']}) feeds it at "
+            f"{row['images_per_sec']:.1f} images/s" if row is not None else f"no {loader} row feeds it"
+            for loader, row in fed.items()]
+    if any(row is not None for row in fed.values()):
+        return head + "; ".join(said)
     best = max(rows, key=lambda r: r["images_per_sec"])
     share = best["images_per_sec"] / needed
     return (f"{head}no row feeds it: the fastest, --workers {best['workers']} ({best['loader']}), loads "
@@ -376,7 +397,7 @@ def tune(args, cores, per_process):
               flush=True)
     rows = summarize(measurements, batch)
 
-    best = recommend(rows)
+    best = recommend(usable(rows, device.type))
     settings_used = {"dataset": args.dataset, "data_root": args.data_root, "image_size": image_size,
                      "train_samples": len(train_set), "batch_size": args.batch_size, "processes": args.processes,
                      "batch_per_process": batch, "cores": cores, "cores_per_process": per_process,
@@ -387,23 +408,23 @@ def tune(args, cores, per_process):
     print(f"\n{table(rows)}{note}\n", flush=True)
     print(recommendation_line(best), flush=True)
     if best["loader"] != "DataLoader":  # most recipes build a plain DataLoader: give them their own setting
-        plain = recommend([row for row in rows if row["loader"] == "DataLoader"])
+        plain = recommend([row for row in usable(rows, device.type) if row["loader"] == "DataLoader"])
         print(f"  with DataLoader (the loader of most recipes): --workers {plain['workers']} "
               f"(pin_memory={plain['pin_memory']}) at {plain['images_per_sec']:.1f} images/s", flush=True)
     print(f"  rule: {RULE}; --workers counts per process, images/s is one process's", flush=True)
     print(default_line(rows, recipes_default, device.type, max_workers), flush=True)
     if args.target is not None:
         report["target"] = {"images_per_sec": args.target, "per_process": args.target / args.processes,
-                            "row": feeding(rows, args.target / args.processes)}
-        print(target_line(rows, args.target, args.processes), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    plot(report, args.out)
-    written = [str(args.out)]
-    if args.json:
+                            "rows": feeding_by_loader(usable(rows, device.type), args.target / args.processes)}
+        print(target_line(usable(rows, device.type), args.target, args.processes), flush=True)
+    written = []
+    if args.json:  # the numbers first: a chart that fails to write loses no measurement
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1) + "\n")
         written.append(str(args.json))
-    print(f"tune_loader: wrote {', '.join(written)}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    plot(report, args.out)
+    print(f"tune_loader: wrote {', '.join([str(args.out), *written])}", flush=True)
     return 0
 
 
