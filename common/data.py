@@ -73,12 +73,14 @@ class SyntheticImages(Dataset):
     """Random images whose class is learnable: each class has its own mean colour and pattern.
 
     Sample i is generated from (seed, split, i) alone, so every rank and every DataLoader worker
-    sees the same sample for the same index, and the data needs no memory up front.
+    sees the same sample for the same index, and the data needs no memory up front. torch's CPU generator keeps a
+    seed's low 32 bits: the splits draw from the two halves of those, so no validation sample is a training sample
+    below 2**31 training samples.
     """
 
     def __init__(self, num_samples, num_classes=10, image_size=32, split="train", seed=0):
         self.num_samples, self.num_classes, self.image_size = num_samples, num_classes, image_size
-        self.base_seed = seed * 1_000_003 + (0 if split == "train" else 500_009)
+        self.base_seed = seed * 1_000_003 + (0 if split == "train" else 2**31)
         g = torch.Generator().manual_seed(seed)
         colour = torch.randn(num_classes, 3, 1, 1, generator=g)
         pattern = torch.randn(num_classes, 3, 4, 4, generator=g)

@@ -339,6 +339,15 @@ def test_synthetic_is_deterministic_balanced_and_split_dependent():
         train[300]
 
 
+def test_no_synthetic_validation_sample_is_a_training_sample_at_any_size():
+    # The splits once sat 500,009 seeds apart: --synthetic-train 500,010 trained on val[0]. The samples are made on
+    # demand, so a set of two billion costs nothing until read.
+    train, val = SyntheticImages(2**31), SyntheticImages(500, split="val")
+    for k in (0, 1, 499):
+        for offset in (0, 500_009, 2**30, 2**31 - 500):
+            assert not torch.equal(train[offset + k][0], val[k][0]), (offset, k)
+
+
 def test_imagefolder_builder_reads_png_tree(imagefolder):
     train, val, classes = build_datasets("imagefolder", str(imagefolder), image_size=16)
     assert (len(train), len(val), classes) == (60, 21, 3)
