@@ -334,6 +334,34 @@ def check_full_batch(steps, samples, batch_size):
                         all_ranks=False)
 
 
+def rgb(image):
+    """A PIL image as 8-bit RGB, as ImageFolder's loader makes it (image.convert("RGB")), but a 16-bit one (a PNG's
+    I;16, or PIL's 32-bit I, how older Pillows open it) keeps its picture: PIL clips such pixels at 255, which makes
+    a 16-bit photo nearly all white; here they are scaled by 1/256 (the high byte, as PIL reduces a 16-bit RGB PNG)."""
+    if image.mode in ("I;16", "I;16L", "I;16B", "I"):
+        from PIL import Image
+
+        pixels = np.asarray(image).astype(np.int64) >> 8
+        image = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))  # 2-D uint8: mode L
+    return image.convert("RGB")
+
+
+def load_rgb(path):
+    """ImageFolder's loader: the file through rgb()."""
+    from PIL import Image
+
+    with open(path, "rb") as f:
+        return rgb(Image.open(f))
+
+
+def is_image_file(path):
+    """ImageFolder's test of a file (an image's extension), less hidden files: macOS leaves a `._name.JPEG` of
+    metadata beside each file copied to a foreign disk, which is no image and would stop the run when its turn came."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
+
+    return not os.path.basename(path).startswith(".") and has_file_allowed_extension(path, IMG_EXTENSIONS)
+
+
 def _imagefolder(root, size, flip):
     layout = "expected ROOT/train/<class>/*.png|jpg and ROOT/val/<class>/*.png|jpg"
     for split in ("train", "val"):
@@ -346,8 +374,9 @@ def _imagefolder(root, size, flip):
 
     train_tf, val_tf = transforms(size, flip)
     try:
-        train = torchvision.datasets.ImageFolder(os.path.join(root, "train"), transform=train_tf)
-        val = torchvision.datasets.ImageFolder(os.path.join(root, "val"), transform=val_tf)
+        train, val = (torchvision.datasets.ImageFolder(os.path.join(root, split), transform=tf, loader=load_rgb,
+                                                       is_valid_file=is_image_file)
+                      for split, tf in (("train", train_tf), ("val", val_tf)))
     except (FileNotFoundError, PermissionError) as exc:
         raise DataError(f"{exc}; {layout}") from exc
     if train.classes != val.classes:

@@ -62,6 +62,7 @@ from common.data import (
     build_datasets,
     crop_box,
     device_normalize,
+    rgb,
     sample_seed,
 )
 from common.loader import DataLoaderX
@@ -167,7 +168,7 @@ class EncodedImages(Dataset):  # New: what a DataLoader worker does: read, look 
         if image.format == "JPEG" and image.mode in ("RGB", "L") and data.endswith(b"\xff\xd9"):
             payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # the file as it is: 1-D bytes
         else:  # PNG, CMYK, cut short: PIL decodes it, or raises naming what is wrong
-            payload = TF.pil_to_tensor(image.convert("RGB"))
+            payload = TF.pil_to_tensor(rgb(image))  # 16-bit PNGs scaled to 8 bits, not clipped at 255
         return payload, torch.tensor([top, left, h, w]), flip, label, index
 
 

@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -19,8 +20,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torchvision
+import torchvision.transforms as T
 from conftest import REPO, run_script, spawn_gloo
 from jobs import started_with
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from common import checkpoint
@@ -32,6 +35,7 @@ from common.data import (
     default_worker_count,
     default_workers,
     prepare_dataset,
+    rgb,
 )
 from common.loader import DataLoaderX
 from common.models import (
@@ -346,6 +350,27 @@ def test_no_synthetic_validation_sample_is_a_training_sample_at_any_size():
     for k in (0, 1, 499):
         for offset in (0, 500_009, 2**30, 2**31 - 500):
             assert not torch.equal(train[offset + k][0], val[k][0]), (offset, k)
+
+
+def test_a_16_bit_png_keeps_its_picture_and_hidden_files_are_not_images(tmp_path, imagefolder):
+    # PIL's convert("RGB") clips 16-bit pixels at 255: this ramp (0 to 65,520) would read 99.6% white.
+    ramp = (np.arange(64 * 64).reshape(64, 64) * 16).astype(np.uint16)
+    root = tmp_path / "data"
+    shutil.copytree(imagefolder, root)
+    Image.fromarray(ramp).save(root / "val" / "class_2" / "zz_16bit.png")
+    (root / "train" / "class_0" / "._000.png").write_bytes(b"\0\5\26\7 macOS metadata, no image")
+    assert Image.open(root / "val" / "class_2" / "zz_16bit.png").mode == "I;16"
+    train, val, _ = build_datasets("imagefolder", str(root), image_size=64)
+    assert len(train) == 60 and len(val) == 22  # the hidden file is not a sample; the PNG is
+    image, label = val[21]
+    assert label == 2 and image.dtype == torch.uint8
+    # Resize(73) and CenterCrop(64) of the ramp, scaled by 1/256: its mean level, not 255
+    scaled = torch.from_numpy((ramp >> 8).astype(np.uint8))[None]
+    expected = T.Compose([T.Resize(64 * 8 // 7), T.CenterCrop(64)])(scaled)
+    assert (image.float() - expected.float()).abs().max() <= 1
+    assert 100 < image.float().mean() < 155 and (image == 255).float().mean() < 0.02
+    for mode in ("I", "I;16"):  # older Pillows open a 16-bit PNG as 32-bit I: the same picture
+        assert np.array_equal(np.asarray(rgb(Image.fromarray(ramp).convert(mode)))[..., 0], ramp >> 8)
 
 
 def test_imagefolder_builder_reads_png_tree(imagefolder):

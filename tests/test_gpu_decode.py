@@ -19,6 +19,7 @@ import re
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 import torchvision.transforms as T
@@ -42,7 +43,7 @@ from test_conformance import read_curves
 
 from common.data import IMAGENET_MEAN, IMAGENET_STD, NameFailingSamples, SampleError, build_datasets
 from common.models import build_model
-from tools.make_jpegs import make_set
+from tools.make_jpegs import class_name, make_set
 
 SIZE, EPOCHS, LR, BATCH = 16, 2, 0.1, 16
 FLAGS = ["--dataset", "imagefolder", "--arch", "tiny_bn", "--workers", "0", "--epochs", EPOCHS, "--lr", LR,
@@ -260,6 +261,18 @@ def test_validation_is_resize_and_center_crop_as_one_resize(tmp_path):
         pixels = T.functional.pil_to_tensor(Image.open(files.samples[index][0]).convert("RGB"))
         theirs = T.Compose([T.Resize(64 * 8 // 7), T.CenterCrop(64)])(pixels).float()
         assert (levels(ours[0]) - theirs).abs().mean() < 1.5, index  # 0.7-1.0; a box 1 px off: 6.9-14
+
+
+def test_a_16_bit_png_crosses_as_its_picture_scaled_to_8_bits(tmp_path):
+    # PIL's convert("RGB") clips 16-bit pixels at 255 (this ramp: 99.6% white); the worker scales them by 1/256
+    make_set(tmp_path, train=2, val=2, classes=2, size=(40, 30), jobs=1)
+    ramp = (np.arange(30 * 40).reshape(30, 40) * 54).astype(np.uint16)  # 0 to 64,746
+    Image.fromarray(ramp).save(tmp_path / "val" / class_name(1) / "zz_16bit.png")
+    recipe, files = load_recipe("gpu_decode"), sources(tmp_path)[1]
+    index = [path.endswith("zz_16bit.png") for path, _ in files.samples].index(True)
+    payload = recipe.EncodedImages(files, 16, False, False)[index][0]
+    assert payload.dtype == torch.uint8 and payload.shape == (3, 30, 40)  # pixels, not the file's bytes
+    assert torch.equal(payload, torch.from_numpy((ramp >> 8).astype(np.uint8)).expand(3, -1, -1))
 
 
 def test_a_file_that_nothing_decodes_stops_the_run_with_one_line_naming_it(tmp_path):

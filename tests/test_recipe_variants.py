@@ -76,7 +76,8 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # from the seeded global one in DataLoaderX's thread) and a resume's reseed by its step (dropout's draws anew).
     # 311 with img/s counting only the images a resumed run trained (as ddp_checkpoint).
     # 313 with torch_amp's resumed step counted in this run's epochs (gpu_decode's: the same --batch-size, its step).
-    ("torch_amp", "gpu_decode", 313),
+    # 314 with common.data's rgb() imported for the files PIL decodes (a 16-bit PNG scaled, not clipped white).
+    ("torch_amp", "gpu_decode", 314),
     # apex_amp 260: its resumed step counted in this run's epochs (a saved count from another batch stopped it early);
     # 261: torch mode's O2 masters re-made after the DDP wrap (made before it, they kept each rank's own weights).
     # mx_face_prefetch: 150, then 160 with issue 65's device_normalize in the flagship (its RecordIO transforms kept

@@ -305,6 +305,17 @@ def test_pack_layout_and_dataset(packed):
         assert (image - original).abs().mean() < 0.02  # the same picture, through JPEG q95
 
 
+def test_pack_keeps_a_16_bit_pngs_picture_and_skips_hidden_files(tmp_path):
+    ramp = (np.arange(32 * 32).reshape(32, 32) * 64).astype(np.uint16)  # 0 to 65,472: PIL's RGB clips it white
+    (tmp_path / "src" / "bob").mkdir(parents=True)
+    Image.fromarray(ramp).save(tmp_path / "src" / "bob" / "16bit.png")
+    (tmp_path / "src" / "bob" / "._16bit.png").write_bytes(b"\0\5\26\7 macOS metadata, no image")
+    result = pack_folder(tmp_path / "src", tmp_path / "rec")
+    assert (result.identities, result.images) == (1, 1)
+    image = np.asarray(MXFaceDataset(tmp_path / "rec", transform=lambda im: im)[0][0], dtype=np.float32)
+    assert np.abs(image[..., 0] - (ramp >> 8)).mean() < 2  # the ramp through JPEG q95, not 255
+
+
 def test_pack_resize_quality_and_flat_dataset(tmp_path):
     src = make_tree(tmp_path / "src")
     small = pack_folder(src, tmp_path / "q30", quality=30, size=8)

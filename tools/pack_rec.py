@@ -20,6 +20,7 @@ from pathlib import Path
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
+from common.data import rgb
 from common.recordio import IRHeader, RecordWriter, pack
 
 # torchvision's ImageFolder extensions: the same files become samples here and there.
@@ -46,7 +47,8 @@ def list_images(src):
     for name in classes:
         files = []
         for dirpath, _, filenames in sorted(os.walk(src / name, followlinks=True)):
-            files += [Path(dirpath) / f for f in sorted(filenames) if f.lower().endswith(IMG_EXTENSIONS)]
+            files += [Path(dirpath) / f for f in sorted(filenames)  # not macOS's hidden `._name.jpg` metadata
+                      if f.lower().endswith(IMG_EXTENSIONS) and not f.startswith(".")]
         if not files:
             # An identity with no images would still get a label, so a classifier head would have a dead row.
             raise PackError(f"{src / name}: no image files ({', '.join(IMG_EXTENSIONS)})")
@@ -57,7 +59,7 @@ def list_images(src):
 def encode_jpeg(path, quality, size=None):
     try:
         with Image.open(path) as image:
-            image = image.convert("RGB")  # also forces the full decode, so a truncated file fails here
+            image = rgb(image)  # also forces the full decode, so a truncated file fails here; 16 bits scaled to 8
     except (OSError, ValueError) as exc:  # UnidentifiedImageError is an OSError
         raise PackError(f"{path}: cannot read image ({exc})") from None
     if size:
