@@ -238,9 +238,10 @@ class StepMeter:
     divergence watch (DivergenceCheck), the clock (Throughput: tokens/s after the first step, own_ms, the ETA) and
     --profile (Profiler). Local, but for the methods whose names say their collective.
 
-        meter = harness.StepMeter(model, device, args.profile, args.out_dir, rank, forward=None)
+        meter = harness.StepMeter(model, device, args.profile, args.out_dir, rank, forward=None, last_good=None)
                                                  the clock starts; own_ms: the data wait, and forward's where given
-                                                 (Throughput.watch: DDP's model.module); model None: no own_ms
+                                                 (Throughput.watch: DDP's model.module); model None: no own_ms;
+                                                 last_good: the latest.pt a divergence's stop names once it exists
         meter.start()                            the clock runs again, after an evaluation stopped it
         meter.step(step, loss, tokens)           after each optimizer step: no host sync; loss None where this rank
                                                  has none (a pipeline stage before the last): the clock alone
@@ -251,9 +252,10 @@ class StepMeter:
         meter.stop()                             the clock, and --profile's trace written
         meter.gather_profile_table(), meter.gather_result_line(model, optimizer, **fields)"""
 
-    def __init__(self, model, device, profile, out_dir, rank, forward=None):
+    def __init__(self, model, device, profile, out_dir, rank, forward=None, last_good=None):
         self.device, self.loss, self.train_loss = device, AverageMeter(), None
         self.speed, self.diverged = Throughput(device), DivergenceCheck(device)
+        self.diverged.last_good = last_good  # latest.pt: written only once a save is whole (or the resume point)
         self.profiler = Profiler(profile, out_dir, rank, device)  # --profile: steps 3-6
         if model is not None:
             self.speed.watch(model, forward=forward)

@@ -561,7 +561,9 @@ class DivergenceCheck:
     def __init__(self, device):
         self.first_bad = torch.full((), self.NEVER, dtype=torch.int64, device=device)
         self.checked = 0  # the last step found good
-        self.last_good = None  # the newest checkpoint this run wrote (or resumed from): the recipe sets it
+        # The newest checkpoint this run wrote (or resumed from): the recipe sets it. Named only where it exists: a
+        # language model sets its latest.pt once, which a save writes only when the checkpoint is whole.
+        self.last_good = None
 
     def update(self, step, loss):
         finite = torch.isfinite(loss.detach()).to(self.first_bad.device, non_blocking=True)  # model parallel: 2 GPUs
@@ -591,8 +593,8 @@ class DivergenceCheck:
                 "the fp16 loss scale fell below 1 (every step skipped for overflowing gradients)"
                 if scale_bad != self.NEVER else
                 "the loss stayed finite, but the weights or BatchNorm statistics did not")
-        kept = (f"the last good checkpoint is {self.last_good}" if self.last_good else
-                "this run wrote no checkpoint")
+        kept = (f"the last good checkpoint is {self.last_good}" if self.last_good and os.path.exists(self.last_good)
+                else "this run wrote no checkpoint")
         where = "" if epoch is None else f"in epoch {epoch + 1}, "  # None: a step-based run (the language models)
         raise Diverged(f"training diverged {where}steps {self.checked + 1}-{step}: {what}. Nothing "
                        f"was saved from these weights; {kept}. Likely causes: a learning rate too high for this "

@@ -334,7 +334,8 @@ def main():
     # ----------------------------------------------------------------------------------- train
     last = min(args.steps, start_step + (args.max_steps or args.steps))  # --max-steps: this run's
     # The loss, the clock (tokens/s, own_ms: each rank's own work), the NaN watch, --profile; the clock starts.
-    meter = harness.StepMeter(model, device, args.profile, args.out_dir, rank)  # own_ms: the data wait (forward: FSDP2)
+    meter = harness.StepMeter(model, device, args.profile, args.out_dir, rank,  # own_ms: the data wait (forward: FSDP2)
+                              last_good=latest)  # what a divergence's stop names, once a save has written it
     vote = harness.StopVote(preempt, stop_group)  # SIGUSR1: every rank stops after the same step
     step, stop, train_loss, val_loss = start_step, False, None, None
     while step < last:

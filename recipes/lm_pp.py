@@ -314,7 +314,8 @@ def main():
     last = min(args.steps, start_step + (args.max_steps or args.steps))  # --max-steps: this run's
     # The loss, the clock (tokens/s, own_ms: each rank's own work), the NaN watch, --profile; the clock starts.
     # New: None: no own_ms (a stage's forward waits for the one before it; --profile shows each stage's time).
-    meter = harness.StepMeter(None, device, args.profile, args.out_dir, rank)
+    meter = harness.StepMeter(None, device, args.profile, args.out_dir, rank,
+                              last_good=latest)  # what a divergence's stop names, once a save has written it
     vote = harness.StopVote(preempt, stop_group)  # SIGUSR1: every rank stops after the same step
     step, stop, train_loss, val_loss = start_step, False, None, None
     while step < last:

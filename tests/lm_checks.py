@@ -49,15 +49,25 @@ def check_args_refuses(name, argv, world, line, capsys, monkeypatch):
     assert len(error_lines(err)) == 1 and error_lines(err)[0].startswith(line), err
 
 
-def diverged_run_stops_with_one_line(recipe, devices, args, out):
+def diverged_run_stops_with_one_line(recipe, devices, args, out, saved_first=False):
     """`recipe` on `devices` with `args` and --lr 1e30: exit 3, one error line (the divergence check's, the loss not
-    finite from step 2 of the first 4), and no model.pt in `out`. Returns the CompletedProcess."""
-    proc = launch(f"recipes/{recipe}.py", devices, *args, "--lr", "1e30", "--out-dir", out)
+    finite from step 2 of the first 4), and no model.pt in `out`. saved_first: with --save-every 1, step 1's
+    checkpoint written before the check at step 2 stops the run; the line names its latest.pt, which still names step
+    1. Returns the CompletedProcess."""
+    save = ["--save-every", 1] if saved_first else []
+    proc = launch(f"recipes/{recipe}.py", devices, *args, *save, "--lr", "1e30", "--out-dir", out)
     assert proc.returncode == 3, proc.stderr[-2000:]
     said = error_lines(proc.stderr)
-    assert len(said) == 1 and said[0].startswith("error: training diverged steps 1-4: the training loss stopped being "
-                                                 "finite at step 2."), proc.stderr[-2000:]
-    assert not (out / "model.pt").exists()
+    latest = out / "checkpoint" / "latest.pt"
+    steps, kept = ("2-2", f"the last good checkpoint is {latest}") if saved_first else \
+        ("1-4", "this run wrote no checkpoint")
+    assert len(said) == 1 and said[0].startswith(f"error: training diverged steps {steps}: the training loss stopped "
+                                                 f"being finite at step 2. Nothing was saved from these weights; "
+                                                 f"{kept}. "), proc.stderr[-2000:]
+    if saved_first:
+        assert torch.load(latest, weights_only=True)["step"] == 1
+    else:
+        assert not (out / "model.pt").exists()
     return proc
 
 

@@ -427,5 +427,6 @@ def test_a_diverged_run_stops_with_one_line_and_saves_nothing(tmp_path):
     proc = launch("recipes/lm_ddp.py", "cpu:2", *FLAGS, "--lr", "1e30", "--out-dir", tmp_path)
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert [line.split(":")[0] for line in error_lines(proc.stderr)] == ["error"]
-    assert "error: training diverged steps 1-4: the training loss stopped being finite at step 2." in proc.stderr
+    assert "error: training diverged steps 1-4: the training loss stopped being finite at step 2. Nothing was saved " \
+        "from these weights; this run wrote no checkpoint. " in proc.stderr
     assert not tmp_path.exists() or not any(tmp_path.iterdir())

@@ -536,5 +536,5 @@ def test_a_mesh_that_is_not_the_world_stops_a_real_launch_with_one_line(tmp_path
 
 
 @SLOW  # a real 2-process launch: 10-15 s
-def test_a_diverged_run_stops_with_one_line_and_saves_nothing(tmp_path):
-    diverged_run_stops_with_one_line("lm_fsdp_tp", "cpu:2", [*ARGS, "--tp", 1], tmp_path / "out")
+def test_a_diverged_run_stops_with_one_line_naming_the_last_good_checkpoint(tmp_path):
+    diverged_run_stops_with_one_line("lm_fsdp_tp", "cpu:2", [*ARGS, "--tp", 1], tmp_path / "out", saved_first=True)

@@ -451,6 +451,6 @@ def test_the_defaults_divide_on_any_number_of_stages():
 
 
 @pytest.mark.slow  # a real 2-process launch: 8-15 s
-def test_a_diverged_pipeline_stops_with_one_line_and_saves_nothing(tmp_path):
-    # The loss is the last stage's alone: the check's all-reduce stops the first stage too, before any save.
-    diverged_run_stops_with_one_line("lm_pp", "cpu:2", ARGS, tmp_path / "out")
+def test_a_diverged_pipeline_stops_with_one_line_naming_the_last_good_checkpoint(tmp_path):
+    # The loss is the last stage's alone: the check's all-reduce stops the first stage too, before step 2's save.
+    diverged_run_stops_with_one_line("lm_pp", "cpu:2", ARGS, tmp_path / "out", saved_first=True)

@@ -447,8 +447,8 @@ def test_a_tp_that_is_not_the_world_size_stops_a_real_launch_with_one_line(tmp_p
 
 
 @pytest.mark.slow  # a real 2-process launch: 15 s
-def test_a_diverged_tensor_parallel_run_stops_with_one_line_and_saves_nothing(tmp_path):
-    diverged_run_stops_with_one_line("lm_tp", "cpu:2", ARGS, tmp_path / "out")
+def test_a_diverged_tensor_parallel_run_stops_with_one_line_naming_the_last_good_checkpoint(tmp_path):
+    diverged_run_stops_with_one_line("lm_tp", "cpu:2", ARGS, tmp_path / "out", saved_first=True)
 
 
 @pytest.mark.slow  # two spawned processes: 15 s
