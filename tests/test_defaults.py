@@ -12,6 +12,8 @@
 
 import math
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from common import harness
 from common.data import CIFAR_MEAN, CIFAR_STD, IMAGENET_MEAN, IMAGENET_STD, device_normalize, transforms
 from common.models import _parameters_on_meta, build_model
 from common.schedule import default_lr, warmup_cosine, warmup_steps
+from tools import real_data
 from tools.real_data import export
 
 
@@ -220,3 +223,34 @@ def test_a_resumed_schedule_is_placed_by_this_runs_steps():
             sgd.step()
             schedule.step()
         assert resumed_sgd.param_groups[0]["lr"] == straight_sgd.param_groups[0]["lr"]
+
+
+def test_real_data_starts_the_recipes_with_its_own_python_and_keeps_a_table_it_was_not_asked_to_replace(
+        tmp_path, monkeypatch, capsys):
+    started = []
+
+    def fake_run(argv, **kwargs):  # a test double of the recipe's run: its command and environment, an epoch line
+        started.append((argv, kwargs["env"]))
+        return subprocess.CompletedProcess(argv, 0, stdout="epoch=1/1 x val_loss=0.5 val_acc1=90.0\n", stderr="")
+
+    monkeypatch.setattr(real_data, "export", lambda folder, size: (8, 2))
+    monkeypatch.setattr(real_data.subprocess, "run", fake_run)
+    monkeypatch.setenv("PYTHON", "python3")  # what launch.sh would start without it: another interpreter's python3
+    out = tmp_path / "bench"
+    assert real_data.main(["--epochs", "1", "--out", str(out)]) == 0
+    assert [argv[1] for argv, _ in started] == [f"recipes/{real_data.RECIPES[n][0]}.py" for n in real_data.RECIPES]
+    assert {env["PYTHON"] for _, env in started} == {sys.executable}
+    table = (out / "real_data.md").read_text()
+    capsys.readouterr()
+    # Two recipes into that folder would replace the table of all: refused, unless --update
+    for args, message in ((["--recipes", "dp,fsdp", "--epochs", "1"], f"error: {out / 'real_data.json'} holds an "
+                           "earlier run's table: --update to rerun only dp, fsdp in it, or --out elsewhere"),
+                          (["--size", "4"], "error: --size 4 must be at least 8"),
+                          (["--epochs", "0"], "error: --epochs 0 must be at least 1")):
+        with pytest.raises(SystemExit) as exit_:
+            real_data.main([*args, "--out", str(out)])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err == f"real_data: {message}\n"
+    assert (out / "real_data.md").read_text() == table
+    assert real_data.main(["--recipes", "dp,fsdp", "--epochs", "1", "--out", str(out), "--update"]) == 0
+    assert (out / "real_data.md").read_text() == table  # the same two rows again, the others kept

@@ -170,6 +170,16 @@ def test_cli_refuses_a_folder_that_is_not_empty(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["mine.txt"]
 
 
+def test_force_replaces_an_earlier_sets_files_and_keeps_the_rest_of_the_folder(tmp_path, capsys):
+    assert main([str(tmp_path), "--train", "40", "--val", "10", "--size", "40x30", "--jobs", "1", "--corrupt"]) == 0
+    (tmp_path / "notes.txt").write_text("keep me")
+    assert main([str(tmp_path), "--train", "20", "--val", "10", "--size", "40x30", "--jobs", "1", "--force"]) == 0
+    assert "make_jpegs: 30 files in" in capsys.readouterr().out
+    files = sorted(p.name for p in tmp_path.rglob("*.JPEG"))
+    assert len(files) == 30 and not [f for f in files if f.startswith(("corrupt", "notimage"))]
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
 def test_without_scikit_learn_one_line_before_any_file(tmp_path, capsys, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sklearn" else real(name, *a))

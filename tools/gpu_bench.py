@@ -95,6 +95,7 @@ from common.models import build_model, check_arch, check_image_size  # noqa: E40
 from common.schedule import default_lr, warmup_cosine  # noqa: E402
 from common.utils import AverageMeter, accuracy, first_line  # noqa: E402
 from tools import junit  # noqa: E402
+from tools.cli import OneLineParser  # noqa: E402
 from tools.free_port import free_port  # noqa: E402
 from tools.recipes import load_recipe  # noqa: E402
 
@@ -137,14 +138,8 @@ CPU_DEFAULTS = dict(arch="tiny_bn", image_size=16, batch_size=8, num_classes=10,
 
 
 # ------------------------------------------------------------------------------------------- args
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        print(f"gpu_bench: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def parse_args(argv=None):
-    p = OneLineParser(description=__doc__.split("\n")[0])
+    p = OneLineParser("gpu_bench", description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cuda (default): GPU 0 at the sizes above; cpu: tiny sizes, a check that it runs")
     p.add_argument("--only", help=f"comma-separated sections, of {','.join(SECTIONS)} (default: all)")

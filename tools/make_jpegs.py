@@ -24,8 +24,10 @@ progressive_0.JPEG: ImageNet's train set holds grayscale JPEGs, 22 CMYK ones and
 JPEGs are common on the web. --corrupt adds there corrupt_0.JPEG (a JPEG cut 40% of the way into its compressed
 pixels, as a broken download leaves it: it opens, then PIL's load and torchvision's decode_jpeg both raise) and
 notimage_0.JPEG (random bytes). These are counted apart ("+N odd") and left out of the means. Prints one line: files,
-seconds, files/s, mean width x height, mean bytes a file. Bad input (a ROOT that is not empty, without --force; a bad
-number): one line on stderr, exit 2. make_set() does the same from Python, without the checks.
+seconds, files/s, mean width x height, mean bytes a file. --force replaces ROOT's train/ and val/ (an earlier run's:
+none of its files, odd or corrupt, stays beside the new set) and leaves the rest of ROOT. Bad input (a ROOT that is
+not empty, without --force; a bad number): one line on stderr, exit 2. make_set() does the same from Python,
+without the checks.
 """
 
 import argparse
@@ -34,6 +36,7 @@ import importlib.util
 import io
 import math
 import os
+import shutil
 import sys
 import time
 from multiprocessing import Pool
@@ -41,6 +44,9 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/ when run as a script
+from tools.cli import OneLineParser
 
 PHOTOS = ("china.jpg", "flower.jpg")
 MAX_CLASSES = 100
@@ -142,12 +148,6 @@ def make_set(root, train=20000, val=1000, classes=10, size=(500, 375), quality=9
                 mean_height=height / files, mean_bytes=nbytes / files)
 
 
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        print(f"make_jpegs: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def size_arg(text):
     w, sep, h = text.partition("x")
     if not (sep and w.isdigit() and h.isdigit() and 8 <= int(w) <= 8192 and 8 <= int(h) <= 8192):
@@ -156,7 +156,7 @@ def size_arg(text):
 
 
 def main(argv=None):
-    p = OneLineParser(description=__doc__.split("\n")[0])
+    p = OneLineParser("make_jpegs", description=__doc__.split("\n")[0])
     p.add_argument("root", type=Path, help="the folder to make (new or empty)")
     p.add_argument("--train", type=int, default=20000, help="train files in all, spread over the classes")
     p.add_argument("--val", type=int, default=1000, help="val files in all, spread over the classes")
@@ -167,7 +167,8 @@ def main(argv=None):
     p.add_argument("--jobs", type=int, default=os.cpu_count(), help="processes (default: all CPUs)")
     p.add_argument("--odd", action="store_true", help="add grayscale, CMYK, PNG and progressive files")
     p.add_argument("--corrupt", action="store_true", help="add a truncated JPEG and a file of random bytes")
-    p.add_argument("--force", action="store_true", help="write into a ROOT that is not empty")
+    p.add_argument("--force", action="store_true",
+                   help="replace the train/ and val/ of a ROOT that is not empty (an earlier run's)")
     args = p.parse_args(argv)
     for name, lo, hi, why in (("classes", 2, MAX_CLASSES, ""), ("train", args.classes, None, " (one a class)"),
                               ("val", args.classes, None, " (one a class)"), ("quality", 1, 100, ""),
@@ -182,6 +183,9 @@ def main(argv=None):
     if importlib.util.find_spec("sklearn") is None:  # before any file is made
         p.error("scikit-learn is not installed, and its two sample photographs are the source: "
                 "pip install -r requirements-dev.txt")
+    if args.force:  # an earlier run's files, a larger set's or its corrupt ones, must not stay among the new
+        for split in SPLITS:
+            shutil.rmtree(args.root / split, ignore_errors=True)
     s = make_set(args.root, train=args.train, val=args.val, classes=args.classes, size=args.size,
                  quality=args.quality, seed=args.seed, jobs=args.jobs, odd=args.odd, corrupt=args.corrupt)
     extra = f" (+{s['extra']} odd)" if s["extra"] else ""

@@ -1,7 +1,7 @@
 """Train every recipe on real images at its defaults, and write the table docs/recipes.md quotes.
 
     python tools/real_data.py                                   # every recipe, cpu:2, 10 epochs: see bench/real_data.md
-    python tools/real_data.py --recipes ddp_torchrun,fsdp --epochs 4
+    python tools/real_data.py --recipes ddp_torchrun,fsdp --epochs 4 --out runs/real_data
     python tools/real_data.py --export ~/digits                 # only write the ImageFolder (and .rec) tree
     python tools/real_data.py --recipes fsdp --update           # rerun one, keep the other rows
 
@@ -14,12 +14,15 @@ identity, as the recipe holds out).
 Each recipe runs through launch.sh with its defaults plus what a user of this data sets: the data, the image size,
 the global batch (32 for 1.4k images), the epochs and --no-flip (a mirrored 2 is not a 2). The table: val top-1
 after each epoch, the best, and epoch 1's val_loss (BatchNorm's running statistics lagging the weights shows
-there). A recipe whose run fails gets its stderr tail and the others still run; exit 1 if any failed.
+there). A recipe whose run fails gets its stderr tail and the others still run; exit 1 if any failed. Some of the
+recipes in an --out that holds another run's table: --update keeps its other rows, or the tool refuses (a run of two
+recipes would replace bench/'s table of all). The recipes start with this interpreter (launch.sh's PYTHON), so
+`.venv/bin/python tools/real_data.py` needs no activated virtualenv. Bad flags: one line, exit 2.
 """
 
-import argparse
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -29,6 +32,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # common/ when run as a script
+from tools.cli import OneLineParser  # noqa: E402
+
 RECIPES = {  # name: (recipe file, devices, flags beyond the shared ones)
     "dp": ("dp", "cpu", []),
     "ddp_torchrun": ("ddp_torchrun", "cpu:2", []),
@@ -107,7 +112,8 @@ def table(rows, args):
              "recipe's default (resnet18, lr 0.1 x batch / 128 = "
              f"{0.1 * args.batch_size / 128:g}, one epoch of warm-up, cosine; "
              "apex_amp at O0: its default O1 is fp16, 10-50x slower on a CPU; torch_amp at its CPU default: bf16 on a "
-             "CPU with native bf16, else fp32). Written by `python tools/real_data.py`.",
+             "CPU with native bf16, else fp32; mx_face_prefetch on the .rec of the 1,437, validating on its every "
+             "10th image of each digit, as the recipe holds out). Written by `python tools/real_data.py`.",
              "", "| recipe | val top-1 by epoch | best | epoch-1 val_loss | target (>= 98.5%) | minutes |",
              "|---|---|---|---|---|---|"]
     for row in rows:
@@ -123,7 +129,7 @@ def table(rows, args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineParser("real_data", description=__doc__.split("\n")[0])
     p.add_argument("--recipes", help=f"comma-separated (default: all: {', '.join(RECIPES)})")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=32, help="the global batch")
@@ -134,6 +140,10 @@ def main(argv=None):
     p.add_argument("--update", action="store_true",
                    help="keep the rows of --out's real_data.json for the recipes not run now (same settings)")
     args = p.parse_args(argv)
+    for flag, value, least in (("--epochs", args.epochs, 1), ("--batch-size", args.batch_size, 1),
+                               ("--size", args.size, 8)):
+        if value < least:
+            p.error(f"{flag} {value} must be at least {least}")
     if args.export:
         train, val = export(args.export, args.size)
         print(f"wrote {train} train / {val} val images under {args.export} (and {args.export}/rec)")
@@ -151,6 +161,9 @@ def main(argv=None):
         if same != {"epochs": args.epochs, "batch_size": args.batch_size, "size": args.size}:
             p.error(f"--update: {out / 'real_data.json'} was made with {same}; rerun every recipe instead")
         kept = {row["name"]: row for row in earlier["runs"]}
+    elif set(names) != set(RECIPES) and (out / "real_data.json").is_file():
+        p.error(f"{out / 'real_data.json'} holds an earlier run's table: --update to rerun only "
+                f"{', '.join(names)} in it, or --out elsewhere")
     rows = []
 
     def save():  # after every recipe: an interrupted run keeps what it measured
@@ -167,7 +180,7 @@ def main(argv=None):
         for name in names:
             start = time.monotonic()
             proc = subprocess.run(command(name, data, args, Path(tmp) / "runs" / name), cwd=REPO,
-                                  capture_output=True, text=True)
+                                  capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable})
             row = {"name": name, "code": proc.returncode, "seconds": round(time.monotonic() - start, 1),
                    "epochs": parse_epochs(proc.stdout) if proc.returncode == 0 else []}
             rows.append(row)
