@@ -16,12 +16,15 @@ from conftest import REPO, result_of, run_group
 from PIL import Image
 
 from common.models import build_model
+from tools import lm_bench
 from tools.bench import (
     BARE,
     ENTRIES,
     add_derived,
     compare,
     comparisons,
+    cpu_threads,
+    hardware,
     main,
     markdown,
     parse_args,
@@ -33,6 +36,7 @@ from tools.bench import (
     summarize,
     summarize_entry,
     table_rows,
+    usable_cores,
 )
 
 FAST = ["--devices", "cpu:2", "--arch", "tiny", "--batch-size", "16", "--image-size", "16", "--steps", "4"]
@@ -290,6 +294,34 @@ def test_selection():
         select("nope", ENTRIES)
     with pytest.raises(ValueError, match="NAME=RECIPE"):
         parse_entry("no_equals_sign")
+
+
+def test_an_entry_name_given_twice_is_refused_in_one_line(monkeypatch, capsys):
+    # Both would be launched each round and summarised as one row of twice the runs
+    code, out, err = bench_here(monkeypatch, capsys, "--add-entry", "ddp_torchrun=recipes/ddp_torchrun.py --sync-bn",
+                                "--recipes", "ddp_torchrun")
+    assert (code, out) == (2, "")
+    assert err == "bench: error: --add-entry 'ddp_torchrun': an entry of that name exists already; give it another " \
+        "name\n"
+
+
+def test_the_bare_loops_threads_are_launch_shs_from_the_cores_this_process_may_use(monkeypatch):
+    # A Slurm job's 4 CPUs of a 64-core node: launch.sh's nproc says 4, os.cpu_count() 64
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {8, 9, 10, 11})
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert (usable_cores(), cpu_threads(1), cpu_threads(2), cpu_threads(8)) == (4, 4, 2, 1)
+    assert hardware()["cores"] == 4
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_threads(2) == 3  # the user's, as launch.sh keeps it
+
+
+def test_lm_bench_refuses_a_run_with_no_timed_step(capsys):
+    for args in (["--steps", "1"], ["--steps", "0"], ["--rounds", "0"]):
+        with pytest.raises(SystemExit) as exit_:
+            lm_bench.main(args)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.startswith("lm_bench: error: --steps ") and err.count("\n") == 1, err
 
 
 # ------------------------------------------------------------------------------ real runs, CPU

@@ -118,6 +118,14 @@ def test_loader_benchmark_refuses_bad_flags_in_one_line(capsys, flags, said):
     assert exit_.value.code == 2 and err.strip().splitlines()[-1].endswith(f"error: {said}"), err
 
 
+def test_reader_benchmark_without_the_files_is_one_line(tmp_path, capsys):
+    (tmp_path / "train.rec").write_bytes(b"")  # the index is missing
+    with pytest.raises(SystemExit) as exit_:
+        bench_recordio(["--rec-dir", str(tmp_path)])
+    assert exit_.value.code == 2 and capsys.readouterr().err == (
+        f"bench_recordio: error: --rec-dir {tmp_path}: no {tmp_path / 'train.idx'} (tools/pack_rec.py writes both)\n")
+
+
 def test_reader_benchmark_prints_records_per_second(capsys):
     assert bench_recordio(["--records", "300"]) == 0
     out = capsys.readouterr().out

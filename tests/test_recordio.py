@@ -4,6 +4,7 @@ mxnet 1.9.1 (the last release) imports only with numpy<1.24 and python<3.12, so 
 the reason in pytest's summary, in the project venv; run this file with a venv that has mxnet to run them.
 """
 
+import io
 import os
 import pickle
 import struct
@@ -352,7 +353,8 @@ def test_pack_cli(tmp_path):
     assert f"({(tmp_path / 'out' / 'train.rec').stat().st_size} bytes)" in lines[0]
 
 
-@pytest.mark.parametrize("case", ["missing", "no-classes", "empty-class", "corrupt-image", "truncated-image"])
+@pytest.mark.parametrize("case", ["missing", "no-classes", "empty-class", "corrupt-image", "truncated-image",
+                                  "broken-chunk", "too-many-pixels"])
 def test_pack_cli_bad_input_exits_2_with_one_line(tmp_path, case):
     src = tmp_path / "src"
     expected = str(src)
@@ -374,6 +376,18 @@ def test_pack_cli_bad_input_exits_2_with_one_line(tmp_path, case):
         data = path.read_bytes()
         path.write_bytes(data[:len(data) // 2])
         expected = str(path)
+    elif case == "broken-chunk":  # PIL raises SyntaxError for a bad chunk after the first: an Exception, no OSError
+        noise = np.random.default_rng(0).integers(0, 255, (200, 200, 3), dtype=np.uint8)  # incompressible: 2 IDATs
+        buffer = io.BytesIO()
+        Image.fromarray(noise).save(buffer, "PNG")
+        data = bytearray(buffer.getvalue())
+        second = data.index(b"IDAT", data.index(b"IDAT") + 4)
+        data[second:second + 4] = b"\xb5\xe9%\xea"
+        (src / "bob" / "01.png").write_bytes(bytes(data))
+        expected = f"{src / 'bob' / '01.png'}: cannot read image (broken PNG file"
+    elif case == "too-many-pixels":  # 180 Mpx of blank 1-bit PNG, 22 kB: over PIL's DecompressionBombError limit
+        Image.new("1", (20000, 9000)).save(src / "bob" / "01.png")
+        expected = f"{src / 'bob' / '01.png'}: Image size (180000000 pixels) exceeds limit"
     proc = run_packer(src, tmp_path / "out")
     assert proc.returncode == 2 and proc.stdout == ""
     assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("error: ") and expected in proc.stderr

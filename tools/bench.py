@@ -226,11 +226,17 @@ def process_count(devices):
     return len(devices.split(","))
 
 
+def usable_cores():
+    """The cores this process may run on, as launch.sh's `nproc` counts them: a Slurm job's --cpus-per-task, a
+    taskset or a cpuset can give fewer than the machine has (os.cpu_count())."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def cpu_threads(processes):
     """Threads per recipe process, as launch.sh sets them: OMP_NUM_THREADS if set, else cores / processes."""
     if os.environ.get("OMP_NUM_THREADS"):
         return int(os.environ["OMP_NUM_THREADS"])
-    return max(1, (os.cpu_count() or 1) // processes)
+    return max(1, usable_cores() // processes)
 
 
 # ------------------------------------------------------------------------------------------- runs
@@ -295,10 +301,16 @@ def stderr_tail(stderr, lines=20):
 # ------------------------------------------------------------------------------------- bare loop
 def bare_step_seconds(arch, batch, image_size, steps, device, threads):
     """Seconds per step of a minimal training loop: random tensors, forward, loss, backward, SGD.
-    Same optimizer settings as the recipes; step 1 is left out, like theirs; loss.item() syncs each step."""
+    Same optimizer settings as the recipes, and on a GPU their cuDNN autotuning and TF32; step 1 is left out, like
+    theirs; loss.item() syncs each step."""
     saved_threads = torch.get_num_threads()
+    saved_cuda = (torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32,
+                  torch.backends.cudnn.allow_tf32)
     if threads:
         torch.set_num_threads(threads)
+    if torch.device(device).type == "cuda":  # as the recipes set them on a GPU
+        torch.backends.cudnn.benchmark = True
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     try:
         _, _, num_classes = build_datasets("synthetic", image_size=image_size, synthetic_train=1, synthetic_val=1)
         torch.manual_seed(0)
@@ -318,6 +330,8 @@ def bare_step_seconds(arch, batch, image_size, steps, device, threads):
         return (time.perf_counter() - start) / (steps - 1)
     finally:
         torch.set_num_threads(saved_threads)
+        (torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32,
+         torch.backends.cudnn.allow_tf32) = saved_cuda
 
 
 def add_derived(run, args):
@@ -433,7 +447,7 @@ def hardware():
         gpus = [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
     except (OSError, subprocess.TimeoutExpired):
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "gpus": gpus, "torch": torch.__version__,
+    return {"cpu": cpu, "cores": usable_cores(), "gpus": gpus, "torch": torch.__version__,
             "python": platform.python_version(), "platform": platform.platform(),
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
 
@@ -572,13 +586,19 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         entries = ENTRIES + [parse_entry(text) for text in args.add_entry]
+        taken = [name for name, n in collections.Counter(e.name for e in entries).items() if n > 1]
+        if taken:  # two configurations under one name would be launched both and summarised as one row
+            raise ValueError(f"--add-entry {taken[0]!r}: an entry of that name exists already; give it another name")
         chosen = select(args.recipes, entries)
     except ValueError as exc:
         print(f"bench: error: {exc}", file=sys.stderr)
         return 2
     # Before the bare loop's first CUDA call: number GPUs as nvidia-smi and launch.sh do, all of them visible.
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-    os.environ.pop("CUDA_VISIBLE_DEVICES", None)  # launch.sh sets it for each recipe from --devices
+    visible = os.environ.pop("CUDA_VISIBLE_DEVICES", None)  # launch.sh sets it for each recipe from --devices
+    if visible is not None and not is_cpu(args.devices):  # a scheduler's allocation: --devices may leave it
+        print(f"bench: note: CUDA_VISIBLE_DEVICES={visible} is not used: --devices {args.devices} names GPUs by "
+              "nvidia-smi's index, as launch.sh's DEVICES does", flush=True)
 
     skipped = [e.name for e in chosen if not (REPO / e.recipe).is_file()]
     for name in skipped:
@@ -622,9 +642,13 @@ def main(argv=None):
     text = markdown(report)
     (args.out / "results.md").write_text(text)
     (args.out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
-    plot(report, args.out / "results.png")
-    print("\n" + text, flush=True)
-    print(f"bench: wrote {args.out / 'results.md'}, results.json, results.png", flush=True)
+    print("\n" + text, flush=True)  # the table before the chart: a chart that cannot be drawn loses nothing
+    try:
+        plot(report, args.out / "results.png")
+        chart = ", results.png"
+    except ImportError as exc:  # matplotlib is in requirements-dev.txt, not requirements.txt
+        chart = f" (no chart: {exc}; pip install matplotlib)"
+    print(f"bench: wrote {args.out / 'results.md'}, results.json{chart}", flush=True)
     if failed:
         counts = collections.Counter(f["name"] for f in failed)  # in the order of the first failure
         print(f"bench: {len(failed)} run(s) failed: "

@@ -8,7 +8,6 @@ Each reader reads every record once (read_idx + unpack, no image decoding) after
 so both are timed against the page cache, not the disk. One line per reader.
 """
 
-import argparse
 import os
 import random
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common.recordio import IndexedRecordReader, IRHeader, RecordWriter, pack, unpack
+from tools.cli import OneLineParser
 
 
 def make_rec(directory, records, seed=0):
@@ -48,7 +48,7 @@ def report(name, seconds, count, nbytes):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineParser("bench_recordio", description=__doc__.split("\n")[0])
     p.add_argument("--rec-dir", help="read DIR/train.rec + DIR/train.idx instead of generating records")
     p.add_argument("--records", type=int, default=5000, help="records to generate (default 5000)")
     p.add_argument("--order", choices=["sequential", "random"], default="sequential", help="key order")
@@ -57,6 +57,9 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         if args.rec_dir:
             idx, rec = os.path.join(args.rec_dir, "train.idx"), os.path.join(args.rec_dir, "train.rec")
+            missing = [path for path in (idx, rec) if not os.path.isfile(path)]
+            if missing:
+                p.error(f"--rec-dir {args.rec_dir}: no {' or '.join(missing)} (tools/pack_rec.py writes both)")
         else:
             idx, rec = make_rec(tmp, args.records)
         reader = IndexedRecordReader(idx, rec)

@@ -13,7 +13,6 @@ entries (A B ... bare A B ... bare) so a drift in the machine's load hits all al
 Prints a Markdown table and `RESULT {json}` with every run.
 """
 
-import argparse
 import contextlib
 import json
 import math
@@ -30,7 +29,9 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from common.lm import Transformer  # noqa: E402
+from common.lm import Transformer, adamw_implementation  # noqa: E402
+from tools.bench import cpu_threads, process_count  # noqa: E402
+from tools.cli import OneLineParser  # noqa: E402
 from tools.recipes import load_recipe  # noqa: E402
 
 ENTRIES = {  # name: (recipe, extra flags); a DEVICES of one process runs only the entries that fit it
@@ -42,11 +43,15 @@ ENTRIES = {  # name: (recipe, extra flags); a DEVICES of one process runs only t
 
 
 def bare_tokens_per_sec(steps, threads, batch=32, seq_len=128):
-    """The bare loop: lm_ddp's model, batch and optimizer at world size 1, nothing else."""
+    """The bare loop: lm_ddp's model, batch and optimizer at world size 1 (its AdamW: decay on the matrices only,
+    fused), nothing else."""
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = Transformer(4, 4, 128, 256)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    matrices = [p for n, p in model.named_parameters() if p.dim() >= 2 and "emb" not in n]
+    others = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "emb" not in n)]
+    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1}, {"params": others, "weight_decay": 0.0}],
+                                  lr=3e-3, betas=(0.9, 0.95), **adamw_implementation(dtensor=False))
     x = torch.randint(0, 256, (batch, seq_len))
     y = torch.randint(0, 256, (batch, seq_len))
     for step in range(steps):
@@ -307,7 +312,7 @@ def launch(recipe, devices, flags, steps):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineParser("lm_bench", description=__doc__.split("\n")[0])
     p.add_argument("--devices", default="cpu:1,cpu:2", help="comma-separated launch.sh DEVICES, each run in turn: "
                                                             "cpu:1,cpu:2 or 0 or 0,1 (a list of GPUs: one DEVICES)")
     p.add_argument("--steps", type=int, default=40)
@@ -315,6 +320,8 @@ def main(argv=None):
     p.add_argument("--activations", action="store_true", help="only the activation bytes per rank (2 processes)")
     p.add_argument("--comm", action="store_true", help="only the collectives and bytes of one step (2 processes)")
     args = p.parse_args(argv)
+    if args.steps < 2 or args.rounds < 1:  # the first step is left out of tokens/s: one would leave none
+        p.error(f"--steps {args.steps} must be at least 2 and --rounds {args.rounds} at least 1")
     if args.activations:
         results = spawn(activations_per_rank)
         print("| layout (global batch 32 x 128 bytes, the default model) | activation MiB per rank |")
@@ -337,11 +344,10 @@ def main(argv=None):
         print("RESULT " + json.dumps(results))
         return 0
     device_sets = args.devices.split(",") if args.devices.startswith("cpu") else [args.devices]
-    cores = os.cpu_count() or 1
     runs = []
     for round_ in range(args.rounds):
         for devices in device_sets:
-            world = int(devices.split(":")[1]) if ":" in devices else len(devices.split(","))
+            world = process_count(devices)  # as launch.sh: cpu is cpu:2
             for name, (recipe, flags) in ENTRIES.items():
                 if not (REPO / recipe).is_file() or (name.startswith("lm_tp") and world < 2):
                     continue
@@ -350,7 +356,7 @@ def main(argv=None):
                 print(f"round {round_ + 1} {name} {devices}: {result.get('tokens_per_sec', result.get('error'))}",
                       flush=True)
         if args.devices.startswith("cpu"):
-            bare = bare_tokens_per_sec(args.steps, max(1, cores))
+            bare = bare_tokens_per_sec(args.steps, cpu_threads(1))  # launch.sh's threads for one process
             runs.append({"round": round_, "entry": "bare loop", "devices": "cpu:1", "result": {"tokens_per_sec": bare}})
             print(f"round {round_ + 1} bare loop: {bare:.0f}", flush=True)
     rows = {}

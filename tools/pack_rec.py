@@ -22,6 +22,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common.data import rgb
 from common.recordio import IRHeader, RecordWriter, pack
+from tools.cli import OneLineParser
 
 # torchvision's ImageFolder extensions: the same files become samples here and there.
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -60,8 +61,10 @@ def encode_jpeg(path, quality, size=None):
     try:
         with Image.open(path) as image:
             image = rgb(image)  # also forces the full decode, so a truncated file fails here; 16 bits scaled to 8
-    except (OSError, ValueError) as exc:  # UnidentifiedImageError is an OSError
+    except (OSError, ValueError, SyntaxError) as exc:  # UnidentifiedImageError: an OSError; a broken PNG chunk: Syntax
         raise PackError(f"{path}: cannot read image ({exc})") from None
+    except Image.DecompressionBombError as exc:  # over PIL's pixel limit: a scan this size is worth resizing first
+        raise PackError(f"{path}: {exc}; resize it first (or raise PIL.Image.MAX_IMAGE_PIXELS)") from None
     if size:
         image = image.resize((size, size), Image.BILINEAR)
     out = io.BytesIO()
@@ -123,7 +126,7 @@ def quality_int(text):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineParser("pack_rec", description=__doc__.split("\n")[0])
     p.add_argument("src", metavar="SRC_DIR", help="one sub-folder of images per identity")
     p.add_argument("out", metavar="OUT_DIR", help="gets train.rec and train.idx (created if missing)")
     p.add_argument("--quality", type=quality_int, default=95, help="JPEG quality (default 95)")
