@@ -178,7 +178,10 @@ def load_same_flags(path, map_location, flags, require=()):
     changed = [f"--{k.replace('_', '-')} {ckpt['flags'].get(k)} (this run: {v})"
                for k, v in flags.items() if ckpt["flags"].get(k) != v]
     if changed:
-        raise CheckpointError(f"{path} was written with {', '.join(changed)}; resume with the same flags",
+        batch = ckpt["flags"].get("batch_size")  # a default batch follows the processes: a requeue on fewer moves it
+        hint = (f" (--batch-size {batch}: the global batch, which the data-parallel processes, times --accum-steps "
+                f"where there is one, must divide)" if "batch_size" in flags and flags["batch_size"] != batch else "")
+        raise CheckpointError(f"{path} was written with {', '.join(changed)}; resume with the same flags{hint}",
                               all_ranks=False)
     return ckpt
 

@@ -168,6 +168,8 @@ def main():
     start_step = 0
     latest = os.path.join(args.out_dir, "latest.pt")
     amp = args.amp_dtype == "bf16"
+    size = harness.state_bytes(model.module)  # shared=True: every node must see the latest.pt every rank resumes from
+    harness.broadcast_out_dir_check(args.out_dir, is_main, {"model.pt": size, "latest.pt": 3 * size}, shared=True)
     resume = find_resume(args.resume, latest) if args.resume else None
     if resume:  # every rank loads the same file: no broadcast needed
         flags = {k: getattr(args, k) for k in lm.SAME_ON_RESUME}
@@ -186,8 +188,6 @@ def main():
         optimizer.zero_grad(set_to_none=True)
     # The rate per step: warm-up, then cosine over --steps; a resumed run takes up the schedule where it stopped.
     scheduler = warmup_cosine(optimizer, 1, args.steps, args.warmup_steps / args.steps, start_step=start_step)
-    size = harness.state_bytes(model.module)  # shared=True: every node must see the latest.pt every rank resumes from
-    harness.broadcast_out_dir_check(args.out_dir, is_main, {"model.pt": size, "latest.pt": 3 * size}, shared=True)
     # ----------------------------------------------------------------------------------- train
     last = min(args.steps, start_step + (args.max_steps or args.steps))  # --max-steps: this run's
     # The loss, the clock (tokens/s, own_ms: each rank's own work), the NaN watch, --profile; the clock starts.

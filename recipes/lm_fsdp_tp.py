@@ -317,6 +317,9 @@ def main():
     latest = saves.latest  # the resume point, naming the newest whole shard folder
     # --async-save's thread makes its collectives on a group of its own (never among the step's); gloo: it must.
     save_group = dist.new_group(backend="gloo", timeout=timeout) if args.async_save else None
+    # every slice counted (a DTensor's global size); shared, and before the resume (else dcp.load may hang)
+    harness.broadcast_out_dir_check(args.out_dir, is_main, {"model.pt": harness.state_bytes(model),
+                                                            "checkpoint": 3 * harness.state_bytes(model)}, shared=True)
     resume = find_resume(args.resume, latest) if args.resume else None
     if resume:  # every rank reads its own slices of the shards latest.pt names (any mesh wrote them)
         flags = {k: getattr(args, k) for k in lm.SAME_ON_RESUME}
@@ -327,9 +330,6 @@ def main():
                f"{args.dp} x {args.tp})")  # New
     # The rate per step: warm-up, then cosine over --steps; a resumed run takes up the schedule where it stopped.
     scheduler = warmup_cosine(optimizer, 1, args.steps, args.warmup_steps / args.steps, start_step=start_step)
-    # state_bytes counts every slice (a DTensor's global size); every rank writes and loads there: shared.
-    harness.broadcast_out_dir_check(args.out_dir, is_main, {"model.pt": harness.state_bytes(model),
-                                                            "checkpoint": 3 * harness.state_bytes(model)}, shared=True)
     amp = args.amp_dtype == "bf16"
     # ----------------------------------------------------------------------------------- train
     last = min(args.steps, start_step + (args.max_steps or args.steps))  # --max-steps: this run's
@@ -368,8 +368,8 @@ def main():
             if evaluating:
                 # -------------------------------------------------------------------------------- eval
                 train_loss = meter.all_reduce_loss()  # the mean since the last eval; the clock stops
-                val_loss = evaluate(model, val_x, val_y, dp_rank, args.dp, mesh.get_group("dp"), per_dp, device,
-                                    amp)  # New
+                val_loss = evaluate(model, val_x, val_y, dp_rank, args.dp, mesh.get_group("dp"),  # New: in
+                                    per_dp // args.accum_steps, device, amp)  # training's micro-batches (memory)
                 print0(f"step={step}/{args.steps} train_loss={train_loss:.4f} val_loss={val_loss:.4f} "
                        f"val_bpb={lm.bits_per_byte(val_loss):.4f} lr={scheduler.get_last_lr()[0]:.2e} "
                        f"{meter.fields(last - step)}")
@@ -417,7 +417,8 @@ def main():
         sys.exit(EX_TEMPFAIL)
     # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
     if val_loss is None:  # resumed at or past --max-steps / --steps: nothing left to train
-        val_loss = evaluate(model, val_x, val_y, dp_rank, args.dp, mesh.get_group("dp"), per_dp, device, amp)
+        val_loss = evaluate(model, val_x, val_y, dp_rank, args.dp, mesh.get_group("dp"), per_dp // args.accum_steps,
+                            device, amp)
     compile_fields = compiled.gather_fields()  # --compile: every rank's counts (an all-gather), the 'compile:' line
     if args.profile:  # a collective (all-gather): every rank's compute, communication, data, idle
         print0(meter.gather_profile_table())

@@ -379,6 +379,8 @@ def main():
     latest = saves.latest  # New: the resume point, naming the newest whole shard folder
     # New: --async-save's thread makes its collectives on a group of its own (never among the step's); gloo: it must.
     save_group = dist.new_group(backend="gloo", timeout=timeout) if args.async_save else None
+    harness.broadcast_out_dir_check(args.out_dir, is_main, {"model.pt": model_bytes, "checkpoint": 3 * model_bytes},
+                                    shared=True)  # New: every rank writes and loads its shards there: shared
     resume = find_resume(args.resume, latest) if args.resume else None
     if resume:  # New: every rank reads the dense weights and its experts (any --ep wrote them)
         flags = {k: getattr(args, k) for k in SAME_ON_RESUME}
@@ -388,8 +390,6 @@ def main():
         print0(f"resume: {resume} at step {start_step}")
     # The rate per step: warm-up, then cosine over --steps; a resumed run takes up the schedule where it stopped.
     scheduler = warmup_cosine(optimizer, 1, args.steps, args.warmup_steps / args.steps, start_step=start_step)
-    harness.broadcast_out_dir_check(args.out_dir, is_main, {"model.pt": model_bytes, "checkpoint": 3 * model_bytes},
-                                    shared=True)  # New: every rank writes and loads its shards there: shared
     amp = args.amp_dtype == "bf16"
     # ----------------------------------------------------------------------------------- train
     last = min(args.steps, start_step + (args.max_steps or args.steps))  # --max-steps: this run's

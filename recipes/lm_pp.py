@@ -299,6 +299,8 @@ def main():
     latest = saves.latest  # New: the resume point, naming the newest whole shard folder
     # New: --async-save's thread makes its collectives on a group of its own (never among the step's); gloo: it must.
     save_group = dist.new_group(backend="gloo", timeout=timeout) if args.async_save else None
+    harness.broadcast_out_dir_check(args.out_dir, is_main, {"model.pt": model_bytes, "checkpoint": 3 * model_bytes},
+                                    shared=True)  # New: every rank writes and loads its stage's shards there: shared
     resume = find_resume(args.resume, latest) if args.resume else None
     if resume:  # New: every stage reads its own part of the shards latest.pt names (any number of stages wrote them)
         flags = {k: getattr(args, k) for k in lm.SAME_ON_RESUME}
@@ -308,8 +310,6 @@ def main():
         print0(f"resume: {resume} at step {start_step}")
     # The rate per step: warm-up, then cosine over --steps; a resumed run takes up the schedule where it stopped.
     scheduler = warmup_cosine(optimizer, 1, args.steps, args.warmup_steps / args.steps, start_step=start_step)
-    harness.broadcast_out_dir_check(args.out_dir, is_main, {"model.pt": model_bytes, "checkpoint": 3 * model_bytes},
-                                    shared=True)  # New: every rank writes and loads its stage's shards there: shared
     # ----------------------------------------------------------------------------------- train
     last = min(args.steps, start_step + (args.max_steps or args.steps))  # --max-steps: this run's
     # The loss, the clock (tokens/s, own_ms: each rank's own work), the NaN watch, --profile; the clock starts.

@@ -230,9 +230,11 @@ def main():
     # ----------------------------------------------------------------------------------- model
     torch.manual_seed(args.seed)  # the same full model on every rank
     # YOUR MODEL goes here: an nn.Module from tokens (B, T) to logits (B, T, vocab).
-    model = lm.Transformer(args.n_layer, args.n_head, args.d_model, args.block_size).to(device)
-    # New: cut by the plan, which names its layers; each rank keeps its slices of rank 0's (src_data_rank=0 scatters).
+    model = lm.Transformer(args.n_layer, args.n_head, args.d_model, args.block_size)  # New: on the host, not the GPU
+    # New: cut by the plan, which names its layers; each rank keeps its slices of rank 0's (src_data_rank=0 scatters),
+    # each layer's weight on the GPU whole only while it is cut: no GPU ever holds the whole model (lm_tp's reason)
     model = parallelize_module(model, mesh, tp_plan(args.sequence_parallel), src_data_rank=0)
+    model.to(device)  # New: what the plan left plain (the norms), after the cut
     if args.activation_checkpointing:  # New: after parallelize_module, whose plan names the unwrapped modules
         for name, block in model.blocks.items():  # non-reentrant (checkpoint_wrapper's default): DDP-safe
             model.blocks[name] = checkpoint_wrapper(block)  # state_dict keys stay as without it
@@ -256,6 +258,9 @@ def main():
     latest = saves.latest  # New: the resume point, naming the newest whole shard folder
     # New: --async-save's thread makes its collectives on a group of its own (never among the step's); gloo: it must.
     save_group = dist.new_group(backend="gloo", timeout=timeout) if args.async_save else None
+    # New: every slice counted (a DTensor's global size); shared, and before the resume (else dcp.load may hang)
+    harness.broadcast_out_dir_check(args.out_dir, is_main, {"model.pt": harness.state_bytes(model),
+                                                            "checkpoint": 3 * harness.state_bytes(model)}, shared=True)
     resume = find_resume(args.resume, latest) if args.resume else None
     if resume:  # New: every rank reads its own slices of the shards latest.pt names (any number of ranks wrote them)
         flags = {k: getattr(args, k) for k in lm.SAME_ON_RESUME}
@@ -265,9 +270,6 @@ def main():
         print0(f"resume: {resume} at step {start_step}")
     # The rate per step: warm-up, then cosine over --steps; a resumed run takes up the schedule where it stopped.
     scheduler = warmup_cosine(optimizer, 1, args.steps, args.warmup_steps / args.steps, start_step=start_step)
-    # New: state_bytes counts every slice (a DTensor's global size); every rank writes and loads there: shared.
-    harness.broadcast_out_dir_check(args.out_dir, is_main, {"model.pt": harness.state_bytes(model),
-                                                            "checkpoint": 3 * harness.state_bytes(model)}, shared=True)
     amp = args.amp_dtype == "bf16"
     # ----------------------------------------------------------------------------------- train
     last = min(args.steps, start_step + (args.max_steps or args.steps))  # --max-steps: this run's

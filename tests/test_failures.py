@@ -525,11 +525,21 @@ def test_a_disk_that_fills_during_a_save_keeps_the_previous_checkpoint(tmp_path)
 
 # The image recipes' checkpoints and the language models' (tests/test_recipe_variants.py: every recipe that resumes
 # asks for the check).
+LM_TINY = ["--n-layer", "1", "--d-model", "16", "--n-head", "2", "--steps", "2"]
+
+
 @pytest.mark.parametrize(("recipe", "flags"), [
-    ("ddp_checkpoint", TINY), ("lm_ddp", ["--n-layer", "1", "--d-model", "16", "--n-head", "2", "--steps", "2"])])
+    ("ddp_checkpoint", TINY), ("lm_ddp", LM_TINY), ("lm_tp", [*LM_TINY, "--resume", "auto"])],
+    ids=["ddp_checkpoint", "lm_ddp", "lm_tp-resumed-on-one-node"])
 def test_an_out_dir_that_another_node_cannot_see_stops_both_nodes(tmp_path, recipe, flags):
     # Two "nodes" on this box, one process each, each with its own --out-dir: what a folder on each node's local
-    # disk looks like. The ranks load what rank 0 saves, so this must stop before training.
+    # disk looks like. The ranks load what rank 0 saves, so this must stop before training. --resume auto: node 0's
+    # folder holds a checkpoint (a one-node run's, requeued onto two nodes), node 1's none: the check comes before the
+    # resume, or node 0 would enter dcp.load's collectives while node 1 enters the check's (a hang naming nothing).
+    if "--resume" in flags:
+        earlier = launch(f"recipes/{recipe}.py", "cpu:1", *LM_TINY, "--out-dir", tmp_path / "node0")
+        assert earlier.returncode == 0 and (tmp_path / "node0" / "checkpoint" / "latest.pt").is_file(), earlier.stderr
+    before = sorted(tmp_path.rglob("*"))
     with socket.socket() as s:
         s.bind(("", 0))
         port = str(s.getsockname()[1])
@@ -546,4 +556,4 @@ def test_an_out_dir_that_another_node_cannot_see_stops_both_nodes(tmp_path, reci
             f"{socket.gethostname()} cannot see the file rank 0 wrote there, and would not see its checkpoints; use "
             "a shared folder (NFS, Lustre, a cluster file system)"], job.output()
         assert not trained("".join(job.stdout)) and "step=" not in "".join(job.stdout)
-    assert list(tmp_path.iterdir()) == []  # node 0's folder, made for the test file, is gone again
+    assert sorted(tmp_path.rglob("*")) == before  # node 0's folder, made for the test file, is gone again

@@ -181,6 +181,10 @@ def test_a_2x2_mesh_with_accumulation_trains_the_one_process_model(runs, referen
             "shards its slices with ranks [0, 2] (FSDP2)") in proc.stdout
     saved = sorted(p.name for p in (out / "checkpoint").iterdir())  # latest.pt and the last save's shards only
     assert len(saved) == 2 and saved[0] == "latest.pt" and saved[1].startswith("step_8-"), saved
+    # Evaluation runs training's micro-batches (batch 8 / dp 2 / accum 2 = 2 windows), not the dp rank's 4: a larger
+    # --accum-steps, raised to fit the memory, must not run out of it at the first evaluation
+    evaluated = [r["shape"][0] for r in tokens_seen(claims(out), 0) if r["where"] == "model" and not r["train"]]
+    assert evaluated and max(evaluated) == 2, evaluated
 
 
 @SLOW
@@ -371,6 +375,12 @@ def test_a_2x2_checkpoint_goes_on_at_1x2_4x1_and_2x1(runs, reference, tmp_path):
                                               r"flags$"):
         load_same_flags(half_out / "checkpoint" / "latest.pt", "cpu",
                         {k: getattr(args, k) for k in recipe.SAME_ON_RESUME}, require=("shards",))
+    # A requeue on 3 processes: a default batch would be 6 there, where the checkpoint's 8 does not divide
+    flags = {**{k: getattr(args, k) for k in recipe.SAME_ON_RESUME}, "d_model": 32, "batch_size": 6}
+    with pytest.raises(CheckpointError, match=r"was written with --batch-size 8 \(this run: 6\); resume with the same "
+                                              r"flags \(--batch-size 8: the global batch, which the data-parallel "
+                                              r"processes, times --accum-steps where there is one, must divide\)$"):
+        load_same_flags(half_out / "checkpoint" / "latest.pt", "cpu", flags, require=("shards",))
     assert not {"dp", "tp", "sequence_parallel", "accum_steps"} & set(recipe.SAME_ON_RESUME)
     for devices, flags, mesh in [("cpu:2", ["--dp", 1, "--sequence-parallel"], (1, 2)),
                                  ("cpu:4", ["--tp", 1, "--activation-checkpointing"], (4, 1)),

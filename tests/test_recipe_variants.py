@@ -113,7 +113,9 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # 308 with --compile (issue 66): where each block is compiled differs (before DDP, after the plan).
     # 313: lm_ddp's backward before a resumed run under the step's autocast (its amp defined above it). 315: AdamW's
     # implementation kept on a resume (lm.adamw_as_this_torch: lm_ddp's in main(), theirs in load_shards).
-    ("lm_ddp", "lm_tp", 315),  # 310: AdamW's implementation, dtensor=True
+    # 319: the model moved to the device after the cut, as lm_pp's (no GPU holds the whole model: at --tp 4 and up
+    # the start-up copy was each GPU's peak), and the --out-dir check's comment (before the resume: dcp.load's).
+    ("lm_ddp", "lm_tp", 319),  # 310: AdamW's implementation, dtensor=True
     # lm_pp: the stages, the schedule, the loss on the last stage, the clip across stages, DCP checkpoints (lm_tp's).
     # 323 until the preemption save: the wrapped import and the backward, as lm_tp; 427 until issue 58 (the plumbing
     # as named calls, as lm_tp's).
@@ -125,7 +127,9 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # issue 58; about 25 of its 309 lines are lm_tp's `# New` tags, which this file leaves off the lines it shares.
     # 321 with evaluation's forwards paired up where a dp rank's windows run out (lm_moe's 3 lines; an empty batch
     # cannot pass attention's view).
-    ("lm_tp", "lm_fsdp_tp", 321),  # 309 until --compile (issue 66), 316 until the paired evaluation
+    # 324 with lm_tp's model built on the host and moved after the cut (this one builds on the meta device), and
+    # evaluation in training's micro-batches (--accum-steps: the whole per-rank batch at once ran out of memory first).
+    ("lm_tp", "lm_fsdp_tp", 324),  # 309 until --compile (issue 66), 316 until the paired evaluation
     # lm_moe (issue 67): the MoE layer (router, experts, AllToAll), the dp x ep mesh, two gradient groups instead of
     # DDP, the clip across experts, lm_pp's DCP checkpoints (experts by their global names) and its block picture.
     # 375 before the router in fp32 under autocast and the bytes counted as sent; 386 with evaluation's forwards
@@ -168,11 +172,12 @@ def test_every_recipe_that_resumes_asks_every_node_to_see_its_out_dir():
     assert "shared=True" not in (REPO / "recipes" / "ddp_torchrun.py").read_text()  # the check can fail
 
 
-@pytest.mark.parametrize(("recipe", "most"), [("lm_ddp", 273), ("lm_tp", 380), ("lm_pp", 410), ("lm_fsdp_tp", 435),
+@pytest.mark.parametrize(("recipe", "most"), [("lm_ddp", 273), ("lm_tp", 380), ("lm_pp", 410), ("lm_fsdp_tp", 436),
                                              ("lm_moe", 500)])  # lm_moe 479 before its --expert-width check,
 # 481 before the model moved to the device after the cut, not before it, 482 before its --ep and --dp checks said
 # which flag is wrong (10 lines), 493 before model.pt's experts came point to point (6 lines). One line each (lm_ddp
-# 272, lm_fsdp_tp 434, lm_moe 499 before) since a divergence's stop names latest.pt (StepMeter's last_good=).
+# 272, lm_fsdp_tp 434, lm_moe 499 before) since a divergence's stop names latest.pt (StepMeter's last_good=);
+# lm_fsdp_tp 436 with its evaluation in training's micro-batches (its last call wraps).
 def test_the_language_models_stay_lean(recipe, most):
     assert len((REPO / "recipes" / f"{recipe}.py").read_text().splitlines()) <= most
 
