@@ -267,7 +267,7 @@ def main():
     print0(f"data: {where} train={len(train_text)} val={len(val_text)} bytes, {len(val_x)} validation windows")
     # ----------------------------------------------------------------------------------- model
     torch.manual_seed(args.seed)  # the same full model on every rank
-    # YOUR MODEL goes here: an nn.Module from tokens (B, T) to logits (B, T, vocab).
+    # YOUR MODEL goes here, with Stage's parts (tok_emb, pos_emb, blocks, ln_f, head) and no weight tied across stages.
     model = lm.Transformer(args.n_layer, args.n_head, args.d_model, args.block_size)  # New: on the CPU, whole
     model_bytes = harness.state_bytes(model)  # New: the whole model's, before the cut (model.pt's size)
     model = Stage(model, rank, args.pp, amp=args.amp_dtype == "bf16").to(device)  # New: this rank's piece, alone
