@@ -230,11 +230,12 @@ def test_fsdp2_all_gathers_each_block_twice_a_step_and_reduce_scatters_it_once(r
     #   resharded it) and 1 reduce-scatter; the root 1 and 1 (kept unsharded from its forward to its backward).
     # --accum-steps 2: each block 4 all-gathers (the docstring's 2K: every micro-step's forward and backward) and 1
     #   reduce-scatter; the root 2 (K: resharded after each backward, the gradient-sync switch notwithstanding) and 1.
-    # Evaluation (autograd off; 2 forwards per evaluation here: 9 windows, dp rank 0 has 5, 2 batches of 4, and dp
-    # rank 1's 4 windows and then window 0 unscored, so that the ranks pair up): each block 1 all-gather a forward;
-    # the root 1 an evaluation (FSDP2 leaves the root unsharded after its forward: its second forward gathers nothing).
-    for flags, k, steps, evaluations in ((["--max-steps", 4, "--async-save"], 1, 4, 1),
-                                         (["--accum-steps", 2], 2, 8, 2)):
+    # Evaluation (autograd off), in training's micro-batches (4 windows a dp rank, 2 with --accum-steps 2): 9 windows,
+    # dp rank 0 has 5: 2 forwards an evaluation (4 + 1), or 3 (2 + 2 + 1), and dp rank 1 as many (window 0 unscored
+    # where its 4 run out, so that the ranks pair up): each block 1 all-gather a forward; the root 1 an evaluation
+    # (FSDP2 leaves the root unsharded after its forward: its later forwards gather nothing).
+    for flags, k, steps, evaluations, forwards in ((["--max-steps", 4, "--async-save"], 1, 4, 1, 2),
+                                                   (["--accum-steps", 2], 2, 8, 2, 3)):
         _, _, folder = runs("lm_fsdp_tp", "cpu:4", *flags)
         for rank, counts in enumerate(fsdp_counts(folder, 4)):
             said = (k, rank, counts)
@@ -243,8 +244,8 @@ def test_fsdp2_all_gathers_each_block_twice_a_step_and_reduce_scatters_it_once(r
                 assert groups == {"blocks.0": {"all_gather": 2 * k, "reduce_scatter": 1},
                                   "blocks.1": {"all_gather": 2 * k, "reduce_scatter": 1},
                                   "root": {"all_gather": k, "reduce_scatter": 1}}, (step, said)
-            assert counts["eval_all_gathers"] == {"blocks.0": 2 * evaluations, "blocks.1": 2 * evaluations,
-                                                  "root": evaluations}, said
+            assert counts["eval_all_gathers"] == {"blocks.0": forwards * evaluations,
+                                                  "blocks.1": forwards * evaluations, "root": evaluations}, said
             assert counts["after_last_step"] == {}, said  # model.pt's gathering is not FSDP2's: DTensor's
 
 
