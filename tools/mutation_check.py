@@ -238,6 +238,11 @@ EDITS = [
     Edit("lm_sp_ignored", "same numbers, --sequence-parallel that changes nothing: all-reduces and whole activations",
          "model = parallelize_module(model, mesh, tp_plan(args.sequence_parallel), src_data_rank=0)",
          "model = parallelize_module(model, mesh, tp_plan(False), src_data_rank=0)"),
+    Edit("lm_eval_whole_dp_batch", "same numbers, lm_fsdp_tp evaluating a dp rank's whole batch at once: --accum-steps "
+         "times training's micro-batch (out of memory at the first evaluation)",
+         "per_dp // args.accum_steps,", "per_dp,"),
+    Edit("lm_divergence_names_nothing", "a divergence's stop says no checkpoint was written beside a latest.pt",
+         "last_good=latest)", "last_good=None)"),
     Edit("lm_dp_whole_batch", "same numbers, every dp rank computes the whole batch: dp times the compute",
          "args.seq_len, dp_rank, args.dp))", "args.seq_len, 0, 1))"),
     Edit("lm_checkpoint_recomputes_nothing", "same numbers, --activation-checkpointing that recomputes nothing: "
@@ -386,6 +391,11 @@ GUARDS = {
     "lm_model_pt_atomic_sharded": {"lm_tp": ["tests/test_lm_tp.py", "-k", "model_pt"]},
     "lm_fsdp_block_kept": {"lm_fsdp_tp": ["tests/test_lm_fsdp_tp.py", "-k", "all_gathers"]},
     "lm_fsdp_root_resharded": {"lm_fsdp_tp": ["tests/test_lm_fsdp_tp.py", "-k", "all_gathers"]},
+    "lm_eval_whole_dp_batch": {"lm_fsdp_tp": ["tests/test_lm_fsdp_tp.py", "-k",
+                                              "all_gathers or mesh_with_accumulation"]},
+    # lm_ddp's and lm_moe's drills stop before any save: the three that save step 1 first tell
+    "lm_divergence_names_nothing": {r: [f"tests/test_{r}.py", "-k", "diverged"]
+                                    for r in ("lm_tp", "lm_pp", "lm_fsdp_tp")},
     "lm_pp_1f1b_is_gpipe": {"lm_pp": ["tests/test_lm_pp.py", "-k", "order"]},
     "lm_tp_refuses_3": {"lm_tp": ["tests/test_lm_tp.py", "-k", "3_ranks"]},
     "spawn_loader_fork": {"ddp_spawn": ["tests/test_failures.py", "-k", "ctrl_c and ddp_spawn"]},
