@@ -98,6 +98,9 @@ NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsew
         "small, and tests/test_gpu_decode.py trains on what it makes",
     "python tools/lm_bench.py --rounds 2": "every language-model entry on cpu:1 and cpu:2, twice, and the bare loop: "
                                           "about 5 minutes; docs/benchmarks.md gives its table",
+    "python tools/lm_bench.py --devices cpu:1 --rounds 2": "lm_ddp with and without checkpointing on cpu:1, twice, "
+                                                          "and the bare loop: 2 minutes (202 s in the suite); "
+                                                          "docs/benchmarks.md gives its numbers",
     "python tools/lm_bench.py --activations": "the default model on 2 processes (50 s); tests/test_lm_tp.py runs the "
                                               "same count at a small size",
     "python tools/lm_bench.py --comm": "six layouts of the default model on 2 and 4 processes (a minute); "
