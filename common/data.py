@@ -199,13 +199,18 @@ def default_worker_count(cores, processes_per_node):
     return max(0, min(MAX_DEFAULT_WORKERS, cores // max(1, processes_per_node) - 1))
 
 
+def usable_cores():
+    """The cores this process may run on, as launch.sh's `nproc` counts them: its CPU affinity, what a job
+    scheduler's cgroup (a Slurm job's --cpus-per-task), a taskset or a cpuset leaves it, not the whole machine."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def default_workers(workers, processes_per_node):
     """DataLoader workers per process: `workers` (--workers) if given, else default_worker_count() of the cores this
-    process may run on (its CPU affinity: what a job scheduler's cgroup leaves it, not the whole machine)."""
+    process may run on (usable_cores)."""
     if workers is not None:
         return workers
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return default_worker_count(cores, processes_per_node)
+    return default_worker_count(usable_cores(), processes_per_node)
 
 
 def prepare_dataset(name, root):

@@ -15,6 +15,7 @@ import pytest
 from conftest import REPO, result_of, run_group
 from PIL import Image
 
+from common.data import usable_cores
 from common.models import build_model
 from tools import lm_bench
 from tools.bench import (
@@ -36,7 +37,6 @@ from tools.bench import (
     summarize,
     summarize_entry,
     table_rows,
-    usable_cores,
 )
 
 FAST = ["--devices", "cpu:2", "--arch", "tiny", "--batch-size", "16", "--image-size", "16", "--steps", "4"]

@@ -84,7 +84,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
-from common.data import build_datasets
+from common.data import build_datasets, usable_cores
 from common.models import build_model
 from tools.procs import run_group
 
@@ -224,12 +224,6 @@ def process_count(devices):
     if devices.startswith("cpu:"):
         return int(devices[4:])
     return len(devices.split(","))
-
-
-def usable_cores():
-    """The cores this process may run on, as launch.sh's `nproc` counts them: a Slurm job's --cpus-per-task, a
-    taskset or a cpuset can give fewer than the machine has (os.cpu_count())."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def cpu_threads(processes):
