@@ -10,9 +10,12 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -205,7 +208,8 @@ def test_the_data_section_runs_each_path_as_the_recipes_own_job(run):
     assert f"Compiled: GPU decode {d['gpu_decode_compiled']['images_per_sec']:,.0f} img/s" in row
     # Each job's figures also written as it ends, beside the JSON (a time limit on the section then keeps them).
     partial = json.loads(Path(report["settings"]["out"] + ".data.partial").read_text())
-    jobs = [name + suffix for suffix in ("", "_compiled") for name in recipes]
+    jobs = [name + suffix for suffix in ("", "_compiled") for name, _, _ in gpu_bench.DATA_PATHS]
+    assert jobs[:2] == ["in_memory", "gpu_decode"]  # the goals' jobs first: a section cut short keeps them
     assert list(partial) == ["config", "files", "compile_error", *jobs]
     assert all(partial[job] == {k: v for k, v in d[job].items() if k != "of_in_memory"} for job in jobs), partial
 
@@ -306,26 +310,30 @@ def test_the_fsdp_tp_row_says_why_a_row_is_missing():
 SESSION = REPO / "tools" / "gpu_session.sh"
 
 
-def session(*argv, timeout=120):
+def session(*argv, timeout=120, env=None):
     """tools/gpu_session.sh with this interpreter, and no GPU even where there is one: its sections fail at once."""
     return subprocess.run([str(SESSION), *map(str, argv)], capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          env={**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""})
+                          env={**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "", **(env or {})})
 
 
-def test_the_session_script_runs_the_tools_sections_in_its_order_each_call_under_the_devices_limit():
-    """tools/gpu_session.sh: the same sections as the tool, in its run order; the calls its header plans each fit the
-    device tool's 600 s (the data section alone; the language models' section, then the tier), and the other four
-    sections one more."""
+def test_the_session_script_runs_the_tools_sections_in_its_order_and_plans_calls_that_fit_a_loan():
+    """tools/gpu_session.sh: the same sections as the tool, in its run order; the two calls its header plans fit a
+    loan (15 minutes with the machine's start, 10 a call): the first's deadline inside its timeout, the second's
+    language models under their own limit with time left for the tier."""
     text = SESSION.read_text()
     order = re.search(r"^RUN_ORDER=\(([^)]*)\)", text, re.M)[1].split()
     limits = {k: int(v) for k, v in re.findall(r"\[(\w+)\]=(\d+)", re.search(r"^declare -A LIMIT=\((.*)\)$", text,
                                                                              re.M)[1])}
-    tier = int(re.search(r"^TIER_LIMIT=(\d+)$", text, re.M)[1])
     assert tuple(order) == gpu_bench.RUN_ORDER and set(limits) == set(gpu_bench.SECTIONS)
-    assert "`tools/gpu_session.sh bench OUT data`" in text and limits["data"] <= 600
-    assert "`tools/gpu_session.sh bench OUT lm; tools/gpu_session.sh tier OUT`" in text
-    assert limits["lm"] + tier <= 600
-    assert sum(limit for section, limit in limits.items() if section not in ("data", "lm")) <= 600
+    first = re.search(r"1\. timeout_s (\d+): export GPU_SESSION_END=\$\(\( \$\(date \+%s\) \+ (\d+) \)\); "
+                      r"tools/gpu_session.sh bench \"\$OUT\" data$", text, re.M)
+    timeout, end = int(first[1]), int(first[2])
+    assert end < timeout <= 600
+    assert re.search(r"export GPU_SESSION_END=\$\(\( \$\(date \+%s\) \+ LEFT - 45 \)\); tools/gpu_session.sh bench "
+                     r"\"\$OUT\" lm;\n#\s+tools/gpu_session.sh tier \"\$OUT\"$", text, re.M)
+    start, loan = 30, 900
+    left = loan - start - timeout  # the second call's LEFT at the latest
+    assert left - 45 - limits["lm"] >= 60, left  # the tier's language models (about 40 s) fit after lm's limit
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -341,19 +349,56 @@ def test_the_session_script_refuses_bad_usage_in_one_line(tmp_path, argv, messag
     assert proc.stderr.startswith(f"gpu_session.sh: {message}") and not (tmp_path / "out").exists()
 
 
+def unpacked(out, name, into):
+    """The files a part packed into OUT/NAME.tgz (all OUT holds: a lent machine returns 8 files a call), unpacked."""
+    assert sorted(p.name for p in out.iterdir()) == [f"{name}.tgz"], list(out.iterdir())
+    with tarfile.open(out / f"{name}.tgz") as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
 def test_the_session_script_names_a_failed_section_and_goes_on(tmp_path):
     """Without a GPU each section fails at once, with the tool's own line in its log; the script says which, exits 1,
-    and the machine's description is written first."""
-    proc = session("bench", tmp_path, "amp", "overhead")
+    and the machine's description is written first; OUT holds one file, the part's .tgz."""
+    proc = session("bench", tmp_path / "out", "amp", "overhead")
     assert proc.returncode == 1, proc.stderr
-    assert re.fullmatch(r"amp: exit 2 after \d+ s\noverhead: exit 2 after \d+ s\n", proc.stdout), proc.stdout
+    said = ("gpu_bench: error: --device cuda: no CUDA GPU here; --device cpu runs the tiny check "
+            "(tests/test_gpu_bench.py)")
+    assert re.fullmatch(rf"amp: exit 2 after \d+ s; {re.escape(said)}\noverhead: exit 2 after \d+ s; "
+                        rf"{re.escape(said)}\ngpu_session.sh: wrote {tmp_path}/out/bench-amp-overhead.tgz\n",
+                        proc.stdout), proc.stdout
+    got = unpacked(tmp_path / "out", "bench-amp-overhead", tmp_path / "got")
     for section in ("amp", "overhead"):
-        log = (tmp_path / "bench" / f"{section}.log").read_text()
-        assert "gpu_bench: error: --device cuda: no CUDA GPU here" in log, log
-        assert not (tmp_path / "bench" / f"{section}.json").exists()
-    machine = (tmp_path / "machine.txt").read_text()
+        log = (got / "bench" / f"{section}.log").read_text()
+        assert said in log, log
+        assert not (got / "bench" / f"{section}.json").exists()
+    machine = (got / "machine.txt").read_text()
     assert f"torch {importlib.metadata.version('torch')} torchvision {importlib.metadata.version('torchvision')}" in \
         machine and "nvidia-smi: not found" in machine, machine
+
+
+def test_the_session_script_cuts_a_step_at_its_deadline_and_keeps_what_ended(tmp_path):
+    """A step that outlives what is left before GPU_SESSION_END is stopped there (less the 25 s kept back), its log
+    packed; the next step, with no time left, is not run and says so. A stand-in interpreter that only sleeps."""
+    sleeper = tmp_path / "python"
+    sleeper.write_text("#!/bin/sh\n[ \"$1\" = -c ] && { echo 'python x torch y torchvision z'; exit 0; }\n"
+                       "echo started; exec sleep 60\n")
+    sleeper.chmod(0o755)
+    end = int(time.time()) + 25 + 12  # 12 s for the first section (10 at least), none for the second
+    proc = subprocess.run([str(SESSION), "bench", str(tmp_path / "out"), "amp", "overhead"], capture_output=True,
+                          text=True, timeout=60, cwd=REPO, env={**os.environ, "PYTHON": str(sleeper),
+                                                                "GPU_SESSION_END": str(end)})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    got = unpacked(tmp_path / "out", "bench-amp-overhead", tmp_path / "got")
+    cut = (got / "bench" / "amp.log").read_text()
+    assert re.fullmatch(r"started\ngpu_session.sh: ran out of its 1[0-2] s\n", cut), cut
+    assert re.fullmatch(r"gpu_session.sh: not run: -?\d+ s left before GPU_SESSION_END\n",
+                        (got / "bench" / "overhead.log").read_text())
+    assert re.search(r"^amp: exit 124 after 1[0-3] s; gpu_session.sh: ran out of its", proc.stdout, re.M), \
+        proc.stdout
+    bad = session("bench", tmp_path / "bad", "amp", env={"GPU_SESSION_END": "in 5 minutes"})
+    assert bad.returncode == 2 and bad.stderr.startswith("gpu_session.sh: GPU_SESSION_END='in 5 minutes' is not "
+                                                         "seconds since the epoch"), bad.stderr
 
 
 def test_a_bad_flag_fails_in_one_line():
@@ -538,6 +583,57 @@ def test_bad_render_input_in_process(tmp_path, capsys, content, message):
     assert gpu_bench.main(["--render", str(folder), "--md", str(tmp_path / "gpu.md")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("gpu_bench: error: ") and message in err
+
+
+def test_two_hosts_of_one_machine_kind_merge_each_driver_named(tmp_path, capsys):
+    """A lent H200 is one of several hosts: another driver build is the same measurement, and the page names both."""
+    lm = json.loads(run_file("lm.json"))
+    lm["environment"]["driver"] = "580.159.03"
+    (tmp_path / "lm.json").write_text(json.dumps(lm))
+    amp = REPO / RUN_DIR / "amp.json"
+    md = tmp_path / "gpu.md"
+    assert gpu_bench.main(["--render", str(amp), str(tmp_path / "lm.json"), "--md", str(md)]) == 0, \
+        capsys.readouterr().err
+    assert "; driver 580.159.04 and 580.159.03; torch 2.11.0+cu130" in md.read_text()
+
+
+def test_a_section_stopped_at_its_time_limit_keeps_the_rows_that_ended(tmp_path, monkeypatch, capsys):
+    """SIGTERM (tools/gpu_session.sh's `timeout`) in the middle of a section: --out is written all the same, that
+    section holding the rows that had ended and marked cut_short, the page saying which are missing; the sections
+    after it are not run; exit 1. The real signal, to this process, from a stand-in of run_lm's second row."""
+    def two_rows(args, device, cache, peak):
+        out = {"config": "c", "compile_error": None}
+        gpu_bench.keep_partial(args, "lm", out)
+        out["lm_ddp"] = {"tokens_per_sec": 1000.0, "mfu": None, "median_ms": 4.0}
+        gpu_bench.keep_partial(args, "lm", out)
+        os.kill(os.getpid(), signal.SIGTERM)  # during lm_tp's row
+        time.sleep(5)
+        raise AssertionError("SIGTERM did not stop the section")
+
+    monkeypatch.setattr(gpu_bench, "run_lm", two_rows)
+    monkeypatch.setattr(gpu_bench, "run_data", lambda *a: pytest.fail("a section after the cut ran"))
+    before = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "gpu.json"
+    assert gpu_bench.main(["--device", "cpu", "--only", "lm,data", "--out", str(out)]) == 1
+    assert signal.getsignal(signal.SIGTERM) is before  # main() gives the handler back
+    err = capsys.readouterr().err
+    assert "gpu_bench: lm cut short: stopped by SIGTERM after " in err, err
+    sections = json.loads(out.read_text())["sections"]
+    assert list(sections) == ["lm"] and sections["lm"]["lm_ddp"]["tokens_per_sec"] == 1000.0
+    assert re.fullmatch(r"stopped by SIGTERM after \d+ s: the rows that had not ended are not measured",
+                        sections["lm"]["cut_short"])
+    rows = h200_rows("lm", sections["lm"])
+    assert "| eager 1,000 tokens/s, MFU - (no peak); compiled not measured (the section was cut short) |" in \
+        rows["| 4 lm_ddp"], rows
+    assert "| eager not measured (the section was cut short); compiled not measured" in rows["| 4 lm_tp"], rows
+    data = {"config": "c", "files": 8, "compile_error": None, "in_memory": {"images_per_sec": 100.0, "amp": "fp16",
+                                                                            "cores_busy": 2.0},
+            "gpu_decode": {"images_per_sec": 97.0, "amp": "fp16", "cores_busy": 3.0}}
+    cut = gpu_bench.cut_short("data", data, gpu_bench.TimeUp("SIGTERM"), 400.0)
+    assert (cut["best"], cut["ratio"]) == ("gpu_decode", 0.97) and "ratio_compiled" not in cut
+    row = h200_rows("data", cut)["| 6 data"]
+    assert "CPU decode not measured (the section was cut short)" in row and "in memory 100 img/s" in row, row
+    assert row.endswith("| eager 0.97x | met (of the jobs that ran) |"), row
 
 
 def test_render_refuses_mixed_runs_and_a_page_without_the_marker(tmp_path, capsys):

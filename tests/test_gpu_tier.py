@@ -74,6 +74,9 @@ def test_collect_only_lists_the_tier_without_cuda():
         assert f"tests/test_gpu.py::test_every_recipe_learns_on_one_gpu_with_exact_eval[{recipe}]" in listed
     for recipe in tier.LM_ONE_GPU:
         assert f"tests/test_gpu.py::test_every_language_model_learns_on_one_gpu[{recipe}]" in listed
+    # ... and first: a tier stopped at its time limit keeps them (tools/gpu_session.sh; lm_moe's tokens/s, issue 67).
+    assert {line.split("[")[0] for line in listed[:len(tier.LM_ONE_GPU)]} == {
+        "tests/test_gpu.py::test_every_language_model_learns_on_one_gpu"}, listed[:8]
     for recipe in tier.SYNC_BN:
         assert f"tests/test_gpu.py::test_sync_bn_of_each_recipe_on_two_ranks_matches_batchnorm_on_one_rank[{recipe}]" \
             in listed

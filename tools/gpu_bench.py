@@ -48,9 +48,11 @@ After each measurement's timed steps, 3 more run under torch.profiler: its JSON'
 step's time on the device, from which a missed goal's cause is read (the timed steps are not profiled).
 Writes --out (JSON: the environment, the settings, every timed step of every measurement, the summaries) and
 prints a Markdown table (also --md FILE) with the reference or goal beside each figure and met / missed. A section
-that fails is reported in the table and the JSON, the others still run, and the exit code is 1. On the CPU
-(--device cpu) every size defaults to a tiny one (tests/test_gpu_bench.py): a check that the script runs, not a
-measurement. The GPU machine's torch is 2.11: nothing here needs a newer one.
+or a row that fails is reported in the table and the JSON, the others still run, and the exit code is 1. Stopped
+by SIGTERM (a time limit: tools/gpu_session.sh's) or Ctrl-C, it writes --out all the same: the section it was in
+keeps the rows that had ended (lm's rows, data's jobs), marked cut_short, and the sections after it do not run.
+On the CPU (--device cpu) every size defaults to a tiny one (tests/test_gpu_bench.py): a check that the script runs,
+not a measurement. The GPU machine's torch is 2.11: nothing here needs a newer one.
 
 --render measures nothing and needs no GPU: it merges the JSONs of one machine's runs (a folder: its *.json; e.g. one
 `--only SECTION` process each), refusing ones whose machine, torch or sizes differ, and writes --md: a header (the
@@ -72,6 +74,7 @@ import os
 import platform
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -722,9 +725,22 @@ def failure(what, exc):
     return error
 
 
+class TimeUp(BaseException):
+    """SIGTERM (tools/gpu_session.sh's time limit, `timeout`): main() keeps the section's rows that ended, in --out
+    with the section marked cut_short, and stops. A BaseException, so that no row's `except Exception` takes it."""
+
+
+def time_up(signum, frame):
+    raise TimeUp(signal.Signals(signum).name)
+
+
+PARTIAL = {}  # section: its dict of figures as it fills (keep_partial), what main() keeps of a section cut short
+
+
 def keep_partial(args, section, out):
-    """A section's figures so far, to --out's name + '.<section>.partial': a time limit that cuts the section short
-    keeps what ended (not *.json: --render takes whole sections only)."""
+    """A section's figures so far, to --out's name + '.<section>.partial' (its log beside, a record as it goes) and
+    PARTIAL, from which main() writes a section cut short into --out, the rows that ended kept."""
+    PARTIAL[section] = out
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_name(f"{args.out.name}.{section}.partial").write_text(json.dumps(out, indent=1) + "\n")
 
@@ -745,6 +761,7 @@ def run_lm(args, device, cache, peak):
            "references": LM_REFERENCES, "peak": peak}
     missing = missing_compiler(device)  # the compiled rows need inductor's toolchain; the eager ones do not
     out["compile_error"] = missing
+    keep_partial(args, "lm", out)
 
     def measure(recipe, compiled):
         free(device)
@@ -784,7 +801,10 @@ def run_lm(args, device, cache, peak):
     ratio("tp_over_ddp_step", "lm_tp", "lm_ddp")
     ratio("tp_over_ddp_step_compiled", "lm_tp_compiled", "lm_ddp_compiled")
     ratio("compiled_speedup", "lm_ddp", "lm_ddp_compiled")
-    out["optimizer"] = optimizer_steps(args, device)
+    try:  # its failure (memory; fused AdamW on DTensors on this torch) leaves the rows above and below measured
+        out["optimizer"] = optimizer_steps(args, device)
+    except Exception as exc:
+        out["optimizer"] = failure("lm optimizer", exc)
     keep_partial(args, "lm", out)
     for compiled in (False, True) if not missing else (False,):  # last: no goal rides on them
         name = "lm_fsdp_tp" + "_compiled" * compiled
@@ -795,10 +815,12 @@ def run_lm(args, device, cache, peak):
     return out
 
 
-# What section data runs: the same recipe on in-memory images, then on JPEG files decoded by its workers with PIL,
-# then gpu_decode.py on the same files (decoded in the main process, on the GPU by nvjpeg). Each its own job.
-DATA_PATHS = (("in_memory", "recipes/torch_amp.py", "synthetic"), ("cpu_decode", "recipes/torch_amp.py", "imagefolder"),
-              ("gpu_decode", "recipes/gpu_decode.py", "imagefolder"))
+# What section data runs: the same recipe on in-memory images, then gpu_decode.py on JPEG files (decoded in the main
+# process, on the GPU by nvjpeg), then torch_amp.py on the same files decoded by its workers with PIL. Each its own job,
+# in this order, eager then compiled: a section cut short at its time limit keeps the jobs that ended, the goals' first.
+DATA_PATHS = (("in_memory", "recipes/torch_amp.py", "synthetic"),
+              ("gpu_decode", "recipes/gpu_decode.py", "imagefolder"),
+              ("cpu_decode", "recipes/torch_amp.py", "imagefolder"))
 
 
 def cpu_seconds_of_children():
@@ -838,6 +860,7 @@ def run_data(args, device, cache):
                             f"{made['mean_height']:.0f} px, {made['mean_bytes'] / 1024:.0f} KiB)" if made else ""),
                "files": files}
         out["compile_error"] = missing_compiler(device)
+        keep_partial(args, "data", out)
         jobs = [(name, recipe, dataset, []) for name, recipe, dataset in DATA_PATHS]
         if not out["compile_error"]:
             jobs += [(f"{name}_compiled", recipe, dataset, ["--compile"]) for name, recipe, dataset in DATA_PATHS]
@@ -994,8 +1017,9 @@ def table(report, args):
     anchor = anchor_applies(args, env)
     rows = []
 
-    def failed(key):
-        return s.get(key, {}).get("error")
+    def failed(key):  # lm and data keep the rows that ended when cut short; the other sections have one figure
+        section = s.get(key, {})
+        return section.get("error") or (section.get("cut_short") if key not in ("lm", "data") else None)
 
     if "throughput" in s:
         t = s["throughput"]
@@ -1031,7 +1055,7 @@ def table(report, args):
             if failed("lm"):
                 rows.append([f"4 {name}", f"failed: {failed('lm')}", refs, "-", "-"])
                 continue
-            r = lm[name]
+            r = lm.get(name, {"why": "not measured (the section was cut short)"})
             if "lm_ddp_compiled" not in lm and "compile_error" not in lm:  # the first GPU run's JSON: eager alone
                 mfu = mfu_text(r)
                 extra = f"; {lm['tp_over_ddp_step']:.2f}x lm_ddp's step" if name == "lm_tp" else ""
@@ -1039,7 +1063,8 @@ def table(report, args):
                              f"TFLOPS){extra}", refs if name == "lm_ddp" else "lm_ddp (DTensor's dispatch cost)",
                              "-", "reference only"])
                 continue
-            c = lm.get(f"{name}_compiled", {"why": f"not measured ({lm.get('compile_error')})"})
+            c = lm.get(f"{name}_compiled", {"why": f"not measured ({lm.get('compile_error')})" if lm.get(
+                "compile_error") else "not measured (the section was cut short)"})
             if {"error", "why"} & {*r, *c}:  # a row that failed on this GPU or torch: what ran, and why not the rest
                 said = [f"{kind} " + (x["why"] if "why" in x else f"failed: {x['error']}" if "error" in x else
                                       f"{x['tokens_per_sec']:,.0f} tokens/s, {mfu_text(x)}")
@@ -1059,7 +1084,9 @@ def table(report, args):
                              "-" if ratio is None else verdict(ratio, GOALS["lm_mfu_compiled"], True, on_gpu)])
             else:
                 o = lm.get("optimizer")
-                if o:  # issue 66: AdamW's step alone on DTensor parameters, and what fused leaves behind
+                if o and "error" in o:
+                    measured += f"; AdamW alone: failed: {o['error']}"
+                elif o:  # issue 66: AdamW's step alone on DTensor parameters, and what fused leaves behind
                     measured += (f"; AdamW on DTensors: fused {o['dtensor_fused']['median_ms']:.2f} ms, foreach "
                                  f"{o['dtensor_foreach']['median_ms']:.2f} ms, fused leaves "
                                  f"{o['dtensor_fused']['dtensor_specs_left_per_step']:.0f} DTensorSpec(s) a step")
@@ -1089,15 +1116,16 @@ def table(report, args):
         def path(name):
             r = d.get(name, {})
             return (f"failed ({r['error']}; its log: the run's .data-{name}.log)" if "error" in r else
+                    "not measured (the section was cut short)" if "images_per_sec" not in r else
                     f"{r['images_per_sec']:,.0f} img/s ({r['amp']}, {r['cores_busy']:.1f} cores busy)")
-        compiled = "in_memory_compiled" in d
+        compiled = d.get("compile_error") is None and "cut_short" in d or "in_memory_compiled" in d
         # A job that failed leaves its path's figure out (data_ratios); the verdict then rests on what ran, and says so.
         kept = [(d[key], GOALS[goal], said) for key, goal, said in (("ratio", "data", "eager "),
                                                                     ("ratio_compiled", "data_compiled", "compiled "))
                 if key in d]
-        whole = "ratio" in d and ("ratio_compiled" in d or not compiled) and not any(
-            "error" in d.get(name + suffix, {}) for name in ("in_memory", "cpu_decode", "gpu_decode")
-            for suffix in ("", "_compiled"))
+        whole = "ratio" in d and ("ratio_compiled" in d or not compiled) and all(
+            "images_per_sec" in d.get(name + suffix, {}) for name, _, _ in DATA_PATHS
+            for suffix in ("", "_compiled") if compiled or not suffix)
         rows.append(["6 data", failed("data") and f"failed: {failed('data')}" or
                      f"JPEG files, GPU decode {path('gpu_decode')}; CPU decode {path('cpu_decode')}; in memory "
                      f"{path('in_memory')}; last epoch, eager"
@@ -1123,6 +1151,7 @@ def table(report, args):
     if "lm" in s:
         head.append(f"MFU peak: {peak['tflops']} TFLOPS ({peak['source']})" if peak.get("tflops") else
                     f"MFU peak: none ({peak.get('source')})")
+    head += [f"Cut short: {key}, {s[key]['cut_short']}" for key in SECTIONS if "cut_short" in s.get(key, {})]
     return "\n".join(head + [""] + lines) + "\n"
 
 
@@ -1130,9 +1159,11 @@ def table(report, args):
 # bench/gpu.md: above this line what --render writes from the JSONs; below it, text written by hand, which the next
 # --render keeps as it is.
 MARKER = "<!-- Above this line: written by tools/gpu_bench.py --render from the JSONs. Below it: by hand, kept. -->"
-# What every merged JSON must share: one machine, one torch, the same sizes (--only, --out, --md differ).
-SAME_ENVIRONMENT = ("device", "device_name", "driver", "torch", "cuda", "cudnn", "python", "cores", "memory_gib",
-                    "capability")
+# What every merged JSON must share: one kind of machine, one torch, the same sizes (--only, --out, --md differ).
+SAME_ENVIRONMENT = ("device", "device_name", "torch", "cuda", "cudnn", "python", "capability")
+# What may differ between two machines of one kind (a lent H200 is one of several hosts: another driver build, another
+# memory figure): the page names each value.
+NOTED_ENVIRONMENT = ("driver", "memory_gib", "cores")
 SAME_SETTINGS = ("device", "arch", "image_size", "batch_size", "num_classes", "steps", "warmup", "lm_layers",
                  "lm_heads", "lm_d_model", "lm_seq_len", "lm_batch_size", "peak_tflops")
 
@@ -1192,7 +1223,12 @@ def merge_reports(reports):
             if name in sections:
                 raise RenderError(f"{path}: section {name} is also in {came_from[name]}")
             sections[name], came_from[name] = section, path
-    return {**first, "command": None, "commands": [r["command"] for _, r in reports],
+    env = dict(first["environment"])
+    for key in NOTED_ENVIRONMENT:
+        values = list(dict.fromkeys(str(r["environment"].get(key)) for _, r in reports))
+        if len(values) > 1:
+            env[key] = " and ".join(values)
+    return {**first, "environment": env, "command": None, "commands": [r["command"] for _, r in reports],
             "sections": {k: sections[k] for k in SECTIONS if k in sections},
             "wall_s": sum(r["wall_s"] for _, r in reports)}
 
@@ -1345,6 +1381,7 @@ def main(argv=None):
 
     runners = {"throughput": run_throughput, "amp": run_amp, "overhead": run_overhead, "compile": run_compile,
                "lm": lambda a, d, c: run_lm(a, d, c, peak), "data": run_data}
+    previous = signal.signal(signal.SIGTERM, time_up)  # a time limit: the rows that ended are written, not lost
     try:
         for name in RUN_ORDER:
             if name not in args.sections:
@@ -1355,14 +1392,38 @@ def main(argv=None):
                 sections[name] = runners[name](args, device, cache)
             except Exception as exc:  # one section's failure (an OOM, no compiler) leaves the others to run
                 sections[name] = failure(name, exc)
+            except (TimeUp, KeyboardInterrupt) as exc:  # the rows that ended, this section marked, the rest not run
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                sections[name] = cut_short(name, PARTIAL.get(name, {}), exc, time.perf_counter() - t0)
             sections[name]["section_s"] = time.perf_counter() - t0
             write()
-            print(f"gpu_bench: {name} done in {sections[name]['section_s']:.1f} s", flush=True)
+            print(f"gpu_bench: {name} " + ("cut short" if "cut_short" in sections[name] else "done")
+                  + f" in {sections[name]['section_s']:.1f} s", flush=True)
+            if "cut_short" in sections[name]:
+                break
     finally:
         dist.destroy_process_group()
+        signal.signal(signal.SIGTERM, previous)
     print("\n" + write(), flush=True)
     print(f"gpu_bench: wrote {args.out}" + (f" and {args.md}" if args.md else ""), flush=True)
-    return 1 if any("error" in s for s in sections.values()) else 0
+    return 1 if any(went_wrong(s) for s in sections.values()) else 0
+
+
+def cut_short(name, partial, exc, seconds):
+    """A section stopped from outside (SIGTERM: a time limit; Ctrl-C) after `seconds`: its rows that ended (what
+    keep_partial last held) and why the rest are missing; section data's ratios from the jobs that ended."""
+    why = f"stopped by {exc or 'SIGINT'} after {seconds:.0f} s: the rows that had not ended are not measured"
+    print(f"gpu_bench: {name} cut short: {why}", file=sys.stderr, flush=True)
+    out = {**partial, "cut_short": why}
+    if name == "data" and "compile_error" in out:
+        data_ratios(out)
+    return out
+
+
+def went_wrong(section):
+    """A section that failed or was cut short, or one of its rows (lm's, data's jobs) that failed: exit code 1."""
+    return bool({"error", "cut_short"} & set(section)) or any(
+        isinstance(row, dict) and "error" in row for row in section.values())
 
 
 if __name__ == "__main__":
