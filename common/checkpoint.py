@@ -151,11 +151,12 @@ def check_epochs_left(path, start_epoch, epochs):
         raise CheckpointError(f"{path} already finished all {epochs} epochs; nothing to resume", all_ranks=False)
 
 
-def load_checkpoint(path, map_location, require=(), mmap=False):
+def load_checkpoint(path, map_location, require=(), mmap=False, same_run_as=None):
     """torch.load(weights_only=True) onto `map_location` (this rank's device, not the one it was saved
     from). `require`: the keys a checkpoint of this recipe must have. mmap=True with map_location="cpu": the file is
     mapped, not read, and only the bytes of the tensors the caller then uses are read from it (torch.load's mmap;
-    onto a GPU, every tensor would be copied there, read or not)."""
+    onto a GPU, every tensor would be copied there, read or not). same_run_as=args, a resume: check_same_run() on the
+    checkpoint's "args"."""
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except (PermissionError, FileNotFoundError, IsADirectoryError) as exc:  # the system's own words say it
@@ -167,7 +168,28 @@ def load_checkpoint(path, map_location, require=(), mmap=False):
     if missing:
         raise CheckpointError(f"{path} is not a checkpoint of this recipe: it has no {missing[:3]} "
                               "(bare weights? start from them with ddp_checkpoint.py --init-from)")
+    if same_run_as is not None:
+        check_same_run(path, ckpt.get("args", {}), same_run_as)
     return ckpt
+
+
+# The flags that shape an image recipe's run, which a resume must not change: it continues the run its checkpoint
+# started. --epochs lays out the schedule; --seed, --warmup-epochs, the data and the model would change its course from
+# here on; a new --lr the optimizer's saved state would silently overrule. --lr's default follows --batch-size, which
+# follows the GPU count: compared only at the same batch (at another, the optimizer's saved learning rate goes on).
+RUN_FLAGS = ("arch", "dataset", "image_size", "epochs", "warmup_epochs", "seed", "lr")
+
+
+def check_same_run(path, saved, args, flags=RUN_FLAGS):
+    """A checkpoint's args (`saved`, vars(args) as it was saved) against this run's: unless each of `flags` it holds
+    is the same, a CheckpointError naming each one that differs (exit 2, said once per node: every rank reads the same
+    file)."""
+    changed = [f"--{k.replace('_', '-')} {saved[k]} (this run: {getattr(args, k)})" for k in flags
+               if k in saved and saved[k] != getattr(args, k)
+               and not (k == "lr" and saved.get("batch_size") != args.batch_size)]
+    if changed:
+        raise CheckpointError(f"{path} was trained with {', '.join(changed)}; resume with the same flags",
+                              all_ranks=False)
 
 
 def load_same_flags(path, map_location, flags, require=()):
@@ -278,14 +300,17 @@ class ShardFolders:
 
 
 def load_weights(model, state, path):
-    """Strict load that also takes keys saved from a DDP/DataParallel wrapper ("module.conv1.weight")."""
-    state = {k.removeprefix("module."): v for k, v in state.items()}
+    """Strict load that also takes keys saved from a DDP/DataParallel wrapper ("module.conv1.weight"): the prefix goes
+    where every key has it and the model's own keys do not (a model may have a submodule named `module`)."""
     expected = model.state_dict()
+    if state and all(k.startswith("module.") for k in state) and not all(k.startswith("module.") for k in expected):
+        state = {k.removeprefix("module."): v for k, v in state.items()}
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     wrong = [k for k in expected if k in state and state[k].shape != expected[k].shape]
     if missing or unexpected or wrong:
         found = [f"{what} {keys[:3]}" for what, keys in (("missing", missing), ("unexpected", unexpected),
                                                          ("wrong shape", wrong)) if keys]
-        raise CheckpointError(f"{path} does not fit this --arch: {', '.join(found)}")
+        raise CheckpointError(f"{path} does not fit this model (its --arch, and the classes and --image-size of "
+                              f"its data): {', '.join(found)}")
     model.load_state_dict(state)

@@ -14,6 +14,7 @@ collective here (the recipe all-reduces the error feedback itself, where you can
 """
 
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
 
 PIECES = ("error", "p", "q")  # error feedback: one per gradient element; P and Q: the compressed matrices' factors
@@ -38,11 +39,12 @@ class PowerSGDByParameter:
                 self._unbucket(old, self.loose)  # that step's buckets are all reduced: no hook still writes them
             self._bucket(index, names, bucket.buffer().device)
         reduced = powerSGD.powerSGD_hook(state, bucket)
-        if bucket.buffer().device.type == "cpu":  # gloo: one bucket at a time, or two buckets can hang the job
+        if dist.get_backend(state.process_group) == "gloo":  # one bucket at a time, or two buckets can hang the job
             # powerSGD_hook's .then() callbacks each start an all-reduce and .wait() for it, on a gloo worker thread
             # (a process group has 2): two buckets' callbacks at once take both threads, and the all-reduces they wait
             # for have no thread left to run on (seen: 1 run in 7 of tests/test_comm_hooks.py's bucket test hung).
-            reduced.wait()  # the backward waits for this bucket; on GPUs (NCCL) the hook overlaps as torch wrote it
+            # (gloo's threads are the same for CUDA tensors: launch.sh G:N.)
+            reduced.wait()  # the backward waits for this bucket; on NCCL the hook overlaps as torch wrote it
         return reduced
 
     def state_dict(self):

@@ -22,7 +22,8 @@ What it shows (the rest is recipes/ddp_torchrun.py):
   (SeededSamples), the sampler skips what was trained (SkipFirst), each rank's running sums and random state are in
   the file, and one backward before training lays DDP's gradient buckets out as the first run's were. Files hold
   only tensors and plain types (torch.load(weights_only=True) reads them). AMP adds the scaler's state
-  (recipes/torch_amp.py).
+  (recipes/torch_amp.py). A resume with other flags that shape the run (--arch, the data, --epochs, --seed, --lr) is
+  refused in one line: it would not continue that run (the optimizer's saved state would overrule a new --lr).
 - Preemption (SLURM's --signal=USR1@120; docs/clusters.md): SIGUSR1 reaches the ranks at different times, so
   each step all-reduces a stop flag on a gloo group of its own without waiting, read one step later: every rank
   stops after the same step, saves latest.pt, and exits 75 (EX_TEMPFAIL), which launch.sh passes on and
@@ -220,14 +221,12 @@ def main():
         print0(f"init: weights from {args.init_from}")
     resume = find_resume(args.resume, latest)  # 'auto': latest.pt if there is one (what MAX_RESTARTS reruns)
     if resume:
-        ckpt = load_checkpoint(resume, map_location=device, require=(
-            "model", "optimizer", "scheduler", "epoch", "step", "best_acc1", "rng", "args"))
+        ckpt = load_checkpoint(resume, map_location=device, require=(  # same_run_as: the --epochs, --lr, --seed, data
+            "model", "optimizer", "scheduler", "epoch", "step", "best_acc1", "rng", "args"), same_run_as=args)
         load_weights(model.module, ckpt["model"], resume)
         optimizer.load_state_dict(ckpt["optimizer"])
         start_epoch, best_acc1 = ckpt["epoch"], ckpt["best_acc1"]
         resumed_in_epoch = ckpt.get("step_in_epoch", 0)  # New: 0 from an epoch's end
-        if ckpt["args"]["epochs"] != args.epochs:  # the cosine schedule was laid out for that many epochs
-            harness.die(f"{resume} was trained with --epochs {ckpt['args']['epochs']}; resume with the same --epochs")
         if resumed_in_epoch and ckpt["args"]["batch_size"] != args.batch_size:  # New: steps would cover other samples
             harness.die(f"{resume} was saved at step {resumed_in_epoch} of epoch {start_epoch + 1} with --batch-size "
                         f"{ckpt['args']['batch_size']} (global); resume it with the same --batch-size")
@@ -381,7 +380,7 @@ def main():
     if is_main:
         os.makedirs(args.out_dir, exist_ok=True)
         path = os.path.join(args.out_dir, "model.pt")
-        torch.save(model.module.state_dict(), path)  # .module: keys without the "module." prefix
+        save_atomic(model.module.state_dict(), path)  # .module: no "module." prefix; atomic: --resume auto ends here
         print0(f"saved: {path}")
     # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
     prof.stop()  # --profile: writes the steps it recorded

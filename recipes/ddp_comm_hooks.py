@@ -62,7 +62,7 @@ from common.checkpoint import find_resume, load_checkpoint, load_weights, save_a
 from common.comm_hooks import PowerSGDByParameter  # New: torch's PowerSGD, its state keyed by parameter
 from common.data import add_data_flags, build_datasets, device_normalize, prepare_dataset
 from common.models import build_model, recomputed_batchnorm
-from common.schedule import warmup_cosine
+from common.schedule import warmup_cosine, warmup_steps
 from common.utils import AverageMeter, accuracy, print0
 
 
@@ -203,7 +203,7 @@ def main():
     if args.comm_hook in ("bf16", "fp16"):  # state None: the default process group
         model.register_comm_hook(None, getattr(default_hooks, f"{args.comm_hook}_compress_hook"))
     elif args.comm_hook == "powersgd":
-        start = args.powersgd_start or max(2, round(args.warmup_epochs * len(train_loader)))
+        start = args.powersgd_start or max(2, warmup_steps(args.epochs, len(train_loader), args.warmup_epochs))
         powersgd = PowerSGDByParameter(model.module, matrix_approximation_rank=args.powersgd_rank,
                                        start_powerSGD_iter=start, warm_start=True, use_error_feedback=True)
         model.register_comm_hook(powersgd.state, powersgd.hook)
@@ -217,8 +217,8 @@ def main():
         print0(f"init: weights from {args.init_from}")
     resume = find_resume(args.resume, latest)  # 'auto': latest.pt if there is one (what MAX_RESTARTS reruns)
     if resume:
-        ckpt = load_checkpoint(resume, map_location=device, require=(
-            "model", "optimizer", "scheduler", "epoch", "step", "best_acc1", "rng", "args"))
+        ckpt = load_checkpoint(resume, map_location=device, require=(  # same_run_as: the --epochs, --lr, --seed, data
+            "model", "optimizer", "scheduler", "epoch", "step", "best_acc1", "rng", "args"), same_run_as=args)
         load_weights(model.module, ckpt["model"], resume)
         optimizer.load_state_dict(ckpt["optimizer"])
         if powersgd and ckpt.get("comm_hook"):  # New: the error feedback, P and Q, and its step count
@@ -234,8 +234,6 @@ def main():
         # saved step, in the old count, ended this run's epochs off their boundaries and it stopped early, unsaved).
         step = start_epoch * len(train_loader)
         scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs, step)
-        if ckpt["args"]["epochs"] != args.epochs:  # the cosine schedule was laid out for that many epochs
-            harness.die(f"{resume} was trained with --epochs {ckpt['args']['epochs']}; resume with the same --epochs")
         if ckpt.get("step_in_epoch"):  # ddp_checkpoint.py's mid-epoch save: from here the epoch would train twice
             harness.die(f"{resume} was saved {ckpt['step_in_epoch']} steps into epoch {start_epoch + 1}; this recipe "
                         "resumes from an epoch's end: resume it with recipes/ddp_checkpoint.py")
@@ -253,7 +251,9 @@ def main():
 
     # Before the first step: an --out-dir that cannot hold the checkpoints, or that another node cannot see (every
     # rank loads latest.pt), fails now, not after hours of training.
-    harness.broadcast_out_dir_check(args.out_dir, is_main, {"latest.pt": harness.state_bytes(model.module, optimizer),
+    harness.broadcast_out_dir_check(args.out_dir, is_main, {"latest.pt": harness.state_bytes(model.module, optimizer)
+                                                            # PowerSGD's error feedback: a gradient's worth
+                                                            + (harness.state_bytes(model.module) if powersgd else 0),
                                                             "best.pt": harness.state_bytes(model.module),
                                                             "model.pt": harness.state_bytes(model.module)},
                                     shared=True, tb_dir=args.tb_dir)  # New: shared=True, latest.pt and best.pt
@@ -330,12 +330,12 @@ def main():
         best_acc1 = max(best_acc1, val_acc1)
         if is_main:
             os.makedirs(args.out_dir, exist_ok=True)
+            if improved:  # first: a latest.pt whose best_acc1 no best.pt holds would never write it again
+                save_atomic({"model": model.module.state_dict(), "epoch": epoch + 1, "val_acc1": val_acc1}, best)
+                print0(f"best: epoch={epoch + 1} val_acc1={val_acc1:.2f} saved {best}")
             save_atomic({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                          "scheduler": scheduler.state_dict(), "epoch": epoch + 1, "step": step,
                          "best_acc1": best_acc1, "rng": rngs, "args": vars(args), "comm_hook": hook_state}, latest)
-            if improved:
-                save_atomic({"model": model.module.state_dict(), "epoch": epoch + 1, "val_acc1": val_acc1}, best)
-                print0(f"best: epoch={epoch + 1} val_acc1={val_acc1:.2f} saved {best}")
         dist.barrier()  # nobody reads latest.pt before rank 0 has finished writing it
         diverged.last_good = latest
         # The weights alone, mapped: read only as they are copied in (not the optimizer and RNG states onto the GPU)
@@ -346,7 +346,7 @@ def main():
     if is_main:
         os.makedirs(args.out_dir, exist_ok=True)
         path = os.path.join(args.out_dir, "model.pt")
-        torch.save(model.module.state_dict(), path)  # .module: keys without the "module." prefix
+        save_atomic(model.module.state_dict(), path)  # .module: no "module." prefix; atomic: --resume auto ends here
         print0(f"saved: {path}")
     # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
     prof.stop()  # --profile: writes the steps it recorded

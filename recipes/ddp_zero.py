@@ -184,8 +184,8 @@ def main():
         print0(f"init: weights from {args.init_from}")
     resume = find_resume(args.resume, latest)  # 'auto': latest.pt if there is one (what MAX_RESTARTS reruns)
     if resume:
-        ckpt = load_checkpoint(resume, map_location=device, require=(
-            "model", "optimizer", "scheduler", "epoch", "step", "best_acc1", "rng", "args"))
+        ckpt = load_checkpoint(resume, map_location=device, require=(  # same_run_as: the --epochs, --lr, --seed, data
+            "model", "optimizer", "scheduler", "epoch", "step", "best_acc1", "rng", "args"), same_run_as=args)
         load_weights(model.module, ckpt["model"], resume)
         optimizer.load_state_dict(ckpt["optimizer"])  # New: the whole state on every rank; each keeps its shard
         start_epoch, best_acc1 = ckpt["epoch"], ckpt["best_acc1"]
@@ -193,8 +193,6 @@ def main():
         # saved step, in the old count, ended this run's epochs off their boundaries and it stopped early, unsaved).
         step = start_epoch * len(train_loader)
         scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs, step)
-        if ckpt["args"]["epochs"] != args.epochs:  # the cosine schedule was laid out for that many epochs
-            harness.die(f"{resume} was trained with --epochs {ckpt['args']['epochs']}; resume with the same --epochs")
         if ckpt.get("step_in_epoch"):  # ddp_checkpoint.py's mid-epoch save: from here the epoch would train twice
             harness.die(f"{resume} was saved {ckpt['step_in_epoch']} steps into epoch {start_epoch + 1}; this recipe "
                         "resumes from an epoch's end: resume it with recipes/ddp_checkpoint.py")
@@ -286,12 +284,12 @@ def main():
         best_acc1 = max(best_acc1, val_acc1)
         if is_main:
             os.makedirs(args.out_dir, exist_ok=True)
+            if improved:  # first: a latest.pt whose best_acc1 no best.pt holds would never write it again
+                save_atomic({"model": model.module.state_dict(), "epoch": epoch + 1, "val_acc1": val_acc1}, best)
+                print0(f"best: epoch={epoch + 1} val_acc1={val_acc1:.2f} saved {best}")
             save_atomic({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                          "scheduler": scheduler.state_dict(), "epoch": epoch + 1, "step": step,
                          "best_acc1": best_acc1, "rng": rngs, "args": vars(args)}, latest)
-            if improved:
-                save_atomic({"model": model.module.state_dict(), "epoch": epoch + 1, "val_acc1": val_acc1}, best)
-                print0(f"best: epoch={epoch + 1} val_acc1={val_acc1:.2f} saved {best}")
         dist.barrier()  # nobody reads latest.pt before rank 0 has finished writing it
         diverged.last_good = latest
         # The weights alone, mapped: read only as they are copied in (not the optimizer and RNG states onto the GPU)
@@ -302,7 +300,7 @@ def main():
     if is_main:
         os.makedirs(args.out_dir, exist_ok=True)
         path = os.path.join(args.out_dir, "model.pt")
-        torch.save(model.module.state_dict(), path)  # .module: keys without the "module." prefix
+        save_atomic(model.module.state_dict(), path)  # .module: no "module." prefix; atomic: --resume auto ends here
         print0(f"saved: {path}")
     # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
     prof.stop()  # --profile: writes the steps it recorded

@@ -71,7 +71,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common import harness  # plumbing, not the lesson: every line that uses it says so
-from common.checkpoint import ShardFolders, find_resume, load_checkpoint
+from common.checkpoint import ShardFolders, find_resume, load_checkpoint, save_atomic
 from common.data import add_data_flags, build_datasets, device_normalize, prepare_dataset
 from common.models import build_model, recomputed_batchnorm
 from common.schedule import warmup_cosine
@@ -278,11 +278,8 @@ def main():
     start_epoch, step, best_acc1 = 0, 0, float("-inf")
     resume = find_resume(args.resume, latest)  # 'auto': latest.pt if there is one (what MAX_RESTARTS reruns)
     if resume:
-        ckpt = load_checkpoint(resume, map_location="cpu", require=(
-            "shards", "scheduler", "epoch", "step", "best_acc1", "rng", "args"))
-        for flag in ("arch", "epochs"):  # another model does not fit the shards; the cosine schedule was laid out
-            if ckpt["args"][flag] != getattr(args, flag):  # for that many epochs
-                harness.die(f"{resume} was trained with --{flag} {ckpt['args'][flag]}; resume with the same --{flag}")
+        ckpt = load_checkpoint(resume, map_location="cpu", require=(  # same_run_as: the --arch the shards fit, --epochs
+            "shards", "scheduler", "epoch", "step", "best_acc1", "rng", "args"), same_run_as=args)
         load_shards(model, optimizer, os.path.join(os.path.dirname(resume), ckpt["shards"]), saves)
         start_epoch, best_acc1 = ckpt["epoch"], ckpt["best_acc1"]
         # The step and the schedule go by this run's steps per epoch (another world size or batch counts others: the
@@ -412,7 +409,7 @@ def main():
     if is_main:
         os.makedirs(args.out_dir, exist_ok=True)
         path = os.path.join(args.out_dir, "model.pt")
-        torch.save(full, path)
+        save_atomic(full, path)  # atomic: a resumed run that finished would not write it again
         print0(f"saved: {path}")
     # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
     prof.stop()  # --profile: writes the steps it recorded

@@ -305,7 +305,7 @@ def main():
     if is_main:
         os.makedirs(args.out_dir, exist_ok=True)
         path = os.path.join(args.out_dir, "model.pt")
-        torch.save(model.module.state_dict(), path)  # .module: keys without the "module." prefix
+        save_atomic(model.module.state_dict(), path)  # .module: no "module." prefix; atomic: --resume auto ends here
         print0(f"saved: {path} and checkpoint.pt, scaler={scaler.state_dict()}")
     # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
     prof.stop()  # --profile: writes the steps it recorded

@@ -22,6 +22,7 @@ from conftest import (
     result_of,
     rng_env,
     rng_streams,
+    run_direct,
 )
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
@@ -193,6 +194,19 @@ def test_powersgd_resumes_on_another_world_size(runs, tmp_path):
         [expected_bytes("powersgd")] * steps_per_epoch(other)] * other
     assert replayed(rng_streams(runs["base"] / "rng_first", tmp_path / "rng")) == {}
     assert result["val_acc1"] > 25, result
+
+
+def test_powersgd_starts_after_the_lr_warmup_by_default(tmp_path):
+    # --powersgd-start's default, the LR warm-up's steps (common.schedule.warmup_steps: --warmup-epochs' worth, at most
+    # a third of the run), at least 2: the recipe's default one-epoch run compresses two thirds of its 6 steps (an
+    # epoch's worth, the warm-up uncapped, would have left none compressed).
+    from common.schedule import warmup_steps
+
+    proc = run_direct("ddp_comm_hooks", "--arch", "tiny", "--workers", "0", "--image-size", "16", "--synthetic-train",
+                      "192", "--synthetic-val", "16", "--batch-size", "32", "--comm-hook", "powersgd",
+                      "--max-steps", "1", "--out-dir", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert warmup_steps(1, 6, 1) == 2 and "comm_hook: powersgd rank=1 from step 3\n" in proc.stdout, proc.stdout
 
 
 def test_powersgd_resume_with_another_rank_is_one_line(runs, tmp_path):

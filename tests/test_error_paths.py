@@ -3,6 +3,7 @@
 checks (check_args, which every rank runs before any collective). docs/gpu_only_lines.md lists what no CPU test
 runs; these were CPU lines in that list."""
 
+import argparse
 import errno
 import importlib
 import os
@@ -20,7 +21,14 @@ from torch.utils.data import TensorDataset
 
 from common import apex_compat, checkpoint, data, lm, loader, recordio, utils
 from common.apex_compat import ApexUnavailable, load_apex
-from common.checkpoint import CheckpointError, check_epochs_left, load_checkpoint, save_atomic
+from common.checkpoint import (
+    CheckpointError,
+    check_epochs_left,
+    check_same_run,
+    load_checkpoint,
+    load_weights,
+    save_atomic,
+)
 from common.comm_hooks import PowerSGDByParameter
 from common.data import (
     DataError,
@@ -73,6 +81,35 @@ def test_a_finished_checkpoint_leaves_nothing_to_resume():
     with pytest.raises(CheckpointError, match=r"^ckpt\.pt already finished all 3 epochs; nothing to resume$") as why:
         check_epochs_left("ckpt.pt", 3, 3)
     assert why.value.code == 2 and not why.value.all_ranks  # the same on every rank: said once per node
+
+
+def test_a_resume_names_each_flag_that_would_change_the_run():
+    """check_same_run: the flags that shape the run, each one that differs named; --lr only at the same batch (its
+    default follows the batch, which follows the GPU count; the optimizer's saved rate goes on there); flags it does
+    not list (the workers, the out-dir) may change."""
+    saved = {"arch": "tiny", "epochs": 2, "seed": 0, "lr": 0.1, "batch_size": 128, "workers": 3}
+    args = argparse.Namespace(**{**saved, "workers": 1})
+    check_same_run("l.pt", saved, args)
+    with pytest.raises(CheckpointError) as why:
+        check_same_run("l.pt", saved, argparse.Namespace(**{**saved, "seed": 7, "lr": 0.4}))
+    assert str(why.value) == "l.pt was trained with --seed 0 (this run: 7), --lr 0.1 (this run: 0.4); resume with " \
+                             "the same flags" and why.value.code == 2 and not why.value.all_ranks
+    check_same_run("l.pt", saved, argparse.Namespace(**{**saved, "lr": 0.0984375, "batch_size": 126}))  # on 3 GPUs
+
+
+def test_load_weights_takes_a_wrappers_keys_and_a_model_with_a_submodule_named_module(tmp_path):
+    class Wrapped(torch.nn.Module):  # a model of the user's own whose submodule is called `module`
+        def __init__(self):
+            super().__init__()
+            self.module, self.head = torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)
+
+    model = Wrapped()
+    load_weights(model, model.state_dict(), "own.pt")  # its own keys, "module.weight" among them
+    plain = torch.nn.Linear(3, 2)
+    load_weights(plain, {f"module.{k}": v for k, v in plain.state_dict().items()}, "ddp.pt")  # a DDP wrapper's
+    with pytest.raises(CheckpointError, match=r"^other\.pt does not fit this model \(its --arch, and the classes and "
+                                              r"--image-size of its data\): wrong shape \['weight'\]$"):
+        load_weights(plain, torch.nn.Linear(4, 2).state_dict(), "other.pt")
 
 
 # --------------------------------------------------------------------------------------- data

@@ -167,8 +167,8 @@ def test_a_checkpoint_of_another_arch_or_with_a_truncated_shard_is_refused(runs)
     before = files_of(tmp / "wrong_arch")
     wrong = run_direct("fsdp", *ARGS, "--arch", "tiny_bn", "--resume", "auto", "--out-dir", tmp / "wrong_arch")
     assert wrong.returncode == 2
-    assert wrong.stderr == (f"error: {tmp / 'wrong_arch/checkpoint/latest.pt'} was trained with --arch tiny; resume "
-                            "with the same --arch\n")
+    assert wrong.stderr == (f"error: {tmp / 'wrong_arch/checkpoint/latest.pt'} was trained with --arch tiny (this "
+                            "run: tiny_bn); resume with the same flags\n")
     assert files_of(tmp / "wrong_arch") == before  # nothing written
     shard = tmp / "truncated/checkpoint" / first_shards(runs) / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])

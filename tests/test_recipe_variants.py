@@ -63,7 +63,10 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # with the step of a resume counted in this run's epochs (the saved count stopped it early on another batch).
     # torch_amp: 176 until issue 57 found its evaluate() without --channels-last's memory_format (182).
     # 202 with --compile (issue 65: the data path measured against a compiled step), torch_amp's and gpu_decode's.
-    ("ddp_torchrun", "torch_amp", 202), ("ddp_torchrun", "ddp_checkpoint", 228), ("ddp_torchrun", "apex_ddp", 63),
+    # Each recipe that resumes writes model.pt atomically (a truncated one after a finished run was never rewritten):
+    # torch_amp 203, apex_amp 263; ddp_checkpoint 229 with it and its flags checked on resume (check_same_run, in
+    # load_checkpoint: its --epochs check's two lines gone, a docstring line more).
+    ("ddp_torchrun", "torch_amp", 203), ("ddp_torchrun", "ddp_checkpoint", 229), ("ddp_torchrun", "apex_ddp", 63),
     # gpu_decode (issue 65): torch_amp's, the data path moved to the main process's device (EncodedImages, collate,
     # decode_batch, DataLoaderX's on_device), --save-every's mid-epoch resume, its docstring, and torch_amp's
     # `# New` tags left off the lines it shares (here they are torch_amp's): 282; 283 without torch_amp's reseed on
@@ -83,7 +86,7 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # mx_face_prefetch: 150, then 160 with issue 65's device_normalize in the flagship (its RecordIO transforms kept
     # insightface's ToTensor and Normalize(0.5, 0.5) in the workers), 153 since they hand over uint8 as well, 154 with
     # faces of any shape resized to the square (Resize(int) scaled the short side alone: no batch of mixed shapes).
-    ("ddp_torchrun", "apex_amp", 261), ("ddp_torchrun", "mx_face_prefetch", 154),
+    ("ddp_torchrun", "apex_amp", 263), ("ddp_torchrun", "mx_face_prefetch", 154),
     # ddp_compile: 78, then 81 with what --sync-bn costs it (issue 39) in its docstring and the breaks' reasons; 87
     # with DDP's spurious grad-strides warning explained (tests/test_documented_commands.py checks it is spurious).
     ("ddp_torchrun", "ddp_compile", 87),
@@ -102,7 +105,8 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # common/checkpoint.py (issue 58: ShardFolders, which the sharded language models share).
     # fsdp 394: the root kept gathered from forward to backward (issue 57). Each +7 for ddp_checkpoint's img/s after
     # a mid-epoch resume. ddp_zero and ddp_comm_hooks each +3 for the refusal of ddp_checkpoint's mid-epoch save.
-    ("ddp_checkpoint", "fsdp", 401), ("ddp_checkpoint", "ddp_zero", 192), ("ddp_checkpoint", "ddp_comm_hooks", 232),
+    # ddp_comm_hooks 235: PowerSGD's error feedback in latest.pt's estimate (the disk check before the first step).
+    ("ddp_checkpoint", "fsdp", 401), ("ddp_checkpoint", "ddp_zero", 192), ("ddp_checkpoint", "ddp_comm_hooks", 235),
     # lm_tp: the plan, sharded checkpoints (fsdp.py's), loss_parallel, the gradients' layouts, and its block picture.
     # 276 until the preemption save (issue 43): the same lines as lm_ddp's, but its import of common.checkpoint
     # then wraps onto 10 lines, and lm_ddp's backward before a resumed run (DDP's bucket layout) is not its.
@@ -469,7 +473,8 @@ def test_init_from_weights_with_module_prefix_and_a_wrong_arch(checkpoint_runs, 
     assert result_of(proc)["val_acc1"] == result_of(checkpoint_runs["straight"])["val_acc1"]
     wrong = run_direct("ddp_checkpoint", *args, "--arch", "resnet18", "--init-from", tmp_path / "wrapped.pt")
     assert wrong.returncode == 2
-    assert "wrapped.pt does not fit this --arch: missing ['conv1.weight'" in wrong.stderr
+    assert "wrapped.pt does not fit this model (its --arch, and the classes and --image-size of its data): missing " \
+           "['conv1.weight'" in wrong.stderr
     assert len(wrong.stderr.strip().splitlines()) == 1
 
 
@@ -487,11 +492,13 @@ def test_init_from_and_a_resume_with_other_epochs_in_the_checkpoint_lessons_sibl
                       "--out-dir", tmp_path / "init")
     assert f"init: weights from {start}" in init.stdout, init.stdout
     assert result_of(init)["val_acc1"] == result_of(first)["val_acc1"]
-    more = run_direct(recipe, *args[:-1], "2", "--resume", tmp_path / "first" / "latest.pt",
-                      "--out-dir", tmp_path / "more")
+    # ... and the other flags that shape the run (common.checkpoint.check_same_run): a new --lr the optimizer's saved
+    # state would silently overrule, a --seed that would change the data's order from here on.
+    more = run_direct(recipe, *args[:-1], "2", "--seed", "7", "--lr", "0.4", "--resume",
+                      tmp_path / "first" / "latest.pt", "--out-dir", tmp_path / "more")
     assert more.returncode == 2 and error_lines(more.stderr) == [
-        f"error: {tmp_path / 'first' / 'latest.pt'} was trained with --epochs 1; resume with the same --epochs"
-    ], more.stderr
+        f"error: {tmp_path / 'first' / 'latest.pt'} was trained with --epochs 1 (this run: 2), --seed 0 (this run: "
+        "7), --lr 0.025 (this run: 0.4); resume with the same flags"], more.stderr
     assert "Traceback" not in more.stderr and not (tmp_path / "more" / "latest.pt").exists()
 
 
