@@ -212,6 +212,13 @@ def main():
     criterion = torch.nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
     scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs)  # per step
+    # Before the resume and the first step: an --out-dir that cannot hold the checkpoints, or that another node
+    # cannot see (every rank loads latest.pt; a node that resumed from a file the others lack would hang in a
+    # collective), fails now, not after hours of training.
+    harness.broadcast_out_dir_check(args.out_dir, is_main, {"latest.pt": harness.state_bytes(model.module, optimizer),
+                                                            "best.pt": harness.state_bytes(model.module),
+                                                            "model.pt": harness.state_bytes(model.module)},
+                                    shared=True, tb_dir=args.tb_dir)  # New: shared=True, latest.pt and best.pt
     # New: ---------------------------------------------------------------------- resume or start
     latest, best = os.path.join(args.out_dir, "latest.pt"), os.path.join(args.out_dir, "best.pt")
     start_epoch, step, best_acc1, start_step, resumed_in_epoch = 0, 0, float("-inf"), 0, 0
@@ -253,13 +260,6 @@ def main():
         model.eval()
         model(torch.zeros(1, 3, args.image_size, args.image_size, device=device)).sum().backward()  # the order alone
         optimizer.zero_grad(set_to_none=True)
-
-    # Before the first step: an --out-dir that cannot hold the checkpoints, or that another node cannot see (every
-    # rank loads latest.pt), fails now, not after hours of training.
-    harness.broadcast_out_dir_check(args.out_dir, is_main, {"latest.pt": harness.state_bytes(model.module, optimizer),
-                                                            "best.pt": harness.state_bytes(model.module),
-                                                            "model.pt": harness.state_bytes(model.module)},
-                                    shared=True, tb_dir=args.tb_dir)  # New: shared=True, latest.pt and best.pt
     # ----------------------------------------------------------------------------------- train
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
     speed = harness.Throughput(device)

@@ -208,6 +208,15 @@ def main():
                                        start_powerSGD_iter=start, warm_start=True, use_error_feedback=True)
         model.register_comm_hook(powersgd.state, powersgd.hook)
     print0(f"comm_hook: {args.comm_hook}" + (f" rank={args.powersgd_rank} from step {start + 1}" if powersgd else ""))
+    # Before the resume and the first step: an --out-dir that cannot hold the checkpoints, or that another node
+    # cannot see (every rank loads latest.pt; a node that resumed from a file the others lack would hang in a
+    # collective), fails now, not after hours of training.
+    harness.broadcast_out_dir_check(args.out_dir, is_main, {"latest.pt": harness.state_bytes(model.module, optimizer)
+                                                            # PowerSGD's error feedback: a gradient's worth
+                                                            + (harness.state_bytes(model.module) if powersgd else 0),
+                                                            "best.pt": harness.state_bytes(model.module),
+                                                            "model.pt": harness.state_bytes(model.module)},
+                                    shared=True, tb_dir=args.tb_dir)  # New: shared=True, latest.pt and best.pt
     # New: ---------------------------------------------------------------------- resume or start
     latest, best = os.path.join(args.out_dir, "latest.pt"), os.path.join(args.out_dir, "best.pt")
     start_epoch, step, best_acc1 = 0, 0, float("-inf")
@@ -248,15 +257,6 @@ def main():
             print0(f"resume: saved with {len(ckpt['rng'])} ranks, now {world_size}: random streams reseeded "
                    f"after epoch {start_epoch}")
         print0(f"resume: {resume} at epoch {start_epoch} step {step} best_acc1={best_acc1:.2f}")
-
-    # Before the first step: an --out-dir that cannot hold the checkpoints, or that another node cannot see (every
-    # rank loads latest.pt), fails now, not after hours of training.
-    harness.broadcast_out_dir_check(args.out_dir, is_main, {"latest.pt": harness.state_bytes(model.module, optimizer)
-                                                            # PowerSGD's error feedback: a gradient's worth
-                                                            + (harness.state_bytes(model.module) if powersgd else 0),
-                                                            "best.pt": harness.state_bytes(model.module),
-                                                            "model.pt": harness.state_bytes(model.module)},
-                                    shared=True, tb_dir=args.tb_dir)  # New: shared=True, latest.pt and best.pt
     # ----------------------------------------------------------------------------------- train
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
     speed = harness.Throughput(device)
