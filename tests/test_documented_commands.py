@@ -61,8 +61,9 @@ NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsew
     "python tools/bench.py --devices 0,1,3 --arch resnet101 --batch-size 384 --image-size 32 --recipes "
     "dp,ddp_torchrun,apex_ddp,apex_amp,torch_amp:fp16":
         "resnet101 at a global batch of 384: minutes per step on 2 CPU cores; tests/test_bench.py runs the tool",
-    "python tools/bench.py --devices cpu:2":
-        "every entry, 5 rounds: about 8 minutes; tests/test_bench.py runs two real rounds of the tool",
+    "python tools/bench.py --devices cpu:2 --recipes dp,ddp_torchrun,ddp_launch,ddp_spawn,ddp_checkpoint,torch_amp,"
+    "apex_ddp,fsdp,apex_amp":
+        "14 entries, 5 rounds: about 8 minutes; tests/test_bench.py runs two real rounds of the tool",
     "python tools/bench.py --devices cpu:2 --arch resnet18 --batch-size 32 --steps 20 --repeats 3 --recipes "
     "ddp_torchrun,ddp_compile": "docs/benchmarks.md's compile numbers: 3.5 minutes; tests/test_bench.py runs the tool",
     "python tools/bench.py --devices cpu:2 --arch tiny_bn --steps 50 --repeats 3 --recipes ddp_torchrun,ddp_compile":
@@ -70,7 +71,7 @@ NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsew
     "python tools/bench.py --devices cpu:2 --arch resnet18 --batch-size 32 --steps 10 --repeats 2 --recipes "
     "ddp_torchrun,ddp_zero,fsdp,ddp_comm_hooks:none,ddp_comm_hooks:bf16,ddp_comm_hooks:fp16,ddp_comm_hooks:powersgd":
         "docs/benchmarks.md's state and bytes numbers: 4 minutes; tests/test_bench.py runs the tool",
-    "python tools/real_data.py": "every recipe, 10 epochs each: about 45 minutes on 2 cores; tests/test_defaults.py "
+    "python tools/real_data.py": "14 recipes, 10 epochs each: about 70 minutes on 2 cores; tests/test_defaults.py "
                                  "trains two recipes on the same digits for 2 epochs",
     "python tools/gpu_only_lines.py": "the whole suite under coverage.py (~30 minutes); tests/test_gpu_only_lines.py "
                                       "checks how it files each line, and the committed list against docs/testing.md",
@@ -107,8 +108,9 @@ NOT_RUN = {  # command: why it cannot run on this CPU box (each is checked elsew
                                        "tests/test_lm_tp.py runs the same measurement at a small size",
     "python tools/gpu_bench.py --out bench/gpu.json --md bench/gpu_table.md":
         "GPU 0 at resnet50 and GPT-2 small's sizes: it needs a GPU; tests/test_gpu_bench.py runs it with --device cpu",
-    "python tools/gpu_bench.py --render OUT1/bench OUT2/bench --tier OUT2/tier.xml --tree SHA --md bench/gpu.md":
-        "OUT is a GPU session's folder; tests/test_gpu_bench.py renders the first run's JSONs with a stand-in tier.xml",
+    "python tools/gpu_bench.py --render DIR/bench --tier DIR/tier.xml --tree SHA --md bench/gpu.md":
+        "DIR holds a GPU session's unpacked .tgz files; tests/test_gpu_bench.py renders the first run's JSONs with a "
+        "stand-in tier.xml",
     "python tools/tune_loader.py --dataset imagefolder --data-root ~/my_data --batch-size 256 --processes 4 "
     "--device cuda": "--device cuda needs a GPU; tests/test_tune_loader.py runs the tool on the CPU",
     # fp16 on a CPU runs, 10-50x slower than fp32: a step of resnet18 takes minutes. The same flags run at small
