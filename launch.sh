@@ -155,6 +155,16 @@ elif [[ $devices =~ ^(GPU|MIG)-[A-Za-z0-9/-]+(,(GPU|MIG)-[A-Za-z0-9/-]+)*$ ]]; t
   # UUIDs (nvidia-smi -L) or MIG instances, as schedulers set them: passed to CUDA as they are.
   IFS=, read -ra ids <<<"$devices"
   [[ $(printf '%s\n' "${ids[@]}" | sort | uniq -d) == "" ]] || fail "a GPU is listed twice in '$devices'; list each once"
+  if command -v nvidia-smi >/dev/null 2>&1; then # CUDA drops an id it does not know, and every id after it
+    listed=$(timeout 10 nvidia-smi -L 2>/dev/null | grep -o 'UUID: [^)]*' | cut -c7- | paste -sd, -)
+    for id in "${ids[@]}"; do # (the legacy MIG-GPU-.../GI/CI form is not in the list: passed as it is)
+      [[ $id == */* || ,$listed, == *,"$id",* ]] ||
+        fail "GPU $id is not on this machine: nvidia-smi -L lists ${listed:-no UUID}; pass ids from it, or numbers like 0,1"
+    done
+  fi
+  if ((given)) && [[ -n ${CUDA_VISIBLE_DEVICES:-} && $CUDA_VISIBLE_DEVICES != "$devices" ]]; then
+    echo "launch.sh: DEVICES $asked replaces CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES; omit DEVICES to run on the ones it names" >&2
+  fi
   visible=$devices
   nprocs=${#ids[@]}
   where="GPU $visible"
@@ -204,8 +214,14 @@ if [[ -n ${MASTER_PORT:-} ]]; then
     fail "MASTER_PORT='$MASTER_PORT' is not a port number (1-65535)"
   fi
   # Only node 0 listens on it; on other nodes it is a port of MASTER_ADDR.
-  if ((node_rank == 0)) && ! port_is_free "$MASTER_PORT"; then
-    fail "MASTER_PORT=$MASTER_PORT is already in use (another job on this machine?); unset MASTER_PORT to get a free port, or pick another"
+  if ((node_rank == 0)); then
+    free=0
+    port_is_free "$MASTER_PORT" 2>/dev/null || free=$?
+    case $free in
+      0) ;;
+      1) fail "MASTER_PORT=$MASTER_PORT is already in use (another job on this machine?); unset MASTER_PORT to get a free port, or pick another" ;;
+      *) fail "could not run '$python' to check MASTER_PORT; set PYTHON to your environment's python" ;;
+    esac
   fi
   master_port=$((10#$MASTER_PORT))
 else

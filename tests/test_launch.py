@@ -114,6 +114,9 @@ def test_devices_omitted_without_gpu_runs_cpu2_and_says_so(fake_gpus):
     ("3:2", 2, "GPU 3 does not exist: this machine has 2 GPU(s), ids 0-1"),
     ("0:0", 2, "bad DEVICES '0:0': G:N needs N >= 1 processes, e.g. 0:2"),
     ("GPU-1a2b,GPU-1a2b", 2, "a GPU is listed twice in 'GPU-1a2b,GPU-1a2b'; list each once"),
+    # CUDA would drop an id it does not know and every one after it, and the recipe would train on the CPU
+    ("GPU-00000001,GPU-typo", 2, "GPU GPU-typo is not on this machine: nvidia-smi -L lists GPU-00000000,GPU-00000001; "
+                                 "pass ids from it, or numbers like 0,1"),
     ("cpu:0", 0, "cpu:N needs a whole number N >= 1"),
     ("cpu:two", 0, "cpu:N needs a whole number N >= 1"),
 ])
@@ -126,6 +129,14 @@ def test_bad_devices(devices, gpus, message, fake_gpus, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("launch.sh: error: ") and message in lines[0], proc.stderr
     assert not (tmp_path / "ran").exists()
+
+
+def test_a_uuid_nvidia_smi_lists_runs_and_replacing_cuda_visible_devices_is_said(fake_gpus):
+    env, argv, stderr = dry_run("recipes/ddp_torchrun.py", "GPU-00000001",
+                                env={**fake_gpus(2), "CUDA_VISIBLE_DEVICES": "GPU-00000000"})
+    assert (env["CUDA_VISIBLE_DEVICES"], flag(argv, "nproc-per-node")) == ("GPU-00000001", "1")
+    assert "launch.sh: DEVICES GPU-00000001 replaces CUDA_VISIBLE_DEVICES=GPU-00000000; omit DEVICES to run on the " \
+           "ones it names" in stderr, stderr
 
 
 def test_n_processes_share_one_gpu(fake_gpus):
@@ -263,6 +274,12 @@ def test_busy_master_port_fails_clearly():
         proc = launch("recipes/ddp_torchrun.py", "cpu", env={"MASTER_PORT": str(port)})
     assert proc.returncode == 2
     assert f"MASTER_PORT={port} is already in use" in proc.stderr and "unset MASTER_PORT" in proc.stderr
+    # An interpreter that does not run cannot check the port: said as that, not as a port in use (slurm/train.sbatch
+    # sets MASTER_PORT on nodes whose PATH may lack the environment's python).
+    proc = launch("recipes/ddp_torchrun.py", "cpu", env={"MASTER_PORT": str(port), "PYTHON": "/no/such/python"})
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "launch.sh: error: could not run '/no/such/python' to check MASTER_PORT; set PYTHON to your environment's "
+        "python"], proc.stderr
 
 
 @pytest.mark.parametrize("port", ["0", "70000", "http"])
@@ -408,6 +425,92 @@ def test_the_launcher_names_a_watchdog_abort_and_where_to_look():
         "or lost a peer: that rank's output above names which, 'Watchdog caught collective operation timeout' or a "
         "remote error)")
     assert describe(1, stopped) == "rank 1 (pid 4243) was stopped (SIGTERM)"
+
+
+BYSTANDER = f"""# launcher: torchrun
+import sys
+sys.path.insert(0, {str(REPO)!r})
+import torch.distributed as dist
+from common import harness
+
+
+def main():
+    dist.init_process_group("gloo")
+    if sys.argv[1] == "fail" and dist.get_rank() == 1:
+        harness.die("a bad flag on rank 1 alone", all_ranks=True)
+    dist.barrier()  # rank 0 waits here, and loses its peer
+    dist.destroy_process_group()
+
+
+with harness.one_line_errors():
+    main()
+"""
+
+
+@pytest.mark.real_path("the launcher's verdict")
+def test_the_rank_that_failed_comes_before_the_one_that_lost_it(tmp_path):
+    # Rank 1 exits 2 (one line); rank 0, in a barrier, loses its peer and exits 1 within the same second (torchrun's
+    # timestamps are whole seconds). The rank that said it lost its peer (its RANK.failed) is not the cause: launch.sh
+    # names rank 1 first and exits with its code (without that, 3 runs in 4 named rank 0 and exited 1).
+    script = tmp_path / "bystander.py"
+    script.write_text(BYSTANDER)
+    proc = launch(script, "cpu:2", "fail", timeout=120)
+    line = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert re.match(r"launch\.sh: job failed: rank 1 \(pid \d+\) exited with code 2", line), proc.stderr[-3000:]
+
+
+def test_a_failure_that_a_peer_reported_losing_is_ranked_after_the_cause(tmp_path):
+    # note_victims reads which ranks left RANK.failed (a lost peer, a timeout) and keeps their pids for root_cause.
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from tools import torchrun
+
+    class Handler:
+        def __init__(self, pid):
+            self.proc = type("Proc", (), {"pid": pid})()
+
+    context = type("Context", (), {"subprocess_handlers": {0: Handler(5000), 1: Handler(5001)},
+                                   "envs": {0: {"RANK": "0"}, 1: {"RANK": "1"}}})()
+    (tmp_path / "rank0.failed").write_text("[rank 0] error: lost its peer\n")
+    torchrun.note_victims(context, tmp_path)
+    assert 5000 in torchrun.VICTIMS and 5001 not in torchrun.VICTIMS
+    lost = ProcessFailure(local_rank=0, pid=5000, exitcode=1, error_file="/nonexistent")
+    cause = ProcessFailure(local_rank=1, pid=5001, exitcode=2, error_file="/nonexistent")
+    cause.timestamp = lost.timestamp
+    assert torchrun.job_failed({0: lost, 1: cause}) == (
+        2, "launch.sh: job failed: rank 1 (pid 5001) exited with code 2; rank 0 (pid 5000) exited with code 1 (each "
+           "rank's own output is above)")
+    torchrun.VICTIMS.discard(5000)
+
+
+@pytest.mark.real_path("Ctrl-C reaches the launcher itself")
+def test_ctrl_c_while_node_0_waits_for_the_others_stops_it_at_once(tmp_path):
+    # NNODES=2 and no node 1: torchrun waits in the rendezvous (C++, up to 600 s), where Python's SIGINT handler
+    # cannot run; the launcher leaves SIGINT to its default action until torchrun takes it over with the ranks.
+    script = tmp_path / "bystander.py"
+    script.write_text(BYSTANDER)
+    port = free_port()
+    proc = subprocess.Popen([str(LAUNCH), str(script), "cpu:1", "ok"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHON": sys.executable, "NNODES": "2", "NODE_RANK": "0",
+                                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:  # the store listens: the rendezvous has begun
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        else:
+            pytest.fail("node 0 never listened on MASTER_PORT")
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=15)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGINT, (proc.returncode, stderr[-2000:])
 
 
 WAITING_RANK = """

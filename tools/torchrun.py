@@ -212,6 +212,20 @@ def python_format(dump):
     return out
 
 
+# The pids of ranks that failed because a peer did (each left RANK.failed: a collective that lost its peer or timed
+# out): root_cause puts them after the rank that failed first. Pids, not ranks: a restart (MAX_RESTARTS) makes new ones.
+VICTIMS = set()
+
+
+def note_victims(context, folder):
+    """VICTIMS += the pid of each rank whose RANK.failed is in `folder` now (before show_stacks removes them)."""
+    pids = {int(context.envs[local]["RANK"]): handler.proc.pid for local, handler in
+            context.subprocess_handlers.items()}
+    for path in folder.glob("rank*.failed"):
+        with contextlib.suppress(ValueError, KeyError):
+            VICTIMS.add(pids[int(path.name[4:].split(".")[0])])
+
+
 def show_stacks(context, folder, wait=3.0):
     """Before the ranks are stopped after a failure: if a rank met a collective timeout or a lost peer (it left
     RANK.failed in `folder`, with its stack and its error line), or was aborted (SIGABRT: NCCL's watchdog does that
@@ -266,6 +280,7 @@ def show_stacks(context, folder, wait=3.0):
             continue
         lines += [f"[rank {rank}] stack:", *python_format(dump)]
     print("\n".join(lines + errors), file=sys.stderr, flush=True)
+    note_victims(context, folder)  # the ones that failed while the others were stopped too
     for path in folder.glob("rank*.*"):  # a restart (MAX_RESTARTS) starts from an empty folder: no rank signalled early
         path.unlink()
 
@@ -276,6 +291,7 @@ def stacks_before_stopping(folder):
     close = SubprocessContext.close
 
     def close_after_the_stacks(self, *args, **kwargs):
+        note_victims(self, folder)
         show_stacks(self, folder)
         return close(self, *args, **kwargs)
 
@@ -298,15 +314,16 @@ def describe(rank, failure):
 def root_cause(failures):
     """The failures, the first one first. Timestamps are whole seconds, so a rank that torchrun stopped with
     SIGTERM, or one that died of its peer's death (a broken connection, NCCL's watchdog abort), can tie with the
-    one that really failed: within a second, SIGKILL comes first (torchrun sends it only 30 s after SIGTERM, so
-    it came from outside: the OOM killer), then other signals, then a non-zero exit, then SIGTERM. Time still
-    comes first: a rank that ignored SIGTERM and got SIGKILL 30 s later is not the cause."""
+    one that really failed: within a second, a rank that said it lost its peer (VICTIMS) comes after one that did
+    not; then SIGKILL comes first (torchrun sends it only 30 s after SIGTERM, so it came from outside: the OOM
+    killer), then other signals, then a non-zero exit, then SIGTERM. Time still comes first: a rank that ignored
+    SIGTERM and got SIGKILL 30 s later is not the cause."""
     def order(item):
         rank, failure = item
         code = failure.exitcode
         kind = (0 if code == -signal.SIGKILL else 1 if code < 0 and code != -signal.SIGTERM else 2 if code > 0
                 else 3)
-        return failure.timestamp, kind, rank
+        return failure.timestamp, failure.pid in VICTIMS, kind, rank
     return sorted(failures.items(), key=order)
 
 
@@ -331,6 +348,9 @@ def main(argv):
     ranks_port_below_the_ephemeral_range()
     pass_sigusr1_to_the_ranks()
     no_restart_after_a_save()
+    # Ctrl-C stops this process at once until torchrun handles it (it does from the ranks' start): Python's own
+    # handler cannot run while the rendezvous waits inside C++ for the other nodes, up to its 600 s.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     with tempfile.TemporaryDirectory(prefix="launch_stacks_") as folder:
         os.environ[STACKS_ENV] = folder  # the ranks inherit it: their stacks, and their error line after a hang
         stacks_before_stopping(Path(folder))
