@@ -9,8 +9,9 @@ batch to the GPU on a side stream, so the next batch's copy overlaps the current
 
 Guarantees: the same batches in the same order as the DataLoader it extends; an exception raised
 while loading (in a worker or in the thread) is re-raised in the loop, never swallowed or hung on;
-leaving the loop early (break, exception) stops the thread and the DataLoader's workers, once nothing else
-holds the iterator (an islice or a tqdm around the loader holds it until they go).
+leaving the loop early (break, exception) stops the thread once nothing else holds the iterator (an islice or
+a tqdm around the loader holds it until they go), and with it the DataLoader's workers, unless
+persistent_workers=True: then the DataLoader keeps its iterator and workers for the next epoch, as long as it lives.
 on_device (recipes/gpu_decode.py: decode JPEGs on the GPU) replaces the copy: it runs in the thread, on
 CUDA with the side stream current, and the loop's stream waits for all it queued there before the
 batch is handed out (an event recorded after it), so no step reads a batch that is still being made.
@@ -77,6 +78,7 @@ def _produce(box, q, stop, device, stream, on_device):
     # It holds the only reference to the DataLoader iterator (popped from `box`), so the iterator, and
     # with it the worker processes, is shut down here when this function returns, not at some later
     # garbage collection (which can even run inside a freshly forked worker of the next epoch).
+    # persistent_workers=True: the DataLoader holds it too (its _iterator), and its workers outlive us.
     batches = box.pop()
     try:
         if stream is not None:

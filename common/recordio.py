@@ -22,12 +22,14 @@ the float field (flag 0); an array label of n floats sets flag = n and follows t
 MXFaceDataset reads the insightface "faces_emore" layout (train.rec/train.idx) as a torch Dataset.
 """
 
-import bisect
+import array
+import copy
 import io
 import numbers
 import os
 import struct
 from collections import namedtuple
+from collections.abc import Mapping
 
 import numpy as np
 import torchvision.transforms as T
@@ -203,25 +205,55 @@ class RecordWriter:
 
 
 # ------------------------------------------------------------------------------------------- reader
+class KeyOffsets(Mapping):
+    """key -> offset of its record's first chunk (mxnet's .idx dict), by binary search in sorted numpy arrays."""
+
+    def __init__(self, keys, sorted_keys, offsets):
+        self._keys, self._sorted, self._offsets = keys, sorted_keys, offsets
+
+    def __getitem__(self, key):
+        try:
+            i = int(np.searchsorted(self._sorted, key))
+            if i < len(self._sorted) and self._sorted[i] == key:
+                return int(self._offsets[i])
+        except (TypeError, ValueError, OverflowError):  # not comparable with the keys: missing, as from a dict
+            pass
+        raise KeyError(key)
+
+    def __iter__(self):  # idx order, as plain Python keys
+        return (key.item() for key in self._keys)
+
+    def __len__(self):
+        return len(self._keys)
+
+
 class IndexedRecordReader:
     """Random access to a .rec through its .idx, like mx.recordio.MXIndexedRecordIO(idx, rec, 'r').
 
     Safe in forked DataLoader workers and threads: reads use os.pread, so there is no shared file position,
     and each process opens its own descriptor on first use (a fork shows up as a changed pid).
+    The index is numpy arrays, not mxnet's dict and list of Python ints: 24 bytes a key, not 115 (faces_emore's
+    5.9M: 140 MB, not 680), and forked workers share their pages (reading a Python int writes its refcount: each
+    worker copied the dict page by page). .keys is an array, in idx order; .idx a read-only mapping key -> offset.
     """
 
     def __init__(self, idx_path, rec_path, key_type=int):
         self.idx_path, self.rec_path, self.key_type = str(idx_path), str(rec_path), key_type
         self._fd, self._pid = None, None
         self._rec_size = os.path.getsize(self.rec_path)
-        self.idx = {}  # key -> offset of the record's first chunk (mxnet's name)
-        self.keys = []  # idx order, as mxnet's .keys
-        self._load_idx()
+        keys, offsets, lines = self._load_idx()
+        order = self._refuse_repeats(keys, offsets, lines)  # sorted by key; equal keys in idx order
+        sorted_keys = keys[order]
+        self.keys = sorted_keys if np.array_equal(sorted_keys, keys) else keys  # idx order; sorted ones stored once
+        self.idx = KeyOffsets(self.keys, sorted_keys, offsets[order])
         # Sorted distinct offsets + end of file: the next one after a record's offset bounds its readahead.
-        self._bounds = sorted(set(self.idx.values()))
-        self._bounds.append(self._rec_size)
+        self._bounds = np.append(np.unique(offsets), np.int64(self._rec_size))
 
     def _load_idx(self):
+        """(keys, offsets, line numbers) of the idx's records, as numpy arrays in idx order."""
+        # array('q') while reading: 8 bytes an entry, not a Python int's 28 plus a list's or dict's slot
+        keys = array.array("q") if self.key_type is int else []
+        offsets, lines = array.array("q"), array.array("q")
         with open(self.idx_path, encoding="utf-8", newline="\n") as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
@@ -231,17 +263,31 @@ class IndexedRecordReader:
                     if len(fields) != 2:
                         raise ValueError
                     key, offset = self.key_type(fields[0]), int(fields[1])
-                except ValueError:
+                    keys.append(key)  # OverflowError: a key past int64
+                except (ValueError, OverflowError):
+                    self._refuse_repeats(keys, offsets, lines)  # an earlier line's error is reported first
                     raise RecordIOError(f"{self.idx_path}: idx line {lineno} malformed: {line.rstrip()!r} "
                                         f"(expected 'key<TAB>offset')") from None
-                if key in self.idx:
-                    raise RecordIOError(f"{self.idx_path}: key {key}: listed twice (idx lines with offsets "
-                                        f"{self.idx[key]} and {offset}, the second at line {lineno})")
+                lines.append(lineno)
                 if not 0 <= offset <= self._rec_size - _CHUNK_HEAD.size:
+                    self._refuse_repeats(keys, [*offsets, offset], lines)  # this line may repeat a key: said first
                     raise RecordIOError(f"{self.idx_path}: key {key}: offset {offset} at idx line {lineno} is "
                                         f"outside {self.rec_path} ({self._rec_size} bytes): truncated .rec?")
-                self.idx[key] = offset
-                self.keys.append(key)
+                offsets.append(offset)
+        return np.asarray(keys), np.asarray(offsets, dtype=np.int64), np.asarray(lines, dtype=np.int64)
+
+    def _refuse_repeats(self, keys, offsets, lines):
+        """The first idx line that repeats an earlier key, as the one-line error (found by sorting: no set of
+        every key). Returns the order that sorts the keys, equal ones in idx order."""
+        keys = np.asarray(keys)
+        order = np.argsort(keys, kind="stable")
+        repeats = np.flatnonzero(keys[order[1:]] == keys[order[:-1]])
+        if repeats.size:
+            i = repeats[np.argmin(order[repeats + 1])]  # the repeat on the earliest line
+            first, second = order[i], order[i + 1]
+            raise RecordIOError(f"{self.idx_path}: key {keys[second]}: listed twice (idx lines with offsets "
+                                f"{offsets[first]} and {offsets[second]}, the second at line {lines[second]})")
+        return order
 
     def __len__(self):
         return len(self.keys)
@@ -262,11 +308,12 @@ class IndexedRecordReader:
 
     def read_idx(self, key):
         """The record stored under `key` (multi-part records rejoined), as bytes."""
+        key = key.item() if isinstance(key, np.generic) else key  # an array's element: named as a plain number
         try:
             start = self.idx[key]
         except KeyError:
             raise RecordIOError(f"{self.rec_path}: key {key!r} missing from {self.idx_path}") from None
-        end = self._bounds[bisect.bisect_right(self._bounds, start)]
+        end = int(self._bounds[np.searchsorted(self._bounds, start, side="right")])
         where = f"{self.rec_path}: key {key!r}"
         return _decode_record(self._pread, start, min(end - start, _READAHEAD_CAP), where)
 
@@ -308,10 +355,14 @@ class MXFaceDataset(Dataset):
 
     reader="python" uses IndexedRecordReader; reader="mxnet" uses mx.recordio for comparison.
     Items are (transform(PIL RGB image) or a CHW float tensor in [0, 1], int label).
+    num_classes: the head's classes (default: the header's identity count; fewer is refused here). A label outside
+    0 .. num_classes-1 is a RecordIOError naming file and key, raised where the sample loads (in its worker).
     """
 
-    def __init__(self, root, transform=None, reader="python"):
-        self.root = str(root)
+    def __init__(self, root, transform=None, reader="python", num_classes=None):
+        if num_classes is not None and num_classes < 1:
+            raise RecordIOError(f"num_classes {num_classes} (--num-classes) must be 1 or more")
+        self.root, self.kind, self.num_classes = str(root), reader, num_classes
         self.idx_path = os.path.join(self.root, "train.idx")
         self.rec_path = os.path.join(self.root, "train.rec")
         self.transform = T.ToTensor() if transform is None else transform
@@ -335,10 +386,24 @@ class MXFaceDataset(Dataset):
                                     "2: (first identity key, end key)")
             first_identity, end = int(header.label[0]), int(header.label[1])
             self.identity_range = (first_identity, end)
-            self.imgidx = list(range(1, first_identity))
+            self.imgidx = np.arange(1, first_identity)  # an array, not a list of ints that forked workers copy
+            identities = end - first_identity  # labels 0 .. identities - 1
+            if num_classes is not None and num_classes < identities:
+                raise RecordIOError(f"num_classes {num_classes} (--num-classes) is below the {identities} identities "
+                                    f"in {self.rec_path}'s header record 0: pass {identities} or more, or leave it out")
+            self.num_classes = num_classes or identities
         else:
             self.identity_range = None
-            self.imgidx = list(self.reader.keys)
+            self.imgidx = np.asarray(self.reader.keys)
+
+    def with_transform(self, transform):
+        """These records under another transform (train's and val's), sharing the python reader: its index is in
+        memory once, and pread keeps threads and workers apart. mxnet's reader seeks one file position: a new one."""
+        other = copy.copy(self)
+        other.transform = T.ToTensor() if transform is None else transform
+        if self.kind == "mxnet":
+            other.reader = type(self.reader)(self.idx_path, self.rec_path, "r")
+        return other
 
     def _read(self, key):
         record = self.reader.read_idx(key)
@@ -351,10 +416,15 @@ class MXFaceDataset(Dataset):
         return len(self.imgidx)
 
     def __getitem__(self, index):
-        key = self.imgidx[index]
+        key = int(self.imgidx[index])
         header, payload = self._read(key)
+        label = _label_of(header)
+        classes = self.num_classes
+        if classes is not None and not 0 <= label < classes:  # else a traceback per rank (a device assert on a GPU)
+            raise RecordIOError(f"{self.rec_path}: key {key}: label {label} is not in 0 .. {classes - 1} (num_classes "
+                                f"{classes}): pass the identity count as num_classes (--num-classes)")
         try:
             image = Image.open(io.BytesIO(payload)).convert("RGB")
         except OSError as exc:  # PIL.UnidentifiedImageError is an OSError too
             raise RecordIOError(f"{self.rec_path}: key {key}: payload is not a readable image ({exc})") from None
-        return self.transform(image), _label_of(header)
+        return self.transform(image), label

@@ -29,6 +29,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -104,7 +105,9 @@ class MarginHead(nn.Module):  # New: the face model, a backbone's embedding and 
         if labels is None:  # evaluation: no margin
             return self.scale * cos
         target = cos.gather(1, labels[:, None])
-        target = target - self.margin if self.kind == "cosface" else torch.cos(torch.acos(target) + self.margin)
+        m = self.margin  # ArcFace: cos(t + m) rises past t = pi - m (hard samples pushed away): cos(t) - m sin(m) there
+        arc = torch.where(target > -np.cos(m), torch.cos(torch.acos(target) + m), target - m * np.sin(m))
+        target = target - m if self.kind == "cosface" else arc
         return self.scale * cos.scatter(1, labels[:, None], target)
 
 
@@ -181,16 +184,16 @@ def main():
     else:
         reader = "python" if args.reader == "auto" else args.reader
         try:
-            faces = MXFaceDataset(args.rec, train_tf, reader=reader)
-            faces_val = MXFaceDataset(args.rec, val_tf, reader=reader)
+            faces = MXFaceDataset(args.rec, train_tf, reader=reader, num_classes=args.num_classes)  # checks labels
+            faces_val = faces.with_transform(val_tf)  # one reader: its index (numpy arrays) in memory once
         except (RecordIOError, OSError) as exc:
             harness.die(str(exc), all_ranks=True)
-        num_classes = args.num_classes or (faces.identity_range and faces.identity_range[1] - faces.identity_range[0])
+        num_classes = faces.num_classes  # --num-classes, else the identity count in the header
         if not num_classes:
             harness.die(f"{args.rec}/train.rec has no header record 0 giving the identity count; pass --num-classes")
-        # Every 10th image is held out: the same identities, unseen images.
+        # Every 10th image is held out: the same identities, unseen images. An array: workers copy a list's ints.
         # NameFailingSamples: a record that does not decode stops training with its index and key, on its rank.
-        train_set = Subset(NameFailingSamples(faces, "train"), [i for i in range(len(faces)) if i % 10])
+        train_set = Subset(NameFailingSamples(faces, "train"), np.flatnonzero(np.arange(len(faces)) % 10))
         val_set = Subset(NameFailingSamples(faces_val, "val"), range(0, len(faces), 10))
     # Same seed on every rank: each process sees a different shard of one shared permutation.
     train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)

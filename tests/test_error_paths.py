@@ -175,7 +175,7 @@ def test_recordio_refuses_what_dmlc_cannot_hold_or_would_read_wrong(tmp_path, mo
     (tmp_path / "b.rec").write_bytes(bytes(split))
     (tmp_path / "b.idx").write_text("\n7\t0\n\n")  # blank lines are skipped, as mxnet skips them
     with IndexedRecordReader(tmp_path / "b.idx", tmp_path / "b.rec") as reader:  # closed on leaving the block
-        assert reader.keys == [7]
+        assert reader.keys.tolist() == [7]
         with pytest.raises(RecordIOError, match=r"b\.rec: key 7: multi-part record broken: the chunk at offset 12 "
                                                 r"has cflag 0, expected a middle \(2\) or last \(3\) part$"):
             reader.read_idx(7)

@@ -1,11 +1,13 @@
 """mx_face_prefetch.py on real .rec files made by tools/pack_rec.py, its errors, and the loader benchmark."""
 
+import math
 import re
 import shutil
 
 import pytest
 import torch
-from conftest import import_mxnet, launch, make_imagefolder, result_of, run_direct
+from conftest import import_mxnet, launch, load_recipe, make_imagefolder, result_of, run_direct
+from jobs import error_lines
 from PIL import Image
 
 from tools.bench_loader import main as bench_loader
@@ -81,6 +83,46 @@ def test_a_damaged_file_fails_at_start_with_one_line(faces_rec, tmp_path, damage
     assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr, proc.stderr
     if damage == "rec":
         assert "train.rec" in proc.stderr and "truncated .rec?" in proc.stderr
+
+
+def test_arcface_target_logit_never_rises_as_the_angle_grows():
+    # cos(t + m) alone rises again past t = pi - m: s=64, m=0.5 at t=3.0 gave d(target)/d(cos t) = -2.49 s, a
+    # gradient pushing the hardest samples away from their class. insightface's cos(t) - m sin(m) takes over there.
+    s, m = 64.0, 0.5
+    head = load_recipe("mx_face_prefetch").MarginHead(2, 1, "arcface", s, m)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor([[1.0, 0.0]]))
+    theta = torch.cat([torch.linspace(0.01, math.pi - 0.001, 400), torch.tensor([3.0, math.pi - m - 1e-3,
+                                                                                  math.pi - m + 1e-3])]).sort()[0]
+    theta.requires_grad_(True)
+    target = head(torch.stack([theta.cos(), theta.sin()], 1), torch.zeros(len(theta), dtype=torch.long))[:, 0]
+    (slope,) = torch.autograd.grad(target.sum(), theta)  # each row's own: d(target)/d(t) = -sin(t) d(target)/d(cos)
+    assert (slope <= 0).all(), theta[slope > 0]
+    assert (target.diff() <= 1e-4).all(), theta[1:][target.diff() > 1e-4]  # across the switch at pi - m as well
+    arc = theta < math.pi - m
+    assert torch.allclose(target[arc], s * torch.cos(theta[arc] + m), atol=1e-3)
+    assert torch.allclose(target[~arc], s * (torch.cos(theta[~arc]) - m * math.sin(m)), atol=1e-3)
+
+
+def test_num_classes_below_the_labels_is_one_line(faces_rec, tmp_path):
+    # With a header (5 identities): refused at start-up. Without one: the first sample whose label has no row in
+    # the head, checked where it loads (a DataLoader worker). Before: a traceback per rank (on a GPU a device assert).
+    proc = run_direct("mx_face_prefetch", "--rec", faces_rec, *FACES, "--num-classes", "3")
+    assert proc.returncode == 2 and error_lines(proc.stderr) == [
+        f"[rank 0] error: num_classes 3 (--num-classes) is below the 5 identities in {faces_rec / 'train.rec'}'s "
+        "header record 0: pass 5 or more, or leave it out"], proc.stderr
+    flat = tmp_path / "flat"
+    shutil.copytree(faces_rec, flat)
+    lines = (flat / "train.idx").read_text().splitlines()  # the 200 images, not the header or identity records
+    (flat / "train.idx").write_text("".join(line + "\n" for line in lines if 1 <= int(line.split()[0]) <= 200))
+    proc = run_direct("mx_face_prefetch", "--rec", flat, *FACES, "--num-classes", "3", "--workers", "1",
+                      "--out-dir", tmp_path / "out")
+    errors = error_lines(proc.stderr)
+    assert proc.returncode == 1 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    said = (rf"\[rank 0\] error: train sample \d+ does not load: RecordIOError: {re.escape(str(flat / 'train.rec'))}: "
+            r"key \d+: label [34] is not in 0 \.\. 2 \(num_classes 3\): pass the identity count as num_classes "
+            r"\(--num-classes\)")
+    assert re.fullmatch(said, errors[0]), errors
 
 
 @pytest.mark.slow

@@ -85,8 +85,9 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # 261: torch mode's O2 masters re-made after the DDP wrap (made before it, they kept each rank's own weights).
     # mx_face_prefetch: 150, then 160 with issue 65's device_normalize in the flagship (its RecordIO transforms kept
     # insightface's ToTensor and Normalize(0.5, 0.5) in the workers), 153 since they hand over uint8 as well, 154 with
-    # faces of any shape resized to the square (Resize(int) scaled the short side alone: no batch of mixed shapes).
-    ("ddp_torchrun", "apex_amp", 263), ("ddp_torchrun", "mx_face_prefetch", 154),
+    # faces of any shape resized to the square (Resize(int) scaled the short side alone: no batch of mixed shapes), 157
+    # with ArcFace's fallback past pi - m (its target logit rose again there) and numpy for the train split's indices.
+    ("ddp_torchrun", "apex_amp", 263), ("ddp_torchrun", "mx_face_prefetch", 157),
     # ddp_compile: 78, then 81 with what --sync-bn costs it (issue 39) in its docstring and the breaks' reasons; 87
     # with DDP's spurious grad-strides warning explained (tests/test_documented_commands.py checks it is spurious).
     ("ddp_torchrun", "ddp_compile", 87),

@@ -10,6 +10,7 @@ import pickle
 import struct
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -107,7 +108,7 @@ def test_round_trip_headers_labels_payloads(tmp_path):
     records = sample_records()
     idx, rec = write_pure(tmp_path, records)
     reader = IndexedRecordReader(idx, rec)
-    assert reader.keys == [key for key, _, _ in records] and len(reader) == len(records)
+    assert reader.keys.tolist() == [key for key, _, _ in records] and len(reader) == len(records)
     for key, header, payload in reversed(records):  # random access, not just sequential
         got_header, got_payload = unpack(reader.read_idx(key))
         assert got_payload == payload, key
@@ -245,6 +246,22 @@ def test_missing_key_and_short_record(small_rec, tmp_path):
     assert str(tmp_path / "train.rec") in str(info.value) and "key 0" in str(info.value)
 
 
+def test_an_earlier_lines_error_is_reported_first(small_rec):
+    # The repeats are found by sorting the keys, after the lines that are checked one by one: the error the reader
+    # reports is still the one on the earliest line, as when a dict found the repeat on reading it.
+    idx, rec, offsets = small_rec
+    lines = idx.read_text().splitlines()
+    for bad, error in [({2: "1\t0", 4: "garbage"}, f"key 1: listed twice (idx lines with offsets {offsets[1]} and 0, "
+                                                     "the second at line 3)"),
+                       ({2: "1\t999999"}, f"key 1: listed twice (idx lines with offsets {offsets[1]} and 999999, "
+                                          "the second at line 3)"),
+                       ({2: "2\t999999", 4: "2\t0"}, "key 2: offset 999999 at idx line 3 is outside")]:
+        idx.write_text("\n".join(bad.get(i, line) for i, line in enumerate(lines)) + "\n")
+        with pytest.raises(RecordIOError) as info:
+            IndexedRecordReader(idx, rec)
+        assert str(info.value).startswith(f"{idx}: {error}"), info.value
+
+
 def test_face_header_with_one_label(tmp_path):
     with RecordWriter(tmp_path / "train.idx", tmp_path / "train.rec") as writer:
         writer.write_idx(0, pack(IRHeader(0, [5.0], 0, 0), b""))
@@ -286,7 +303,7 @@ def test_pack_layout_and_dataset(packed):
     assert (result.identities, result.images) == (3, 9)
     assert result.bytes == (out / "train.rec").stat().st_size and not list(out.glob("*.partial"))
     reader = IndexedRecordReader(out / "train.idx", out / "train.rec")
-    assert reader.keys == list(range(13))
+    assert reader.keys.tolist() == list(range(13))
     header0, payload0 = unpack(reader.read_idx(0))
     assert header0.flag == 2 and list(header0.label) == [10, 13] and payload0 == b""
     for key, want in zip(range(10, 13), [(1, 3), (3, 6), (6, 10)], strict=True):
@@ -394,6 +411,44 @@ def test_pack_cli_bad_input_exits_2_with_one_line(tmp_path, case):
     assert not (tmp_path / "out" / "train.rec").exists() and not list(tmp_path.glob("out/*.partial"))
 
 
+# ------------------------------------------------------------------------------------------ memory
+def test_the_index_is_numpy_arrays_and_reads_as_before(tmp_path):
+    # A dict and lists of Python ints: ~115 bytes a key, copied page by page into every forked worker (each read
+    # writes a refcount). Keys out of order, with gaps and a multi-part record: what the dict gave, the arrays give.
+    records = [(k, IRHeader(0, float(k), k, 0), bytes([k % 256]) * k) for k in (7, 3, 50, 4, 1000)]
+    records.append((9, IRHeader(0, 9.0, 9, 0), b"abcd" + M + b"tail"))
+    idx, rec = write_pure(tmp_path, records)
+    reader = IndexedRecordReader(idx, rec)
+    assert not [name for name, value in vars(reader).items() if isinstance(value, (list, dict, set, tuple))]
+    arrays = [reader.keys, reader._bounds, *vars(reader.idx).values()]
+    assert all(type(a) is np.ndarray and a.dtype == np.int64 for a in arrays), [type(a) for a in arrays]
+    assert reader.keys.tolist() == list(reader.idx) == [7, 3, 50, 4, 1000, 9]  # idx order, as mxnet's .keys
+    assert reader.idx == {int(k): int(v) for k, v in (line.split("\t") for line in idx.read_text().splitlines())}
+    for key, _, payload in records:
+        assert unpack(reader.read_idx(np.int64(key)))[1] == payload and key in reader
+    for key, named in [(5, "5"), (2000, "2000"), (-1, "-1"), (np.int64(8), "8"), ("7", "'7'"), (7.5, "7.5")]:
+        assert key not in reader
+        with pytest.raises(RecordIOError) as info:
+            reader.read_idx(key)
+        assert str(info.value) == f"{rec}: key {named} missing from {idx}"
+
+
+def test_a_large_index_costs_bytes_per_key(tmp_path):
+    n = 20_000
+    (tmp_path / "big.idx").write_text("".join(f"{k}\t{k * 64}\n" for k in range(n)))
+    with open(tmp_path / "big.rec", "wb") as f:
+        f.truncate(n * 64)  # sparse: the index alone is measured
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        reader = IndexedRecordReader(tmp_path / "big.idx", tmp_path / "big.rec")
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(reader) == n and reader.idx[n - 1] == (n - 1) * 64
+    assert held / n <= 32, held / n  # 24: keys, offsets, bounds (int64); 115 as a dict and lists of ints
+
+
 # -------------------------------------------------------------------------------------- DataLoader
 class WithPid(Dataset):
     """The dataset's sample plus whether the reader's descriptor belongs to the process that read it."""
@@ -425,6 +480,12 @@ def test_forked_dataloader_workers_match_single_process(packed):
     assert own0 and own2 and len(images0) == 9
     assert torch.equal(labels0, labels2) and torch.equal(images0, images2)
     assert labels0.tolist() == [0, 0, 1, 1, 1, 2, 2, 2, 2]
+    # The recipe's val set: the same reader (one index in memory) under its own transform, in forked workers too.
+    train = dataset
+    dataset = train.with_transform(lambda im: torch.from_numpy(np.asarray(im.resize((16, 16))).copy()) // 2)
+    assert dataset.reader is train.reader and type(dataset.imgidx) is np.ndarray  # collect() reads `dataset`
+    images_val, labels_val, own_val = collect(2)
+    assert own_val and torch.equal(labels_val, labels0) and torch.equal(images_val, images0 // 2)
 
 
 # ------------------------------------------------------------------------------------------ mxnet
