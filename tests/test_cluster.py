@@ -139,7 +139,9 @@ def test_sbatch_passes_sigusr1_on_requeues_after_the_save_and_the_requeued_run_g
     env = {"PATH": f"{REPO / 'tests' / 'slurm_double'}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": job_id,
            "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "localhost", "SLURM_SUBMIT_DIR": str(REPO), "DEVICES": "cpu:1",
            "SCONTROL_LOG": str(tmp_path / "scontrol.log"), "SRUN_LOG": str(tmp_path / "srun.log"),
-           "SLURM_CPUS_PER_TASK": "3"}
+           "SLURM_CPUS_PER_TASK": "3",
+           # `sbatch --export=NONE`: a step gets SLURM's variables alone unless srun says otherwise (the double too)
+           "SLURM_EXPORT_ENV": "NONE"}
     command = ["bash", str(SBATCH), "recipes/ddp_checkpoint.py", *TINY, "--synthetic-train", "8192", "--batch-size",
                "64", "--save-every", "5", "--out-dir", tmp_path / "out", "--resume", "auto"]
     job = Job(env=env, command=list(map(str, command)))
@@ -150,8 +152,10 @@ def test_sbatch_passes_sigusr1_on_requeues_after_the_save_and_the_requeued_run_g
     assert (saved["epoch"], len(saved["rng"])) == (0, 2) and 5 < saved["step"] < 128, job.output()
     assert (tmp_path / "scontrol.log").read_text() == f"requeue {job_id}\n", job.output()
     assert "srun (test double): tasks ended, exit 75" in "".join(job.stderr), job.output()
-    # sbatch's --cpus-per-task passed on: SLURM 22.05's srun no longer takes it from the job
-    assert (tmp_path / "srun.log").read_text() == "--ntasks-per-node=1\n--cpus-per-task=3\n"
+    # sbatch's --cpus-per-task passed on: SLURM 22.05's srun no longer takes it from the job; every node's exit code
+    # whatever the site's KillOnBadExit; the job's environment whatever sbatch's --export
+    assert (tmp_path / "srun.log").read_text() == ("--ntasks-per-node=1\n--export=ALL\n--kill-on-bad-exit=0\n"
+                                                   "--cpus-per-task=3\n")
     again = Job(env=env, command=list(map(str, command)))
     assert again.finish(timeout=120) == 0, again.output()
     result = result_of(subprocess.CompletedProcess([], 0, "".join(again.stdout), ""))
