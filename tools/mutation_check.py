@@ -1,6 +1,6 @@
 """Delete the cookbook's lessons from the recipes, one at a time, and report which deletions the tests miss.
 
-    python tools/mutation_check.py                               # every edit on every recipe, one at a time: 257
+    python tools/mutation_check.py                               # every edit on every recipe, one at a time: 267
     python tools/mutation_check.py --jobs 2                      # two at a time: 255 took 69 min (2026-11-30)
     python tools/mutation_check.py --recipes torch_amp --edits unscale,no_sync
     python tools/mutation_check.py --out bench/mutation.json     # also write the results as JSON
@@ -254,6 +254,19 @@ EDITS = [
          "model.compile(dynamic=False)  # evaluation's", "torch.compile(model, dynamic=False)  # evaluation's"),
     Edit("lm_compile_dropped", "torch.compile(block) with its result dropped: --compile trains every block eager",
          "block.compile(dynamic=False)", "torch.compile(block, dynamic=False)"),
+    # Resumes and heads (2026-11-30's reviews): model.pt through save_atomic where a recipe resumes; the flags a resume
+    # must keep; ArcFace's fall past pi - m; PowerSGD's default start after the LR warm-up.
+    Edit("save_module_atomic", "saving the wrapper's state_dict (keys with 'module.'), atomically",
+         "save_atomic(model.module.state_dict(), path)", "save_atomic(model.state_dict(), path)"),
+    Edit("resume_any_flags", "a resume with another --lr, --seed or --epochs goes on silently (the optimizer's saved "
+         "learning rate overrules a new --lr)", '        check_same_run(path, ckpt.get("args", {}), same_run_as)\n',
+         "        pass\n", file="common/checkpoint.py"),
+    Edit("arcface_past_pi", "ArcFace's cos(t + m) past t = pi - m: the hardest samples pushed away from their class",
+         "arc = torch.where(target > -np.cos(m), torch.cos(torch.acos(target) + m), target - m * np.sin(m))",
+         "arc = torch.cos(torch.acos(target) + m)"),
+    Edit("powersgd_start_uncapped", "PowerSGD's default start an epoch of warm-up, uncapped: a default one-epoch run "
+         "never compresses", "max(2, warmup_steps(args.epochs, len(train_loader), args.warmup_epochs))",
+         "max(2, round(args.warmup_epochs * len(train_loader)))"),
     # Issue 65: gpu_decode's workers hand over the files' bytes; the main process decodes.
     Edit("gpu_decode_pixels", "same numbers, the workers decode every file and hand over pixels: the GPU's work done "
          "by the CPU", 'if image.format == "JPEG" and image.mode in ("RGB", "L") and data.endswith(b"\\xff\\xd9"):',
@@ -469,6 +482,13 @@ GUARDS = {
                                      for recipe in ("ddp_zero", "ddp_comm_hooks")}},
     "lm_eval_stand_in": {"lm_fsdp_tp": ["tests/test_lm_fsdp_tp.py", "-k", "2x2_mesh_with"],
                          "lm_moe": ["tests/test_lm_moe.py", "-k", "trains_the_one_process_model and ep2"]},
+    "resume_any_flags": {
+        "ddp_checkpoint": ["tests/test_failures.py", "-k", "wrong_or_truncated and ddp_checkpoint"],
+        "ddp_zero": ["tests/test_recipe_variants.py", "-k", "resume_with_other_epochs and ddp_zero"],
+        "ddp_comm_hooks": ["tests/test_recipe_variants.py", "-k", "resume_with_other_epochs and ddp_comm_hooks"],
+        "fsdp": ["tests/test_fsdp.py", "-k", "another_arch"]},
+    "arcface_past_pi": {"mx_face_prefetch": ["tests/test_mx_face.py", "-k", "arcface_target"]},
+    "powersgd_start_uncapped": {"ddp_comm_hooks": ["tests/test_comm_hooks.py", "-k", "by_default"]},
     "lm_compile_dropped": {"lm_ddp": ["tests/test_lm.py", "-k", "compiled"],
                            "lm_tp": ["tests/test_lm_tp.py", "-k", "compiled"],
                            "lm_pp": ["tests/test_lm_pp.py", "-k", "compiled"],
