@@ -1,7 +1,8 @@
 """What torch.compile needs from this machine to build its kernels, checked before training (harness.check_compiler).
 
 On the CPU inductor writes C++ and compiles it (g++, or $CXX). On a GPU its kernels go through Triton, which compiles
-its kernel launcher from C that includes Python.h ($CC, gcc or clang, and Python's headers: triton/runtime/build.py).
+its kernel launcher from C that includes Python.h ($CC, gcc or clang, and Python's headers: triton/runtime/build.py),
+and Triton itself builds only for GPUs of compute capability 7.0 or newer.
 Without them the first step fails inside inductor, with a traceback on every rank. Local."""
 
 import os
@@ -25,6 +26,13 @@ def missing_compiler(device):
             return ("torch.compile on the CPU needs a C++ compiler and none works here: install g++ (apt install g++) "
                     "or point CXX at one")
         return None
+    from torch.utils._triton import has_triton  # inductor's own test: Triton installed, and a GPU it builds for
+
+    if not has_triton():  # else GPUTooOldForTriton or TritonMissing at the first step, a traceback on every rank
+        major, minor = torch.cuda.get_device_capability(device)
+        return (f"torch.compile on a GPU needs Triton, which is not installed here or does not build for "
+                f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor}; Triton needs 7.0 or "
+                "newer): install triton, or run without --compile")
     if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")):  # where Triton looks, in order
         return ("torch.compile on a GPU needs a C compiler for Triton's kernel launcher and none is here: install "
                 "gcc (apt install gcc) or point CC at one")

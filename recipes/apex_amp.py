@@ -223,7 +223,6 @@ def main():
     # New: torch mode, fused=True lets GradScaler hand the inf flag to the optimizer on the device; with a plain SGD
     # scaler.step() reads it on the host every step (a GPU sync). apex's own scaler reads it anyway.
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4, fused=impl == "torch")
-    scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs)  # per step
 
     # New: ---------------------------------- mixed precision, before the DDP wrap (apex refuses a wrapped model)
     scales_loss = args.opt_level in ("O1", "O2")  # dynamic loss scaling, those levels' default; O3's scale is 1
@@ -239,6 +238,9 @@ def main():
         masters = Fp32Masters(optimizer, enabled=args.opt_level == "O2")
         for p in [p for group in optimizer.param_groups for p in group["params"]]:  # fused SGD after a skipped
             optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)  # first step: see torch_amp.py
+    # New: the schedule after amp.initialize, whose O1 and O2 replace optimizer.step: a scheduler made before it warns
+    # on every rank that optimizer.step() was overridden, though the loop steps in the right order.
+    scheduler = warmup_cosine(optimizer, args.epochs, len(train_loader), args.warmup_epochs)  # per step
 
     def loss_scale():  # for TensorBoard and the divergence check; O0 and O3 scale nothing (apex says 1.0)
         if impl == "apex":

@@ -1,11 +1,12 @@
-"""torch.compile with DistributedDataParallel: compile the DDP-wrapped model, and check that it compiled.
+"""torch.compile with DistributedDataParallel: compile the model, wrap it in DDP, and check that it compiled.
 
     ./launch.sh recipes/ddp_compile.py 0,1,3 --dataset cifar100 --epochs 30       # GPUs 0, 1 and 3
     ./launch.sh recipes/ddp_compile.py cpu:2 --dataset synthetic --arch tiny       # 2 CPU processes (needs g++)
 
-What it shows (the rest is recipes/ddp_torchrun.py): model.compile() on the bare model, then the DDP wrap, as
-torch's guide advises: training (`model(images)`) and evaluation (`model.module(images)`) run compiled, and DDP's
-own hooks stay eager. Dynamo compiles the model inside DDP's forward, so its DDPOptimizer splits the compiled
+What it shows (the rest is recipes/ddp_torchrun.py): model.compile() on the bare model, then the DDP wrap (torch's
+DDP notes wrap first and compile the wrapper; this order keeps `model.module` compiled for evaluation too):
+training (`model(images)`) and evaluation (`model.module(images)`) run compiled, and DDP's own hooks stay eager.
+Dynamo compiles the model inside DDP's forward, so its DDPOptimizer still splits the compiled
 backward at DDP's gradient buckets (--bucket-cap-mb) and each bucket's all-reduce starts while the rest of backward
 runs. model.compile() compiles in place; torch.compile(model) returns a new module and leaves `model` eager, so
 using it like model.compile() (its result dropped) trains uncompiled, without an error: the run counts the graphs
@@ -82,6 +83,9 @@ def check_args(args, world_size):
     if args.lr is None:  # the linear scaling rule: a k times larger batch takes a k times larger step
         args.lr = 0.1 * args.batch_size / 128
     args.image_size = args.image_size or (224 if args.dataset == "imagefolder" else 32)  # < 64 px: small-image stem
+    if args.bucket_cap_mb < 1:  # New: DDPOptimizer's first bucket is 1 MB (torch's), and no bucket may be smaller
+        harness.die(f"--bucket-cap-mb {args.bucket_cap_mb} must be >= 1 under torch.compile (DDPOptimizer's first "
+                    "bucket is 1 MB)")
 
 
 # ------------------------------------------------------------------------------------------- eval

@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common import harness  # plumbing, not the lesson: every line that uses it says so
-from common.data import add_data_flags, build_datasets, device_normalize, prepare_dataset
+from common.data import add_data_flags, build_datasets, device_normalize, prepare_dataset, usable_cores
 from common.models import build_model, recomputed_batchnorm
 from common.schedule import warmup_cosine
 from common.utils import AverageMeter, accuracy, print0
@@ -169,7 +169,8 @@ def worker(local_rank, args, nprocs, nnodes, node_rank, init_method):
         torch.backends.cudnn.benchmark = True  # fixed-size inputs: cuDNN times its kernels once, keeps the fastest
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # TF32: fast, fp32's curves
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))  # New: torchrun would set OMP_NUM_THREADS
+        if not os.environ.get("OMP_NUM_THREADS"):  # New: torchrun sets it, launch.sh too; plain `python` does not
+            torch.set_num_threads(max(1, usable_cores() // nprocs))  # the cores this process may use (a cgroup's)
         device, out_device, backend = torch.device("cpu"), torch.device("cpu"), "gloo"
     if args.debug_collectives:  # each collective first checks that every rank called the same one (slow: debugging)
         dist.set_debug_level(dist.DebugLevel.DETAIL)  # before init: TORCH_DISTRIBUTED_DEBUG is read only at import

@@ -324,6 +324,21 @@ def test_an_apex_that_does_not_import_is_one_line_with_the_build_command(tmp_pat
                               f"{apex_compat.BUILD_HINT}")
 
 
+def test_a_gpu_triton_cannot_build_for_is_named_before_the_first_step(monkeypatch):
+    # A P100 or a GTX 10xx (compute capability 6.x), or no triton: inductor's GPUTooOldForTriton or TritonMissing at
+    # the first step, a traceback on every rank; harness.check_compiler says it in one line instead.
+    import torch.utils._triton
+
+    from common.compiler import missing_compiler
+
+    monkeypatch.setattr(torch.utils._triton, "has_triton", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (6, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Tesla P100-PCIE-16GB")
+    assert missing_compiler(torch.device("cuda", 0)) == (
+        "torch.compile on a GPU needs Triton, which is not installed here or does not build for Tesla P100-PCIE-16GB "
+        "(compute capability 6.0; Triton needs 7.0 or newer): install triton, or run without --compile")
+
+
 # ------------------------------------------------------------------------- recipes' start-up
 @pytest.mark.parametrize(("recipe", "flags", "line"), [
     ("torch_amp", ["--accum-steps", "0"], "error: --accum-steps 0 must be >= 1"),
@@ -337,6 +352,8 @@ def test_an_apex_that_does_not_import_is_one_line_with_the_build_command(tmp_pat
      "error: --powersgd-rank must be >= 1 and --powersgd-start >= 2 (DDP settles its buckets after step 1)"),
     ("ddp_zero", ["--resume", "/no/such.pt"], "[rank 0] error: --resume /no/such.pt: no such file"),
     ("gpu_decode", ["--resume", "/no/such.pt"], "[rank 0] error: --resume /no/such.pt: no such file"),
+    ("ddp_compile", ["--bucket-cap-mb", "0.5"],
+     "error: --bucket-cap-mb 0.5 must be >= 1 under torch.compile (DDPOptimizer's first bucket is 1 MB)"),
     ("ddp_spawn", ["--model-parallel", "--arch", "resnet18"],
      "error: --model-parallel splits the tiny CNN (features | fc); use --arch tiny, or split your model likewise"),
     ("mx_face_prefetch", ["--rec", "/no/faces"],

@@ -401,6 +401,9 @@ def test_apex_amp_matches_its_torch_mode(tmp_path, level):
     print(runs["apex"].stdout.splitlines()[0])  # which apex build these numbers come from
     # The build is on the first line (common/apex_compat.apex_build): "full", or "python-only (...)", slow on a GPU.
     assert runs["apex"].stdout.startswith(f"impl: apex {level} (apex build: ")
+    # The schedule is made after amp.initialize: O1 and O2 replace optimizer.step, which torch's scheduler, made
+    # before, said on every rank was overridden (tests/fake_apex does not replace it: only the real one tells).
+    assert "optimizer.step()` has been overridden" not in runs["apex"].stderr, runs["apex"].stderr[-2000:]
     for result in results.values():
         assert result["val_acc1"] > 60, results  # 10 classes
     # The same level built two ways: apex patches functions (O1) and keeps its own masters and loss scaler;

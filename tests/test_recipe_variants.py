@@ -54,8 +54,9 @@ TINY = ["--arch", "tiny", "--workers", "0"]
 @pytest.mark.parametrize(("base", "recipe", "max_changed"), [
     ("ddp_torchrun", "dp", 138), ("ddp_torchrun", "ddp_launch", 39),
     # ddp_spawn: 136, then 141 with its DataLoader workers forked (a process mp.spawn started spawns its own children:
-    # each worker was a new interpreter, 2.3 s of CPU each here).
-    ("ddp_torchrun", "ddp_spawn", 141),
+    # each worker was a new interpreter, 2.3 s of CPU each here); 144 with its threads left to OMP_NUM_THREADS where
+    # set (it replaced launch.sh's with os.cpu_count()'s share: a whole machine's cores in a cgroup of a few).
+    ("ddp_torchrun", "ddp_spawn", 144),
     # ddp_checkpoint: 129, then 219 with the preemption save (issue 43: SIGUSR1's vote, --save-every, mid-epoch
     # resume with each sample's seed, the bucket layout's backward on resume, and its docstring); 220 with the
     # curves flushed before exit 75; 227 with img/s counting only the images a resumed run trained (the epoch's
@@ -87,10 +88,13 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # insightface's ToTensor and Normalize(0.5, 0.5) in the workers), 153 since they hand over uint8 as well, 154 with
     # faces of any shape resized to the square (Resize(int) scaled the short side alone: no batch of mixed shapes), 157
     # with ArcFace's fallback past pi - m (its target logit rose again there) and numpy for the train split's indices.
-    ("ddp_torchrun", "apex_amp", 263), ("ddp_torchrun", "mx_face_prefetch", 157),
+    # apex_amp 265: its schedule made after amp.initialize (a real apex's O1 and O2 replace optimizer.step, and the
+    # scheduler made before warned on every rank).
+    ("ddp_torchrun", "apex_amp", 265), ("ddp_torchrun", "mx_face_prefetch", 157),
     # ddp_compile: 78, then 81 with what --sync-bn costs it (issue 39) in its docstring and the breaks' reasons; 87
-    # with DDP's spurious grad-strides warning explained (tests/test_documented_commands.py checks it is spurious).
-    ("ddp_torchrun", "ddp_compile", 87),
+    # with DDP's spurious grad-strides warning explained (tests/test_documented_commands.py checks it is spurious); 91
+    # with --bucket-cap-mb below DDPOptimizer's 1 MB first bucket refused, and the order against torch's notes said.
+    ("ddp_torchrun", "ddp_compile", 91),
     # ddp_uneven: its training loop is indented under `with Join([model]):` (19 lines, counted twice); 123, then 136
     # with forward_sync_buffers=False and why (issue 39), 140 with the keyword chosen by torch version (2.11 has only
     # broadcast_buffers; the GPU machine's torch).
