@@ -379,15 +379,24 @@ def test_the_session_script_names_a_failed_section_and_goes_on(tmp_path):
 
 def test_the_session_script_cuts_a_step_at_its_deadline_and_keeps_what_ended(tmp_path):
     """A step that outlives what is left before GPU_SESSION_END is stopped there (less the 25 s kept back), its log
-    packed; the next step, with no time left, is not run and says so. A stand-in interpreter that only sleeps."""
+    packed, and what it started stopped, a child in a session of its own too (torchrun's ranks, the tier's jobs), but
+    nothing else on the machine (a job whose command line names a recipe, as another user's would); the next step,
+    with no time left, is not run and says so. A stand-in interpreter that only sleeps."""
     sleeper = tmp_path / "python"
     sleeper.write_text("#!/bin/sh\n[ \"$1\" = -c ] && { echo 'python x torch y torchvision z'; exit 0; }\n"
-                       "echo started; exec sleep 60\n")
+                       f"echo started; setsid sleep 300 & echo $! > {tmp_path / 'child'}; exec sleep 60\n")
     sleeper.chmod(0o755)
+    bystander = subprocess.Popen(["bash", "-c", "exec -a 'python recipes/ddp_torchrun.py' sleep 300"])
     end = int(time.time()) + 25 + 12  # 12 s for the first section (10 at least), none for the second
-    proc = subprocess.run([str(SESSION), "bench", str(tmp_path / "out"), "amp", "overhead"], capture_output=True,
-                          text=True, timeout=60, cwd=REPO, env={**os.environ, "PYTHON": str(sleeper),
-                                                                "GPU_SESSION_END": str(end)})
+    try:
+        proc = subprocess.run([str(SESSION), "bench", str(tmp_path / "out"), "amp", "overhead"], capture_output=True,
+                              text=True, timeout=60, cwd=REPO, env={**os.environ, "PYTHON": str(sleeper),
+                                                                    "GPU_SESSION_END": str(end)})
+        assert bystander.poll() is None  # not the session's: left running
+    finally:
+        bystander.kill()
+    child = int((tmp_path / "child").read_text())
+    assert not os.path.exists(f"/proc/{child}") or "Z" in open(f"/proc/{child}/stat").read().split()[2]
     assert proc.returncode == 1, proc.stdout + proc.stderr
     got = unpacked(tmp_path / "out", "bench-amp-overhead", tmp_path / "got")
     cut = (got / "bench" / "amp.log").read_text()

@@ -97,18 +97,25 @@ m.version("torch"), "torchvision", m.version("torchvision"))'  # the versions, w
 pack
 
 # After a timeout the jobs a killed section or tier started may still hold the GPU: torchrun stops its ranks in up to
-# 30 s, and the tier's jobs run in sessions of their own. Stop what is left and wait, at most 40 s, for an idle GPU.
-# It stops every recipe, launcher and warm server on the machine: a borrowed one runs nothing else (not for yours).
+# 30 s, and the tier's jobs run in sessions of their own (orphans once their parent is killed). Each step runs with
+# GPU_SESSION_TAG in its environment, which every process it starts inherits; settle stops those and no other (a
+# shared machine's other jobs, another gpu_session.sh), and waits, at most 40 s, for an idle GPU.
+tag=gpu_session_$$_$RANDOM
+tagged() {
+  grep -l -a "GPU_SESSION_TAG=$tag" /proc/[0-9]*/environ 2> /dev/null | cut -d/ -f3 || true
+}
 settle() {
-  local jobs='(^|[ /])recipes/[a-z_]+\.py|tools/torchrun\.py|tests/warm_server\.py'
-  pkill -TERM -f "$jobs" 2> /dev/null
+  local pids
+  mapfile -t pids < <(tagged)
+  ((${#pids[@]} == 0)) || kill -TERM "${pids[@]}" 2> /dev/null
   if command -v nvidia-smi > /dev/null; then
     for _ in $(seq 20); do
-      [[ -z $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2> /dev/null) ]] && return 0
+      [[ -z $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2> /dev/null) ]] && break
       sleep 2
     done
   fi
-  pkill -KILL -f "$jobs" 2> /dev/null
+  mapfile -t pids < <(tagged)
+  ((${#pids[@]} == 0)) || kill -KILL "${pids[@]}" 2> /dev/null
   return 0
 }
 
@@ -128,7 +135,7 @@ limited() {
     pack
     return 124
   fi
-  timeout -s "$signal" --kill-after 20 "$limit" "$@" > "$log" 2>&1
+  GPU_SESSION_TAG=$tag timeout -s "$signal" --kill-after 20 "$limit" "$@" > "$log" 2>&1
   code=$?
   if [[ ($code -eq 124 || $code -eq 137) && $((SECONDS - start)) -ge $limit ]]; then
     echo "gpu_session.sh: ran out of its $limit s" >> "$log"
