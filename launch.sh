@@ -157,8 +157,8 @@ elif [[ $devices =~ ^(GPU|MIG)-[A-Za-z0-9/-]+(,(GPU|MIG)-[A-Za-z0-9/-]+)*$ ]]; t
   [[ $(printf '%s\n' "${ids[@]}" | sort | uniq -d) == "" ]] || fail "a GPU is listed twice in '$devices'; list each once"
   if command -v nvidia-smi >/dev/null 2>&1; then # CUDA drops an id it does not know, and every id after it
     listed=$(timeout 10 nvidia-smi -L 2>/dev/null | grep -o 'UUID: [^)]*' | cut -c7- | paste -sd, -)
-    for id in "${ids[@]}"; do # (the legacy MIG-GPU-.../GI/CI form is not in the list: passed as it is)
-      [[ $id == */* || ,$listed, == *,"$id",* ]] ||
+    for id in "${ids[@]}"; do # a UUID's first characters do (NVIDIA's docs); the legacy MIG-GPU-.../GI/CI form is
+      [[ $id == */* || ,$listed == *,"$id"* ]] || # not in the list: passed as it is
         fail "GPU $id is not on this machine: nvidia-smi -L lists ${listed:-no UUID}; pass ids from it, or numbers like 0,1"
     done
   fi

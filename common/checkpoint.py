@@ -301,9 +301,10 @@ class ShardFolders:
 
 def load_weights(model, state, path):
     """Strict load that also takes keys saved from a DDP/DataParallel wrapper ("module.conv1.weight"): the prefix goes
-    where every key has it and the model's own keys do not (a model may have a submodule named `module`)."""
+    where every key has it and the keys are not the model's own as they are (a model may have a submodule named
+    `module`)."""
     expected = model.state_dict()
-    if state and all(k.startswith("module.") for k in state) and not all(k.startswith("module.") for k in expected):
+    if set(state) != set(expected) and state and all(k.startswith("module.") for k in state):
         state = {k.removeprefix("module."): v for k, v in state.items()}
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]

@@ -107,6 +107,9 @@ def test_load_weights_takes_a_wrappers_keys_and_a_model_with_a_submodule_named_m
     load_weights(model, model.state_dict(), "own.pt")  # its own keys, "module.weight" among them
     plain = torch.nn.Linear(3, 2)
     load_weights(plain, {f"module.{k}": v for k, v in plain.state_dict().items()}, "ddp.pt")  # a DDP wrapper's
+    outer = torch.nn.Module()  # every key of its own starts "module.": a DDP wrapper's start "module.module."
+    outer.module = torch.nn.Linear(3, 2)
+    load_weights(outer, {f"module.{k}": v for k, v in outer.state_dict().items()}, "ddp_outer.pt")
     with pytest.raises(CheckpointError, match=r"^other\.pt does not fit this model \(its --arch, and the classes and "
                                               r"--image-size of its data\): wrong shape \['weight'\]$"):
         load_weights(plain, torch.nn.Linear(4, 2).state_dict(), "other.pt")

@@ -635,6 +635,17 @@ def test_a_section_stopped_at_its_time_limit_keeps_the_rows_that_ended(tmp_path,
     assert "| eager 1,000 tokens/s, MFU - (no peak); compiled not measured (the section was cut short) |" in \
         rows["| 4 lm_ddp"], rows
     assert "| eager not measured (the section was cut short); compiled not measured" in rows["| 4 lm_tp"], rows
+    # Cut before the section's first row (in its imports): its JSON is written all the same, and the page says so.
+    def no_rows(args, device, cache, peak):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+
+    monkeypatch.setattr(gpu_bench, "run_lm", no_rows)
+    assert gpu_bench.main(["--device", "cpu", "--only", "lm", "--out", str(out)]) == 1
+    cut = json.loads(out.read_text())["sections"]["lm"]
+    assert set(cut) == {"cut_short", "section_s"}, cut
+    assert "| eager not measured (the section was cut short); compiled not measured" in h200_rows("lm", cut)[
+        "| 4 lm_ddp"]
     data = {"config": "c", "files": 8, "compile_error": None, "in_memory": {"images_per_sec": 100.0, "amp": "fp16",
                                                                             "cores_busy": 2.0},
             "gpu_decode": {"images_per_sec": 97.0, "amp": "fp16", "cores_busy": 3.0}}

@@ -137,6 +137,9 @@ def test_a_uuid_nvidia_smi_lists_runs_and_replacing_cuda_visible_devices_is_said
     assert (env["CUDA_VISIBLE_DEVICES"], flag(argv, "nproc-per-node")) == ("GPU-00000001", "1")
     assert "launch.sh: DEVICES GPU-00000001 replaces CUDA_VISIBLE_DEVICES=GPU-00000000; omit DEVICES to run on the " \
            "ones it names" in stderr, stderr
+    # A UUID's first characters name the GPU too, as CUDA takes them (NVIDIA's CUDA_VISIBLE_DEVICES docs)
+    assert dry_run("recipes/ddp_torchrun.py", "GPU-0000000", env=fake_gpus(1))[0]["CUDA_VISIBLE_DEVICES"] == \
+        "GPU-0000000"
 
 
 def test_n_processes_share_one_gpu(fake_gpus):

@@ -1056,7 +1056,8 @@ def table(report, args):
                 rows.append([f"4 {name}", f"failed: {failed('lm')}", refs, "-", "-"])
                 continue
             r = lm.get(name, {"why": "not measured (the section was cut short)"})
-            if "lm_ddp_compiled" not in lm and "compile_error" not in lm:  # the first GPU run's JSON: eager alone
+            first_run = "lm_ddp_compiled" not in lm and "compile_error" not in lm and "cut_short" not in lm
+            if first_run:  # the first GPU run's JSON: eager alone
                 mfu = mfu_text(r)
                 extra = f"; {lm['tp_over_ddp_step']:.2f}x lm_ddp's step" if name == "lm_tp" else ""
                 rows.append([f"4 {name}", f"{r['tokens_per_sec']:,.0f} tokens/s, {mfu} ({r['achieved_tflops']:.1f} "
@@ -1371,9 +1372,9 @@ def main(argv=None):
                   "peak": peak, "goals": GOALS, "anchors": {"dle": DLE, "lm": LM_REFERENCES},
                   "sections": {k: sections[k] for k in SECTIONS if k in sections},
                   "wall_s": time.perf_counter() - started}
-        text = table(report, args)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        args.out.write_text(json.dumps(report, indent=1) + "\n")  # first: a table that fails keeps the figures
+        text = table(report, args)
         if args.md:
             args.md.parent.mkdir(parents=True, exist_ok=True)
             args.md.write_text(text)
@@ -1381,14 +1382,15 @@ def main(argv=None):
 
     runners = {"throughput": run_throughput, "amp": run_amp, "overhead": run_overhead, "compile": run_compile,
                "lm": lambda a, d, c: run_lm(a, d, c, peak), "data": run_data}
+    PARTIAL.clear()  # a main() before this one in the same process (the tests) leaves its rows there
     previous = signal.signal(signal.SIGTERM, time_up)  # a time limit: the rows that ended are written, not lost
     try:
         for name in RUN_ORDER:
             if name not in args.sections:
                 continue
             t0 = time.perf_counter()
-            free(device)
             try:
+                free(device)
                 sections[name] = runners[name](args, device, cache)
             except Exception as exc:  # one section's failure (an OOM, no compiler) leaves the others to run
                 sections[name] = failure(name, exc)

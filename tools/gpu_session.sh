@@ -139,6 +139,7 @@ limited() {
   code=$?
   if [[ ($code -eq 124 || $code -eq 137) && $((SECONDS - start)) -ge $limit ]]; then
     echo "gpu_session.sh: ran out of its $limit s" >> "$log"
+    pack # before settle's wait (up to 40 s): a call killed at the loan's end still returns this step's files
     settle
   fi
   pack
