@@ -29,10 +29,14 @@ def missing_compiler(device):
     from torch.utils._triton import has_triton  # inductor's own test: Triton installed, and a GPU it builds for
 
     if not has_triton():  # else GPUTooOldForTriton or TritonMissing at the first step, a traceback on every rank
-        major, minor = torch.cuda.get_device_capability(device)
-        return (f"torch.compile on a GPU needs Triton, which is not installed here or does not build for "
-                f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor}; Triton needs 7.0 or "
-                "newer): install triton, or run without --compile")
+        try:
+            major, minor = torch.cuda.get_device_capability(device)
+            gpu = (f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor}; Triton needs 7.0 or "
+                   "newer)")
+        except (RuntimeError, AssertionError):  # no usable CUDA: no GPU to name
+            gpu = "this GPU (Triton needs compute capability 7.0 or newer)"
+        return (f"torch.compile on a GPU needs Triton, which is not installed here or does not build for {gpu}: "
+                "install triton, or run without --compile")
     if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")):  # where Triton looks, in order
         return ("torch.compile on a GPU needs a C compiler for Triton's kernel launcher and none is here: install "
                 "gcc (apt install gcc) or point CC at one")

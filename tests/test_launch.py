@@ -484,6 +484,10 @@ def test_a_failure_that_a_peer_reported_losing_is_ranked_after_the_cause(tmp_pat
     assert torchrun.job_failed({0: lost, 1: cause}) == (
         2, "launch.sh: job failed: rank 1 (pid 5001) exited with code 2; rank 0 (pid 5000) exited with code 1 (each "
            "rank's own output is above)")
+    # A rank that timed out waiting for one that hung, which torchrun then stopped: the timeout is what is said.
+    hung = ProcessFailure(local_rank=1, pid=5001, exitcode=-signal.SIGTERM, error_file="/nonexistent")
+    hung.timestamp = lost.timestamp
+    assert torchrun.job_failed({0: lost, 1: hung})[0] == 1
     torchrun.VICTIMS.discard(5000)
 
 

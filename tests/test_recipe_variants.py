@@ -552,8 +552,11 @@ def test_compile_on_a_gpu_needs_a_c_compiler_and_python_headers(monkeypatch, tmp
     # Issue 39: on a GPU inductor's kernels go through Triton, which builds its launcher from C with $CC, gcc or clang
     # (triton/runtime/build.py) and includes Python.h. ddp_compile checks both before any process group, on every
     # device; here the check itself runs, given the GPU it would get.
+    import torch.utils._triton
+
     from common.compiler import missing_compiler  # harness.check_compiler's reason, checked in ddp_compile.py
     gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.utils._triton, "has_triton", lambda: True)  # the GPU's Triton (test_error_paths: none)
     assert missing_compiler(gpu) is None and missing_compiler(torch.device("cpu")) is None  # gcc, g++, the headers
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))  # no gcc, no clang

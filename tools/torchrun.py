@@ -314,16 +314,17 @@ def describe(rank, failure):
 def root_cause(failures):
     """The failures, the first one first. Timestamps are whole seconds, so a rank that torchrun stopped with
     SIGTERM, or one that died of its peer's death (a broken connection, NCCL's watchdog abort), can tie with the
-    one that really failed: within a second, a rank that said it lost its peer (VICTIMS) comes after one that did
-    not; then SIGKILL comes first (torchrun sends it only 30 s after SIGTERM, so it came from outside: the OOM
-    killer), then other signals, then a non-zero exit, then SIGTERM. Time still comes first: a rank that ignored
+    one that really failed: within a second, a rank torchrun stopped (SIGTERM) comes last, and a rank that said it
+    lost its peer or timed out (VICTIMS) after the others (a rank that hung, stopped, leaves the one that timed out
+    waiting for it first); then SIGKILL comes first (torchrun sends it only 30 s after SIGTERM, so it came from
+    outside: the OOM killer), then other signals, then a non-zero exit. Time still comes first: a rank that ignored
     SIGTERM and got SIGKILL 30 s later is not the cause."""
     def order(item):
         rank, failure = item
         code = failure.exitcode
         kind = (0 if code == -signal.SIGKILL else 1 if code < 0 and code != -signal.SIGTERM else 2 if code > 0
                 else 3)
-        return failure.timestamp, failure.pid in VICTIMS, kind, rank
+        return failure.timestamp, kind == 3, failure.pid in VICTIMS, kind, rank
     return sorted(failures.items(), key=order)
 
 
