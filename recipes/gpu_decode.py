@@ -332,14 +332,16 @@ def main():
     resume = find_resume(args.resume, os.path.join(args.out_dir, "checkpoint.pt"))  # 'auto': the last one, if any
     if resume:
         ckpt = load_same_flags(resume, map_location=device, flags=run_flags,
-                               require=("model", "optimizer", "scheduler", "scaler"))
+                               require=("model", "optimizer", "scheduler", "scaler", "in_epoch"))
         load_weights(model.module, ckpt["model"], resume)  # a wrong --arch: one line naming the keys
         optimizer.load_state_dict(ckpt["optimizer"])
         for group in optimizer.param_groups:  # a plain SGD's checkpoint would switch fused off (GradScaler then fails)
             group.update(fused=True, foreach=None)
         scaler.load_state_dict(ckpt["scaler"])  # without it fp16 restarts at scale 65536 and skips steps
-        start_epoch, step = ckpt["epoch"], ckpt["step"]
-        in_epoch_at_start, sums = step - start_epoch * steps_per_epoch, ckpt["sums"]  # New
+        # New: the step goes by this run's steps per epoch (another world size can count others, DistributedSampler
+        # pads each shard): the epochs done and the steps into the next, as saved
+        start_epoch, in_epoch_at_start, sums = ckpt["epoch"], ckpt["in_epoch"], ckpt["sums"]
+        step = start_epoch * steps_per_epoch + in_epoch_at_start
         scheduler = warmup_cosine(optimizer, args.epochs, steps_per_epoch, args.warmup_epochs, step)  # New: step
         torch.manual_seed(args.seed + rank + 10_000 * step)  # New: no RNG state saved: not the draws before (dropout)
         print0(f"resumed: {resume} epoch={start_epoch} step={step} scaler={scaler.state_dict()}")
@@ -415,8 +417,9 @@ def main():
                 if is_main:
                     save_atomic({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                                  "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "epoch": epoch,
-                                 "step": step, "sums": [sum(r[k] for r in ranks) for k in range(4)],
-                                 "flags": run_flags}, os.path.join(args.out_dir, "checkpoint.pt"))
+                                 "step": step, "in_epoch": in_epoch, "sums": [sum(r[k] for r in ranks) for k in
+                                                                             range(4)], "flags": run_flags},
+                                os.path.join(args.out_dir, "checkpoint.pt"))
                     print0(f"saved: checkpoint.pt at step {step} ({in_epoch} of epoch {epoch + 1})")
                 diverged.last_good = os.path.join(args.out_dir, "checkpoint.pt")
             speed.step(args.batch_size)
@@ -453,7 +456,7 @@ def main():
         if is_main and step % steps_per_epoch == 0:  # atomic: a crash mid-write keeps the previous checkpoint
             save_atomic({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                          "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                         "epoch": epoch + 1, "step": step, "sums": [0.0] * 4, "flags": run_flags},
+                         "epoch": epoch + 1, "step": step, "in_epoch": 0, "sums": [0.0] * 4, "flags": run_flags},
                         os.path.join(args.out_dir, "checkpoint.pt"))
         if step % steps_per_epoch == 0:
             diverged.last_good = os.path.join(args.out_dir, "checkpoint.pt")

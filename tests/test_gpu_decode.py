@@ -190,6 +190,25 @@ def test_a_run_resumed_mid_epoch_ends_with_the_uninterrupted_runs_weights(run, p
         r"^epoch=2/2 .*?val_acc5=\S+", run["proc"].stdout, re.M)
 
 
+def test_a_run_resumed_mid_epoch_on_more_processes_goes_on_where_it_stopped(tmp_path):
+    # 127 samples at a global batch of 16: 7 steps an epoch on 1 process, 8 on 2 (DistributedSampler pads each shard
+    # to 64). Saved 2 steps into epoch 2 (step 9 of 1 process's count), the resume on 2 is at step 8 + 2 = 10 and
+    # skips the epoch's first 2 x 16 samples: the saved step less this run's epoch (9 - 8 = 1) skipped 16 of them
+    # and trained 16 twice; saved at an epoch's end (step 7) it was step 7 - 8 = -1 and every rank failed.
+    args = ["recipes/gpu_decode.py", "--arch", "tiny", "--synthetic-train", 127, "--synthetic-val", 16, "--image-size",
+            SIZE, "--batch-size", 16, "--epochs", 2, "--workers", 0, "--save-every", 3, "--out-dir", tmp_path]
+    first = launch(args[0], "cpu:1", *args[1:], "--max-steps", 10, env=instrument_env(LOG_SAMPLES_DIR=tmp_path / "a"))
+    assert "saved: checkpoint.pt at step 9 (2 of epoch 2)" in first.stdout, first.stdout + first.stderr
+    resumed = launch(args[0], "cpu:2", *args[1:], "--resume", "auto",
+                     env=instrument_env(LOG_SAMPLES_DIR=tmp_path / "b"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert re.search(r"^resumed: \S+ epoch=1 step=10 ", resumed.stdout, re.M), resumed.stdout
+    assert result_of(resumed)["steps"] == 16
+    before = [i for batch in samples_seen(tmp_path / "a")[("train", 1, 0, 1)][:2] for i in batch]
+    after = [i for rank in (0, 1) for batch in samples_seen(tmp_path / "b")[("train", 2, rank, 0)] for i in batch]
+    assert len(before) == 32 and len(after) == 6 * 16
+    # the epoch's permutation, each sample once, but the one the padding repeats (the permutation's first)
+    assert set(before) | set(after) == set(range(127)) and len(set(before) & set(after)) == 1, (before, after)
 def test_the_box_and_flip_are_torchvisions_drawn_from_each_samples_seed(photos):
     # The recipe's sample k of epoch e, against torchvision's own transforms on the same decoded pixels with the
     # generator seeded as SeededSamples seeds it: the same box and flip, pixels within a rounding.
