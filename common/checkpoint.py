@@ -174,22 +174,27 @@ def load_checkpoint(path, map_location, require=(), mmap=False, same_run_as=None
 
 
 # The flags that shape an image recipe's run, which a resume must not change: it continues the run its checkpoint
-# started. --epochs lays out the schedule; --seed, --warmup-epochs, the data and the model would change its course from
-# here on; a new --lr the optimizer's saved state would silently overrule. --lr's default follows --batch-size, which
-# follows the GPU count: compared only at the same batch (at another, the optimizer's saved learning rate goes on).
-RUN_FLAGS = ("arch", "dataset", "image_size", "epochs", "warmup_epochs", "seed", "lr")
+# started. --epochs lays out the schedule; --seed, --warmup-epochs, the data, the model and --amp-dtype (fsdp's) would
+# change its course from here on; a new --lr the optimizer's saved state would silently overrule. --lr's default
+# follows --batch-size, which follows the GPU count: compared only at the same batch (at another, the optimizer's saved
+# learning rate goes on, and the resume says so).
+RUN_FLAGS = ("arch", "dataset", "image_size", "epochs", "warmup_epochs", "seed", "lr", "amp_dtype")
 
 
 def check_same_run(path, saved, args, flags=RUN_FLAGS):
     """A checkpoint's args (`saved`, vars(args) as it was saved) against this run's: unless each of `flags` it holds
     is the same, a CheckpointError naming each one that differs (exit 2, said once per node: every rank reads the same
-    file)."""
+    file). At another --batch-size a --lr of its own is not used: a line on rank 0 says the saved rate goes on."""
+    other_batch = saved.get("batch_size") != getattr(args, "batch_size", None)
     changed = [f"--{k.replace('_', '-')} {saved[k]} (this run: {getattr(args, k)})" for k in flags
-               if k in saved and saved[k] != getattr(args, k)
-               and not (k == "lr" and saved.get("batch_size") != args.batch_size)]
+               if k in saved and hasattr(args, k) and saved[k] != getattr(args, k) and not (k == "lr" and other_batch)]
     if changed:
         raise CheckpointError(f"{path} was trained with {', '.join(changed)}; resume with the same flags",
                               all_ranks=False)
+    if "lr" in flags and other_batch and saved.get("lr", args.lr) != args.lr:
+        print0(f"resume: {path} was trained at --batch-size {saved.get('batch_size')} --lr {saved['lr']:g}: its "
+               f"learning rate schedule goes on (this run's --lr {args.lr:g} at --batch-size {args.batch_size} is not "
+               f"used)")
 
 
 def load_same_flags(path, map_location, flags, require=()):

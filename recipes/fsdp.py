@@ -15,8 +15,9 @@ What it shows (the rest is recipes/ddp_checkpoint.py):
   all-gathered before its forward and backward and freed after (--no-reshard-after-forward keeps them until backward);
   gradients are reduce-scattered, so each rank's optimizer steps its own shard.
 - fully_shard on every block first, then on the root, which takes what is left (stem, head); on the root alone it
-  gathers the whole model at once and saves no memory (and a block sharded after its parent is refused). All calls
-  share one DeviceMesh (without mesh= each call builds its own).
+  gathers the whole model at once: the peak holds every parameter and gradient unsharded (between steps the
+  parameters and the optimizer state stay sharded); a block sharded after its parent is refused. All calls share one
+  DeviceMesh (without mesh= each call builds its own).
 - Not on ranks that share a GPU (launch.sh G:N, gloo over CUDA): refused with one line. There every DTensor
   collective dies with SIGSEGV (measured on an H200, torch 2.11: training, with FSDP2's own all-gathers, ran;
   gathering model.pt crashed). One rank per GPU (NCCL), or cpu:N.
@@ -112,6 +113,9 @@ def check_args(args, world_size):
     if args.lr is None:  # the linear scaling rule: a k times larger batch takes a k times larger step
         args.lr = 0.1 * args.batch_size / 128
     args.image_size = args.image_size or (224 if args.dataset == "imagefolder" else 32)  # < 64 px: small-image stem
+    if args.resume and args.resume != "auto" and os.path.isdir(args.resume):  # a shard folder: latest.pt names one
+        harness.die(f"--resume {args.resume} is a folder: give the latest.pt beside it (OUT_DIR/checkpoint/latest.pt"
+                    f"), which names its shards", all_ranks=True)
     if args.resume and args.resume != "auto" and not os.path.isfile(args.resume):
         harness.die(f"--resume {args.resume}: no such file", all_ranks=True)  # files can differ per node
 
@@ -165,11 +169,20 @@ def rng_state(device):  # New
 def load_shards(model, optimizer, path, saves):
     """Every rank reads its part of the sharded checkpoint at `path`, however many ranks wrote it (DCP reshards)."""
     model_state, optim_state = get_state_dict(model, optimizer)  # this world's layout, filled in by load
+    # get_state_dict steps a fresh optimizer once to give every parameter its state (momentum); the saving run's SGD
+    # made none for a parameter that never had a gradient (an unused branch): only the states the shards hold are read
+    # and set (strict=False: a parameter without one has none, as in the run that saved them).
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata if os.path.isfile(
+        os.path.join(path, ".metadata")) else None  # none: dcp.load below says what is wrong
+    for name, state in list(optim_state["state"].items()):
+        if saved is not None and not any(f"optimizer.state.{name}.{key}" in saved for key in state):
+            del optim_state["state"][name]
     try:
         dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
     except dcp.CheckpointException as exc:  # a BaseException: `except Exception` would let it through
         raise saves.load_failure(exc, path) from exc
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                   options=StateDictOptions(strict=False))  # every model key was loaded above (dcp.load: strict)
 
 
 # ------------------------------------------------------------------------------------------- eval

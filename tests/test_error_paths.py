@@ -83,18 +83,24 @@ def test_a_finished_checkpoint_leaves_nothing_to_resume():
     assert why.value.code == 2 and not why.value.all_ranks  # the same on every rank: said once per node
 
 
-def test_a_resume_names_each_flag_that_would_change_the_run():
+def test_a_resume_names_each_flag_that_would_change_the_run(capsys):
     """check_same_run: the flags that shape the run, each one that differs named; --lr only at the same batch (its
-    default follows the batch, which follows the GPU count; the optimizer's saved rate goes on there); flags it does
-    not list (the workers, the out-dir) may change."""
-    saved = {"arch": "tiny", "epochs": 2, "seed": 0, "lr": 0.1, "batch_size": 128, "workers": 3}
+    default follows the batch, which follows the GPU count; the optimizer's saved rate goes on there, said in a line);
+    flags it does not list (the workers, the out-dir) may change."""
+    saved = {"arch": "tiny", "epochs": 2, "seed": 0, "lr": 0.1, "batch_size": 128, "workers": 3, "amp_dtype": "fp32"}
     args = argparse.Namespace(**{**saved, "workers": 1})
     check_same_run("l.pt", saved, args)
+    assert capsys.readouterr().out == ""
     with pytest.raises(CheckpointError) as why:
-        check_same_run("l.pt", saved, argparse.Namespace(**{**saved, "seed": 7, "lr": 0.4}))
-    assert str(why.value) == "l.pt was trained with --seed 0 (this run: 7), --lr 0.1 (this run: 0.4); resume with " \
-                             "the same flags" and why.value.code == 2 and not why.value.all_ranks
+        check_same_run("l.pt", saved, argparse.Namespace(**{**saved, "seed": 7, "lr": 0.4, "amp_dtype": "bf16"}))
+    assert str(why.value) == "l.pt was trained with --seed 0 (this run: 7), --lr 0.1 (this run: 0.4), --amp-dtype " \
+                             "fp32 (this run: bf16); resume with the same flags" and why.value.code == 2 \
+                             and not why.value.all_ranks
     check_same_run("l.pt", saved, argparse.Namespace(**{**saved, "lr": 0.0984375, "batch_size": 126}))  # on 3 GPUs
+    assert capsys.readouterr().out == ("resume: l.pt was trained at --batch-size 128 --lr 0.1: its learning rate "
+                                       "schedule goes on (this run's --lr 0.0984375 at --batch-size 126 is not used)\n")
+    del saved["amp_dtype"]  # a recipe without the flag (ddp_checkpoint's args)
+    check_same_run("l.pt", saved, argparse.Namespace(**{**saved, "amp_dtype": "bf16"}))
 
 
 def test_load_weights_takes_a_wrappers_keys_and_a_model_with_a_submodule_named_module(tmp_path):
@@ -348,6 +354,9 @@ def test_a_gpu_triton_cannot_build_for_is_named_before_the_first_step(monkeypatc
     ("torch_amp", ["--resume", "/no/such.pt"], "[rank 0] error: --resume /no/such.pt: no such file"),
     ("apex_amp", ["--resume", "/no/such.pt"], "[rank 0] error: --resume /no/such.pt: no such file"),
     ("fsdp", ["--resume", "/no/such.pt"], "[rank 0] error: --resume /no/such.pt: no such file"),
+    ("fsdp", ["--resume", "/tmp"],
+     "[rank 0] error: --resume /tmp is a folder: give the latest.pt beside it (OUT_DIR/checkpoint/latest.pt), which "
+     "names its shards"),
     ("ddp_checkpoint", ["--resume", "/no/such.pt"], "[rank 0] error: --resume /no/such.pt: no such file"),
     ("ddp_checkpoint", ["--init-from", "/no/model.pt"], "[rank 0] error: --init-from /no/model.pt: no such file"),
     ("ddp_comm_hooks", ["--init-from", "/no/model.pt"], "[rank 0] error: --init-from /no/model.pt: no such file"),

@@ -165,10 +165,11 @@ def test_model_pt_loads_into_a_plain_model_and_scores_what_was_printed(runs):
 def test_a_checkpoint_of_another_arch_or_with_a_truncated_shard_is_refused(runs):
     tmp = runs["tmp"]
     before = files_of(tmp / "wrong_arch")
-    wrong = run_direct("fsdp", *ARGS, "--arch", "tiny_bn", "--resume", "auto", "--out-dir", tmp / "wrong_arch")
+    wrong = run_direct("fsdp", *ARGS, "--arch", "tiny_bn", "--amp-dtype", "bf16", "--resume", "auto", "--out-dir",
+                       tmp / "wrong_arch")
     assert wrong.returncode == 2
     assert wrong.stderr == (f"error: {tmp / 'wrong_arch/checkpoint/latest.pt'} was trained with --arch tiny (this "
-                            "run: tiny_bn); resume with the same flags\n")
+                            "run: tiny_bn), --amp-dtype fp32 (this run: bf16); resume with the same flags\n")
     assert files_of(tmp / "wrong_arch") == before  # nothing written
     shard = tmp / "truncated/checkpoint" / first_shards(runs) / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
@@ -179,6 +180,20 @@ def test_a_checkpoint_of_another_arch_or_with_a_truncated_shard_is_refused(runs)
     assert cut.stderr.endswith("): a shard file is missing or truncated, or they hold another model\n")
     assert len(cut.stderr.splitlines()) == 1 and "Traceback" not in cut.stdout + cut.stderr
     assert files_of(tmp / "truncated") == before
+
+
+def test_a_model_with_a_parameter_that_gets_no_gradient_resumes_bitwise(tmp_path):
+    # tiny_unused's branch never joins the loss: SGD keeps no momentum for it, so the shards hold none. The resume's
+    # get_state_dict steps a fresh optimizer to give every parameter one: asked for, the missing key failed every
+    # resume ("Missing key in checkpoint state_dict: optimizer.state.aux_head.weight.momentum_buffer").
+    args = [*ARGS, "--arch", "tiny_unused", "--epochs", "2"]
+    straight = run_direct("fsdp", *args, "--out-dir", tmp_path / "straight")
+    first = run_direct("fsdp", *args, "--max-steps", PER_EPOCH, "--out-dir", tmp_path / "resumed")
+    resumed = run_direct("fsdp", *args, "--resume", "auto", "--out-dir", tmp_path / "resumed")
+    assert resumed.returncode == 0 and result_of(resumed)["steps"] == 2 * PER_EPOCH, resumed.stderr[-2000:]
+    assert epoch_lines(first.stdout) + epoch_lines(resumed.stdout) == epoch_lines(straight.stdout)
+    a, b = params(tmp_path / "straight/model.pt"), params(tmp_path / "resumed/model.pt")
+    assert "aux_head.weight" in a and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_disk_that_fills_while_the_shards_are_written_keeps_the_previous_ones(tmp_path):
