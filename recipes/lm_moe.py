@@ -10,7 +10,7 @@
 What it shows, against lm_ddp.py (diff them: the lesson is what experts, a router and the all-to-all change):
 - The model: lm_ddp.py's transformer with each block's MLP replaced by --experts MLPs (of --expert-width units, by
   default 4 x --d-model / --top-k: the same active parameters per token as lm_ddp's one MLP of 4 x --d-model) and a
-  router (fp32, under bf16 autocast too): a softmax gate, each token's --top-k experts, their gates renormalised
+  router (fp32 logits, under bf16 autocast too): a softmax gate, each token's --top-k experts, their gates renormalised
   over the k (k > 1). Dropless: an expert takes every token routed to it, however many (no capacity, no token
   dropped), so every layout computes the one-process model.
 - The balance loss (Switch Transformer, GShard): --aux-loss-weight x E x sum_e f_e P_e, the layers' mean (Switch
@@ -89,7 +89,7 @@ def parse_args(argv=None):
     p.add_argument("--aux-loss-weight", type=float, default=0.01, help="balance loss weight (layers' mean)")  # New
     p.add_argument("--z-loss-weight", type=float, default=0.0, help="router z-loss weight (layers' mean)")  # New
     p.add_argument("--ep", type=int, help="expert-parallel degree: ranks that split each layer's experts (default: "
-                   "the largest that divides both --experts and the process count)")  # New
+                   "the largest that divides --experts and one node's process count)")  # New
     p.add_argument("--dp", type=int, help="replicas of each expert: processes / --ep (the default)")  # New
     return p.parse_args(argv)
 
@@ -118,8 +118,9 @@ def check_args(args, world_size):
             harness.die(f"--{flag} {value} must divide the number of processes, {world_size}: try "
                         + " or ".join(", ".join(map(str, divisors)).rsplit(", ", 1)))
     ep_given, dp_given = args.ep is not None, args.dp is not None  # New
-    if not ep_given:  # New: from --dp, else the most expert parallelism the experts and processes allow
-        args.ep = world_size // args.dp if dp_given else math.gcd(args.experts, world_size)
+    if not ep_given:  # New: from --dp, else the most expert parallelism the experts and one node's processes allow
+        node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # (the all-to-alls then stay within a node)
+        args.ep = world_size // args.dp if dp_given else math.gcd(args.experts, node, world_size)
     args.dp = args.dp if dp_given else world_size // args.ep  # New
     if args.ep * args.dp != world_size:  # New: both given
         harness.die(f"--dp {args.dp} x --ep {args.ep} is {args.dp * args.ep} processes, not {world_size}: give --ep "
@@ -180,15 +181,16 @@ class MoE(nn.Module):  # New
     def forward(self, x):
         B, T, D = x.shape
         x = x.reshape(B * T, D)
-        with torch.autocast(x.device.type, enabled=False):  # the router in fp32 under --amp-dtype bf16 too (Switch's
-            logits = self.router(x.float())  # selective precision: bf16 logits would tie and flip experts)
+        with torch.autocast(x.device.type, enabled=False):  # fp32 logits under --amp-dtype bf16 too (Switch's selective
+            logits = self.router(x.float())  # precision: bf16 logits would tie and flip experts; a GPU's matmul: TF32)
         probs = logits.softmax(-1)
         gates, chosen = probs.topk(self.top_k, dim=-1)  # (S, k): each token's k experts
         if self.top_k > 1:  # renormalised over the k (k = 1: the probability itself, Switch's: 1.0 has no gradient)
             gates = gates / gates.sum(-1, keepdim=True)
         # Every (token, choice) pair sorted by expert (stable: tokens in order): one block of rows per destination rank.
         order = chosen.flatten().argsort(stable=True)
-        counts = torch.bincount(chosen.flatten(), minlength=self.n_experts)  # rows for each expert, from this rank
+        # rows for each expert, from this rank: where each one's run starts in that order (bincount: 2 host reads on GPU)
+        counts = torch.searchsorted(chosen.flatten()[order], torch.arange(self.n_experts + 1, device=x.device)).diff()
         rows = x[order // self.top_k]
         if torch.is_autocast_enabled(x.device.type):  # bf16 rows: the expert's first layer casts them so anyway
             rows = rows.to(torch.get_autocast_dtype(x.device.type))  # half the bytes through the all-to-alls
@@ -352,7 +354,7 @@ def main():
     model_bytes = harness.state_bytes(model)  # New: the whole model's, before the cut (model.pt's size)
     for block in model.blocks.values():  # New: this rank's share of each layer's experts; the rest freed
         block.mlp.keep_experts(ep_rank, args.ep, ep_group)
-    model.to(device)  # New: after the cut: no GPU ever holds every expert (the reason for EP: they would not fit one)
+    model.to(device)  # New: after the cut: no GPU holds every expert (host memory does, once, for the initial weights)
     if args.activation_checkpointing:  # before DDP: each block's forward runs again in backward, nothing kept inside
         for name, block in model.blocks.items():  # non-reentrant (checkpoint_wrapper's default): DDP-safe
             model.blocks[name] = checkpoint_wrapper(block)  # state_dict keys stay as without it

@@ -340,14 +340,19 @@ def test_bad_expert_flags_fail_with_one_line_before_training(world, flags, line,
     check_args_refuses("lm_moe", flags, world, f"error: {line}", capsys, monkeypatch)
 
 
-def test_the_default_ep_is_the_most_the_experts_and_processes_allow(monkeypatch):
+def test_the_default_ep_is_the_most_the_experts_and_one_nodes_processes_allow(monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     recipe = load_recipe("lm_moe")
-    for world, flags, ep, dp in [(1, [], 1, 1), (2, [], 2, 1), (3, [], 1, 3), (4, [], 4, 1), (8, [], 8, 1),
-                                 (6, [], 2, 3), (3, ["--experts", 6], 3, 1), (4, ["--dp", 2], 2, 2)]:
+    # (world, processes a node: torchrun's LOCAL_WORLD_SIZE, flags, ep, dp): on 2 nodes of 4 the 8 experts split over
+    # one node's 4 ranks (the all-to-alls within it), each node a replica; --ep 8 would send every layer's rows across
+    for world, node, flags, ep, dp in [
+            (1, 1, [], 1, 1), (2, 2, [], 2, 1), (3, 3, [], 1, 3), (4, 4, [], 4, 1), (8, 8, [], 8, 1), (6, 6, [], 2, 3),
+            (3, 3, ["--experts", 6], 3, 1), (4, 4, ["--dp", 2], 2, 2), (8, 4, [], 4, 2), (16, 8, [], 8, 2),
+            (6, 3, ["--experts", 6], 3, 2), (4, 2, ["--ep", 4], 4, 1)]:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(node))
         args = recipe.parse_args([*map(str, flags)])
         recipe.check_args(args, world)
-        assert (args.ep, args.dp, args.expert_width) == (ep, dp, 256), (world, flags)
+        assert (args.ep, args.dp, args.expert_width) == (ep, dp, 256), (world, node, flags)
 
 
 @pytest.mark.slow  # 40 steps of the default model on 2 processes: 25-50 s
