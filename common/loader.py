@@ -10,7 +10,8 @@ batch to the GPU on a side stream, so the next batch's copy overlaps the current
 Guarantees: the same batches in the same order as the DataLoader it extends; an exception raised
 while loading (in a worker or in the thread) is re-raised in the loop, never swallowed or hung on;
 leaving the loop early (break, exception) stops the thread once nothing else holds the iterator (an islice or
-a tqdm around the loader holds it until they go), and with it the DataLoader's workers, unless
+a tqdm around the loader holds it until they go, or the next iter(): one thread at a time shares the side stream),
+and with it the DataLoader's workers, unless
 persistent_workers=True: then the DataLoader keeps its iterator and workers for the next epoch, as long as it lives.
 on_device (recipes/gpu_decode.py: decode JPEGs on the GPU) replaces the copy: it runs in the thread, on
 CUDA with the side stream current, and the loop's stream waits for all it queued there before the
@@ -22,6 +23,7 @@ import functools
 import queue
 import threading
 import traceback
+import weakref
 
 import torch
 from torch.utils.data import DataLoader
@@ -168,6 +170,7 @@ class DataLoaderX(DataLoader):
         self.prefetch = prefetch
         self.on_device = on_device or functools.partial(_to_device, device=self.device)  # no cycle through self
         self.stream = None  # CUDA: the side stream, made at the first iter() and kept
+        self._last = None  # a weak reference to the last iter()'s iterator
 
     def __iter__(self):
         # One side stream for every epoch: the caching allocator keeps a freed block for the stream it was made on,
@@ -175,4 +178,12 @@ class DataLoaderX(DataLoader):
         # reserved and unusable (timm's PrefetchLoader did: pytorch-image-models#2781).
         if self.device.type == "cuda" and self.stream is None:
             self.stream = torch.cuda.Stream(self.device)
-        return _PrefetchIterator(super().__iter__(), self.device, self.prefetch, self.on_device, self.stream)
+        # One thread at a time on that stream: the last iterator's is stopped first (an epoch cut short by an islice
+        # leaves it making batches until it is dropped; on_device's work would then interleave with the new one's
+        # on the stream, after gpu_decode's drain and before nvjpeg writes)
+        last = self._last() if self._last is not None else None
+        if last is not None:
+            last.close()
+        batches = _PrefetchIterator(super().__iter__(), self.device, self.prefetch, self.on_device, self.stream)
+        self._last = weakref.ref(batches)
+        return batches

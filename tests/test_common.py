@@ -599,6 +599,28 @@ def test_dataloaderx_keeps_the_dataloaders_batch_types():
         assert prefetched.label["name"] == plain.label["name"]
 
 
+def test_dataloaderx_stops_the_last_iterators_thread_before_the_next_starts():
+    # gpu_decode: an epoch cut short by an islice (its micro-batches not a multiple of --accum-steps) leaves its
+    # iterator, and the thread making batches on the loader's side stream, alive until the name is rebound: after the
+    # next iter() started its own thread on the same stream. The next iter() stops it first.
+    made = []
+
+    def on_device(batch):
+        made.append(threading.current_thread())
+        return batch
+
+    loader = DataLoaderX("cpu", FailsAt(40, bad=-1), batch_size=2, num_workers=0, prefetch=2, on_device=on_device)
+    first = iter(loader)
+    next(first)
+    wait_until(lambda: len(made) >= 3)  # it has made batches ahead
+    old = made[0]
+    second = iter(loader)  # `first` still referenced here, as an islice would hold it
+    assert not old.is_alive() and next(first, None) is None
+    assert next(second)[1].tolist() == [0, 1] and made[-1] is not old and len(producer_threads()) == 1
+    del first, second
+    wait_until(lambda: not producer_threads())
+
+
 def test_dataloaderx_with_persistent_workers_goes_without_a_garbage_collection():
     # Its default copy must not refer back to the loader: a cycle would keep the loader, and with it its persistent
     # workers, until some later collection (which can run inside a newly forked worker).
