@@ -731,7 +731,14 @@ class TimeUp(BaseException):
 
 
 def time_up(signum, frame):
+    if os.getpid() != TIME_UP_PID[0]:  # a forked child (make_jpegs' pool, which Pool's exit stops with SIGTERM; a
+        signal.signal(signum, signal.SIG_DFL)  # DataLoader worker) inherits the handler: it ends as SIGTERM ends it,
+        os.kill(os.getpid(), signum)  # without a traceback
+        return
     raise TimeUp(signal.Signals(signum).name)
+
+
+TIME_UP_PID = [None]  # the process whose SIGTERM raises TimeUp: main()'s
 
 
 PARTIAL = {}  # section: its dict of figures as it fills (keep_partial), what main() keeps of a section cut short
@@ -1383,6 +1390,7 @@ def main(argv=None):
     runners = {"throughput": run_throughput, "amp": run_amp, "overhead": run_overhead, "compile": run_compile,
                "lm": lambda a, d, c: run_lm(a, d, c, peak), "data": run_data}
     PARTIAL.clear()  # a main() before this one in the same process (the tests) leaves its rows there
+    TIME_UP_PID[0] = os.getpid()
     previous = signal.signal(signal.SIGTERM, time_up)  # a time limit: the rows that ended are written, not lost
     try:
         for name in RUN_ORDER:
