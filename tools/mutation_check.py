@@ -277,6 +277,16 @@ EDITS = [
          "generator = torch.default_generator.manual_seed(sample_seed(self.seed, self.epoch, index))"),
     Edit("gpu_decode_resume_reseed", "a resume reseeds with seed + rank: epoch 0's dropout draws again",
          "torch.manual_seed(args.seed + rank + 10_000 * step)", "torch.manual_seed(args.seed + rank)"),
+    Edit("gpu_decode_resume_saved_step", "a resume mid-epoch takes the saved step less this run's epochs as its steps "
+         "into the epoch: on another process count DistributedSampler's padding counts other epochs, and it skips "
+         "samples or fails",
+         'start_epoch, in_epoch_at_start, sums = ckpt["epoch"], ckpt["in_epoch"], ckpt["sums"]\n'
+         '        step = start_epoch * steps_per_epoch + in_epoch_at_start\n',
+         'start_epoch, step, sums = ckpt["epoch"], ckpt["step"], ckpt["sums"]\n'
+         '        in_epoch_at_start = step - start_epoch * steps_per_epoch\n'),
+    Edit("fsdp_unused_state", "fsdp's resume asks the shards for a momentum buffer of every parameter, as "
+         "get_state_dict's first step makes them: a model with a parameter that gets no gradient cannot resume",
+         'del optim_state["state"][name]', "pass"),
     Edit("resume_saved_step", "a resume counts steps as the checkpoint did: with another batch its epochs end off "
          "their boundaries and it stops early, unsaved",
          "        step = start_epoch * len(train_loader)\n", '        step = ckpt["step"]\n'),
@@ -446,7 +456,9 @@ GUARDS = {
     # Issue 57: the measurements in the recipes' own processes (tests/instrument).
     "gpu_decode_pixels": {"gpu_decode": ["tests/test_gpu_decode.py", "-k", "handed"]},
     "gpu_decode_global_generator": {"gpu_decode": ["tests/test_gpu_decode.py", "-k", "thread"]},
-    "gpu_decode_resume_reseed": {"gpu_decode": ["tests/test_gpu_decode.py", "-k", "resumed_mid_epoch"]},
+    "gpu_decode_resume_reseed": {"gpu_decode": ["tests/test_gpu_decode.py", "-k", "resumed_mid_epoch_ends"]},
+    "gpu_decode_resume_saved_step": {"gpu_decode": ["tests/test_gpu_decode.py", "-k", "more_processes"]},
+    "fsdp_unused_state": {"fsdp": ["tests/test_fsdp.py", "-k", "no_gradient"]},
     "eval_rank0_alone": {"gpu_decode": ["tests/test_gpu_decode.py", "-k", "handed"],
                          "ddp_uneven": ["tests/test_uneven.py", "-k", "equals_the_reference and cpu:2"],
                          ANY: lambda recipe: cases(recipe, "disjoint_share")},
