@@ -288,6 +288,12 @@ def main():
     # New: --async-save's writer thread makes collectives (the plan, the results) while training makes its own: on a
     # group of their own, so the two never interleave. A CPU backend: async_save refuses a group without one.
     save_group = dist.new_group(backend="gloo", timeout=timeout) if args.async_save else None
+    # Before the resume and the first step: an --out-dir that cannot hold the checkpoints, or that another node cannot
+    # see (every rank loads latest.pt; a node that resumed from a file the others lack would wait in dcp.load's
+    # collectives), fails now, not after hours of training. New: state_bytes counts all the shards together.
+    harness.broadcast_out_dir_check(args.out_dir, is_main, {"checkpoint": harness.state_bytes(model, optimizer),
+                                                            "model.pt": harness.state_bytes(model)},
+                                    shared=True, tb_dir=args.tb_dir)
     start_epoch, step, best_acc1 = 0, 0, float("-inf")
     resume = find_resume(args.resume, latest)  # 'auto': latest.pt if there is one (what MAX_RESTARTS reruns)
     if resume:
@@ -311,11 +317,6 @@ def main():
                    f"after epoch {start_epoch} (the shards are resharded)")
         print0(f"resume: {resume} at epoch {start_epoch} step {step} best_acc1={best_acc1:.2f}")
 
-    # Before the first step: an --out-dir that cannot hold the checkpoints, or that another node cannot see (every
-    # rank loads latest.pt), fails now, not after hours of training. New: state_bytes counts all the shards together.
-    harness.broadcast_out_dir_check(args.out_dir, is_main, {"checkpoint": harness.state_bytes(model, optimizer),
-                                                            "model.pt": harness.state_bytes(model)},
-                                    shared=True, tb_dir=args.tb_dir)
     # ----------------------------------------------------------------------------------- train
     total_steps = min(args.epochs * len(train_loader), args.max_steps or float("inf"))
     speed = harness.Throughput(device)

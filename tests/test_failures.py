@@ -532,13 +532,14 @@ LM_TINY = ["--n-layer", "1", "--d-model", "16", "--n-head", "2", "--steps", "2"]
 
 
 @pytest.mark.parametrize(("recipe", "flags"), [
-    ("ddp_checkpoint", [*TINY, "--resume", "auto"]), ("lm_ddp", LM_TINY), ("lm_tp", [*LM_TINY, "--resume", "auto"])],
-    ids=["ddp_checkpoint-resumed-on-one-node", "lm_ddp", "lm_tp-resumed-on-one-node"])
+    ("ddp_checkpoint", [*TINY, "--resume", "auto"]), ("fsdp", [*TINY, "--resume", "auto"]), ("lm_ddp", LM_TINY),
+    ("lm_tp", [*LM_TINY, "--resume", "auto"])],
+    ids=["ddp_checkpoint-resumed-on-one-node", "fsdp-resumed-on-one-node", "lm_ddp", "lm_tp-resumed-on-one-node"])
 def test_an_out_dir_that_another_node_cannot_see_stops_both_nodes(tmp_path, recipe, flags):
     # Two "nodes" on this box, one process each, each with its own --out-dir: what a folder on each node's local
     # disk looks like. The ranks load what rank 0 saves, so this must stop before training. --resume auto: node 0's
     # folder holds a checkpoint (a one-node run's, requeued onto two nodes), node 1's none: the check comes before the
-    # resume, or node 0 would enter dcp.load's collectives (lm_tp) or DDP's backward that lays the buckets out
+    # resume, or node 0 would enter dcp.load's collectives (lm_tp, fsdp) or DDP's backward that lays the buckets out
     # (ddp_checkpoint) while node 1 enters the check's: a hang naming nothing.
     if "--resume" in flags:
         earlier = launch(f"recipes/{recipe}.py", "cpu:1", *flags[:-2], "--out-dir", tmp_path / "node0")
