@@ -189,7 +189,7 @@ class MoE(nn.Module):  # New
             gates = gates / gates.sum(-1, keepdim=True)
         # Every (token, choice) pair sorted by expert (stable: tokens in order): one block of rows per destination rank.
         order = chosen.flatten().argsort(stable=True)
-        # rows for each expert, from this rank: where each one's run starts in that order (bincount: 2 host reads on GPU)
+        # rows for each expert, from this rank: where each one's run starts in that order (bincount: 2 host reads, GPU)
         counts = torch.searchsorted(chosen.flatten()[order], torch.arange(self.n_experts + 1, device=x.device)).diff()
         rows = x[order // self.top_k]
         if torch.is_autocast_enabled(x.device.type):  # bf16 rows: the expert's first layer casts them so anyway
