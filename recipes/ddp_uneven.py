@@ -7,8 +7,10 @@ What it shows (the rest is recipes/ddp_torchrun.py): data sharded by whole files
 out to the ranks in turn, as a sharded IterableDataset or a per-file sampler splits it) gives the ranks different
 numbers of batches. Under plain DDP the rank that runs out first leaves the others waiting in their next gradient
 all-reduce until --dist-timeout ends the job. `with Join([model]):` lets a rank that is out of batches shadow the
-others' all-reduces (it contributes zeros; each gradient is still divided by the world size, so a step averages
-over every rank's share) until all are done; then every rank gets the weights of the last rank to finish. What
+others' all-reduces (it contributes zeros; each gradient is still divided by the world size: a step is the sum of
+each rank's batch-mean gradient over W, so a short last batch weighs as much as a full one, and a step that k of W
+ranks still train moves k/W as far: with the default files, one rank more, about a fifth of each epoch at lr / W)
+until all are done; then every rank gets the weights of the last rank to finish. What
 Join does not sync is yours: SGD's momentum and the LR schedule of the ranks that sat steps out (both are synced
 below), and any other collective in the loop (none here: the divergence check waits for the epoch's end).
 DDP(forward_sync_buffers=False): with Join, DDP's per-forward buffer broadcast costs a blocking all-reduce and a host
@@ -139,6 +141,8 @@ def main():
     # New: this rank's files, shuffled within (its own generator: the same order every run); drop_last=False, so each
     # rank has as many batches as its shards fill, and a short last one.
     args.shard_size = args.shard_size or -(-len(train_set) // (4 * world_size + 1))
+    if len(train_set) < world_size:  # no --shard-size gives every rank a sample
+        harness.die(f"{len(train_set)} training samples cannot give each of {world_size} ranks one")
     if len(train_set) <= (world_size - 1) * args.shard_size:  # the same verdict on every rank
         harness.die(f"--shard-size {args.shard_size} leaves rank {world_size - 1} no sample of {len(train_set)}: "
                     f"every rank needs a shard; try --shard-size {max(1, len(train_set) // world_size)}")
@@ -155,12 +159,17 @@ def main():
     dist.all_gather_object(counts, len(train_loader))
     steps_per_epoch = max(counts)
     longest = max(r for r, count in enumerate(counts) if count == steps_per_epoch)  # the rank Join takes weights from
+    ones = [r for r in range(world_size) if batch_per_process > 1 and len(shard_of(
+        len(train_set), args.shard_size, r, world_size)) % batch_per_process == 1]  # New: a last batch of one sample
     print0(f"data: {args.dataset} train={len(train_set)} val={len(val_set)} classes={num_classes} "
            f"steps_per_epoch={steps_per_epoch} batches_per_rank={counts}")
     # ----------------------------------------------------------------------------------- model
     torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
     # YOUR MODEL goes here: an nn.Module from a batch (N, C, H, W) to logits (N, num_classes).
     model = build_model(args.arch, num_classes, args.image_size).to(device)
+    if ones and any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):  # New
+        harness.die(f"rank {ones[0]}'s last batch would hold 1 sample ({batch_per_process} a process): BatchNorm's "
+                    "statistics of one (an error where its map is 1 x 1); change --batch-size or --shard-size")
     # New: no buffer broadcast at each forward. Under Join it first agrees on a rank that has not joined: a blocking
     # all-reduce and a host read, every step. Training BatchNorm never reads its buffers: recomputed, rank 0's are
     # broadcast below (else keep the broadcast). The keyword is forward_sync_buffers from torch 2.13, before that
@@ -207,7 +216,7 @@ def main():
                 step += 1
                 diverged.update(step, loss)  # on the device: no sync per step
                 tb.step(step, loss_meter, acc_meter, lr=optimizer.param_groups[0]["lr"])  # rank 0's own samples
-                speed.step(args.batch_size)
+                speed.step(images.size(0))  # New: this rank's own (the others' added below: uneven, some sit out)
                 prof.step()  # --profile: OUT_DIR/profile/trace_rankR.json
                 if step >= total_steps:
                     break
@@ -256,8 +265,10 @@ def main():
     if args.profile:  # a collective (all-gather): every rank's compute, communication, data, idle
         print0(harness.gather_profile_table(prof, device))
     tb.close()
+    speed.images = sum(harness.gather_values(speed.images, device))  # New: the images every rank trained, timed
     print0(harness.gather_result_line(device, speed, model, optimizer, recipe="ddp_uneven", steps=step,
-                                      train_loss=loss_meter.avg, val_acc1=val_acc1, val_samples=val_samples))
+                                      train_loss=loss_meter.avg, val_acc1=val_acc1, val_samples=val_samples,
+                                      timed_images=speed.images))
     dist.destroy_process_group()
 
 

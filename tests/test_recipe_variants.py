@@ -99,8 +99,9 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     ("ddp_torchrun", "ddp_compile", 91),
     # ddp_uneven: its training loop is indented under `with Join([model]):` (19 lines, counted twice); 123, then 136
     # with forward_sync_buffers=False and why (issue 39), 140 with the keyword chosen by torch version (2.11 has only
-    # broadcast_buffers; the GPU machine's torch).
-    ("ddp_torchrun", "ddp_uneven", 145),
+    # broadcast_buffers; the GPU machine's torch). 158 with a last batch of one sample refused where BatchNorm is,
+    # fewer samples than ranks said as such, images/s from every rank's images, and the docstring's step weights.
+    ("ddp_torchrun", "ddp_uneven", 158),
     # fsdp, ddp_zero and ddp_comm_hooks: their checkpoints are ddp_checkpoint's (sharded, consolidated, with PowerSGD's
     # state): read them against that one. ddp_zero 54 and ddp_comm_hooks 93 before issue 39 (the bucket view, and
     # PowerSGD's device sync on GPUs); fsdp 255 and ddp_comm_hooks 95 before the first GPU run (fsdp's G:N refusal,

@@ -116,6 +116,9 @@ def test_join_finishes_and_equals_the_reference_over_every_ranks_batches(tmp_pat
     assert f"steps_per_epoch={max(counts)} batches_per_rank={counts}" in proc.stdout, proc.stdout
     result = result_of(proc)
     assert (result["world_size"], result["steps"]) == (world, EPOCHS * max(counts)), result
+    # its images/s counts what every rank trained after the first step (each rank's first batch full): rank 0's count
+    # of global batches over-counted the steps that some ranks sit out and the short last batches
+    assert result["timed_images"] == EPOCHS * TRAIN - batch, result
     assert epoch_losses(proc.stdout) == pytest.approx(losses, abs=1e-4)
     saved, weights = torch.load(tmp_path / "model.pt", weights_only=True), model.state_dict()
     assert max((saved[k].float() - weights[k].float()).abs().max().item() for k in saved) < 1e-6
@@ -142,8 +145,20 @@ def test_without_join_the_rank_left_waiting_ends_the_job_at_the_timeout(tmp_path
     assert not (tmp_path / "out" / "model.pt").exists()
 
 
-def test_a_shard_size_that_leaves_a_rank_no_data_is_one_line(tmp_path):
+def test_a_shard_size_that_leaves_a_rank_no_data_or_a_batch_of_one_is_one_line(tmp_path):
     proc = launch("recipes/ddp_uneven.py", "cpu:3", *FLAGS, "--shard-size", 64, "--out-dir", tmp_path)
     assert proc.returncode == 2 and error_lines(proc.stderr) == [
         "error: --shard-size 64 leaves rank 2 no sample of 128: every rank needs a shard; try --shard-size 42"], \
         proc.stderr
+    # fewer samples than ranks: no --shard-size helps (the hint above would say 0, or 1 again)
+    few = launch("recipes/ddp_uneven.py", "cpu:3", *FLAGS, "--synthetic-train", 2, "--out-dir", tmp_path)
+    assert few.returncode == 2 and error_lines(few.stderr) == [
+        "error: 2 training samples cannot give each of 3 ranks one"], few.stderr
+    # 125 samples in files of 20 on 2 ranks: rank 0 holds 65, 4 batches of 16 and one of 1, which BatchNorm cannot
+    # train on where its map is 1 x 1 (mobilenet_v2 at 32 px: a ValueError's traceback on one rank): refused up front
+    one = launch("recipes/ddp_uneven.py", "cpu:2", *FLAGS, "--synthetic-train", 125, "--batch-size", 32,
+                 "--out-dir", tmp_path)
+    assert one.returncode == 2 and error_lines(one.stderr) == [
+        "error: rank 0's last batch would hold 1 sample (16 a process): BatchNorm's statistics of one (an error where "
+        "its map is 1 x 1); change --batch-size or --shard-size"], one.stderr
+    assert "step=" not in one.stdout
