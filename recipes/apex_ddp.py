@@ -8,11 +8,10 @@ What it shows (the rest is recipes/ddp_torchrun.py): write-ups 000, 002 and 004 
 apex.parallel.DistributedDataParallel(model, delay_allreduce=True). --impl auto uses it when a usable NVIDIA apex is
 importable, torch's DDP otherwise (the first line printed says which); --impl apex fails with one line saying why
 apex is unusable (not installed / PyPI's unrelated "apex" / 25.07 or newer, without apex.parallel) and how to fix it
-(docs/apex.md). delay_allreduce=True all-reduces every gradient at once after backward: robust to any parameter
-order and to unused parameters, if every rank leaves out the same ones (it flattens the gradients a rank has: a
-branch one rank takes and another skips gives buffers of two sizes), but nothing overlaps backward. torch's DDP
-all-reduces ~25 MB buckets as they fill, during backward: usually as fast or faster (write-up 000: 8.7 s vs apex's
-10.3 s per 100 iterations), no extra package.
+(docs/apex.md). delay_allreduce=True all-reduces every gradient at once after backward: any parameter order, and
+unused parameters if every rank leaves out the same ones (it flattens the gradients a rank has), but nothing overlaps
+backward. torch's DDP all-reduces ~25 MB buckets as they fill, during backward: usually as fast or faster (write-up
+000: 8.7 s vs apex's 10.3 s per 100 iterations), no extra package.
 
 `harness.` lines are plumbing, not the lesson (common/harness.py); siblings of ddp_torchrun.py mark theirs `# New:`.
 What each rank computes, holds and sends, each claim with the test that measures it: docs/recipes.md.

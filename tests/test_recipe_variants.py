@@ -66,8 +66,9 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # 202 with --compile (issue 65: the data path measured against a compiled step), torch_amp's and gpu_decode's.
     # Each recipe that resumes writes model.pt atomically (a truncated one after a finished run was never rewritten):
     # torch_amp 203, apex_amp 263; ddp_checkpoint 229 with it and its flags checked on resume (check_same_run, in
-    # load_checkpoint: its --epochs check's two lines gone, a docstring line more).
-    ("ddp_torchrun", "torch_amp", 203), ("ddp_torchrun", "ddp_checkpoint", 229), ("ddp_torchrun", "apex_ddp", 63),
+    # load_checkpoint: its --epochs check's two lines gone, a docstring line more). apex_ddp 64: its docstring says
+    # delay_allreduce takes unused parameters only where every rank leaves out the same ones.
+    ("ddp_torchrun", "torch_amp", 203), ("ddp_torchrun", "ddp_checkpoint", 229), ("ddp_torchrun", "apex_ddp", 64),
     # gpu_decode (issue 65): torch_amp's, the data path moved to the main process's device (EncodedImages, collate,
     # decode_batch, DataLoaderX's on_device), --save-every's mid-epoch resume, its docstring, and torch_amp's
     # `# New` tags left off the lines it shares (here they are torch_amp's): 282; 283 without torch_amp's reseed on
