@@ -116,8 +116,9 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # a mid-epoch resume. ddp_zero and ddp_comm_hooks each +3 for the refusal of ddp_checkpoint's mid-epoch save.
     # ddp_comm_hooks 235: PowerSGD's error feedback in latest.pt's estimate (the disk check before the first step).
     # fsdp 414: a resume reads only the optimizer states the shards hold (a parameter without a gradient has none;
-    # get_state_dict's step made one and the load failed), and --resume of a shard folder named as such.
-    ("ddp_checkpoint", "fsdp", 414), ("ddp_checkpoint", "ddp_zero", 192), ("ddp_checkpoint", "ddp_comm_hooks", 235),
+    # get_state_dict's step made one and the load failed), and --resume of a shard folder named as such; 415 with
+    # the --out-dir check before the resume, as ddp_checkpoint's (its comment a line longer).
+    ("ddp_checkpoint", "fsdp", 415), ("ddp_checkpoint", "ddp_zero", 192), ("ddp_checkpoint", "ddp_comm_hooks", 235),
     # lm_tp: the plan, sharded checkpoints (fsdp.py's), loss_parallel, the gradients' layouts, and its block picture.
     # 276 until the preemption save (issue 43): the same lines as lm_ddp's, but its import of common.checkpoint
     # then wraps onto 10 lines, and lm_ddp's backward before a resumed run (DDP's bucket layout) is not its.
