@@ -128,8 +128,8 @@ def _patch(ddp_module):
         if not torch.is_grad_enabled():
             counts["eval_forwards"] += 1
         else:
-            if self not in wrapped:  # the recipe registered no hook: count DDP's own all-reduce, done in Python
-                patched_register(self, None, allreduce_hook)
+            if self not in wrapped:  # the recipe registered no hook: count DDP's own all-reduce, done in Python,
+                patched_register(self, self.process_group, allreduce_hook)  # on DDP's group (not WORLD's)
             per_step.append(0)
         return forward(self, *args, **kwargs)
 
