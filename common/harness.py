@@ -72,7 +72,7 @@ from common.utils import (
 AT_LEAST = {"epochs": 1, "workers": 0, "accum_steps": 1, "prefetch": 1, "embedding_size": 1, "max_steps": 1,
             "image_size": 1, "synthetic_train": 1, "synthetic_val": 1, "tb_every": 1, "warmup_epochs": 0,
             "shard_size": 1, "steps": 1, "warmup_steps": 0, "eval_every": 1, "val_windows": 1,
-            "save_every": 1}
+            "save_every": 1, "aux_loss_weight": 0, "z_loss_weight": 0}  # (a negative weight trains toward the harm)
 ABOVE_ZERO = ("lr", "dist_timeout", "clip_grad")  # rates and seconds: 0 is never meant
 
 

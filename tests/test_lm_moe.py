@@ -330,6 +330,8 @@ def test_under_bf16_autocast_the_rows_travel_in_bf16(runs):
     (4, ["--ep", 3], "--ep 3 must divide the number of processes, 4: try 1, 2 or 4"),
     (2, ["--ep", 4], "--ep 4 must divide the number of processes, 2: try 1 or 2"),
     (1, ["--expert-width", 0], "--expert-width 0 must be >= 1"),  # not the default in its place
+    (1, ["--aux-loss-weight", -0.01], "--aux-loss-weight -0.01 must be >= 0"),  # it would train toward imbalance
+    (1, ["--z-loss-weight", -1e-3], "--z-loss-weight -0.001 must be >= 0"),
     (1, ["--expert-width", -3], "--expert-width -3 must be >= 1"),  # not a traceback from nn.Linear on every rank
     (4, ["--dp", 3], "--dp 3 must divide the number of processes, 4: try 1, 2 or 4"),
     (4, ["--dp", 0], "--dp 0 must divide the number of processes, 4: try 1, 2 or 4"),  # not taken as left out
