@@ -332,15 +332,19 @@ def main():
     resume = find_resume(args.resume, os.path.join(args.out_dir, "checkpoint.pt"))  # 'auto': the last one, if any
     if resume:
         ckpt = load_same_flags(resume, map_location=device, flags=run_flags,
-                               require=("model", "optimizer", "scheduler", "scaler", "in_epoch"))
+                               require=("model", "optimizer", "scheduler", "scaler"))
         load_weights(model.module, ckpt["model"], resume)  # a wrong --arch: one line naming the keys
         optimizer.load_state_dict(ckpt["optimizer"])
         for group in optimizer.param_groups:  # a plain SGD's checkpoint would switch fused off (GradScaler then fails)
             group.update(fused=True, foreach=None)
         scaler.load_state_dict(ckpt["scaler"])  # without it fp16 restarts at scale 65536 and skips steps
         # New: the step goes by this run's steps per epoch (another world size can count others, DistributedSampler
-        # pads each shard): the epochs done and the steps into the next, as saved
-        start_epoch, in_epoch_at_start, sums = ckpt["epoch"], ckpt["in_epoch"], ckpt["sums"]
+        # pads each shard): the epochs done and the steps into the next, as saved (before in_epoch: from the step)
+        start_epoch, sums = ckpt["epoch"], ckpt["sums"]
+        in_epoch_at_start = ckpt.get("in_epoch", ckpt["step"] - start_epoch * steps_per_epoch)
+        if not 0 <= in_epoch_at_start < steps_per_epoch:
+            harness.die(f"{resume} holds no step count in its epoch that this run's {steps_per_epoch} steps an "
+                        "epoch can place: resume it on the process count that saved it", all_ranks=False)
         step = start_epoch * steps_per_epoch + in_epoch_at_start
         scheduler = warmup_cosine(optimizer, args.epochs, steps_per_epoch, args.warmup_epochs, step)  # New: step
         torch.manual_seed(args.seed + rank + 10_000 * step)  # New: no RNG state saved: not the draws before (dropout)

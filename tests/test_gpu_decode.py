@@ -209,6 +209,19 @@ def test_a_run_resumed_mid_epoch_on_more_processes_goes_on_where_it_stopped(tmp_
     assert len(before) == 32 and len(after) == 6 * 16
     # the epoch's permutation, each sample once, but the one the padding repeats (the permutation's first)
     assert set(before) | set(after) == set(range(127)) and len(set(before) & set(after)) == 1, (before, after)
+    # A checkpoint written before in_epoch (its steps into the epoch then read from the step) that this run's epochs
+    # cannot place: saved at 1 process's epoch end (step 7), on 2 it would be step -1 of epoch 2. One line, no
+    # traceback from islice on every rank.
+    old = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    del old["in_epoch"]
+    (tmp_path / "old").mkdir()
+    torch.save({**old, "epoch": 1, "step": 7}, tmp_path / "old" / "checkpoint.pt")
+    refused = launch(args[0], "cpu:2", *args[1:-1], tmp_path / "old", "--resume", "auto")
+    assert refused.returncode == 2 and error_lines(refused.stderr) == [
+        f"error: {tmp_path / 'old' / 'checkpoint.pt'} holds no step count in its epoch that this run's 8 steps an "
+        "epoch can place: resume it on the process count that saved it"], refused.stderr
+
+
 def test_the_box_and_flip_are_torchvisions_drawn_from_each_samples_seed(photos):
     # The recipe's sample k of epoch e, against torchvision's own transforms on the same decoded pixels with the
     # generator seeded as SeededSamples seeds it: the same box and flip, pixels within a rounding.

@@ -280,10 +280,8 @@ EDITS = [
     Edit("gpu_decode_resume_saved_step", "a resume mid-epoch takes the saved step less this run's epochs as its steps "
          "into the epoch: on another process count DistributedSampler's padding counts other epochs, and it skips "
          "samples or fails",
-         'start_epoch, in_epoch_at_start, sums = ckpt["epoch"], ckpt["in_epoch"], ckpt["sums"]\n'
-         '        step = start_epoch * steps_per_epoch + in_epoch_at_start\n',
-         'start_epoch, step, sums = ckpt["epoch"], ckpt["step"], ckpt["sums"]\n'
-         '        in_epoch_at_start = step - start_epoch * steps_per_epoch\n'),
+         'in_epoch_at_start = ckpt.get("in_epoch", ckpt["step"] - start_epoch * steps_per_epoch)',
+         'in_epoch_at_start = ckpt["step"] - start_epoch * steps_per_epoch'),
     Edit("fsdp_unused_state", "fsdp's resume asks the shards for a momentum buffer of every parameter, as "
          "get_state_dict's first step makes them: a model with a parameter that gets no gradient cannot resume",
          'del optim_state["state"][name]', "pass"),
