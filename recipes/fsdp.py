@@ -174,9 +174,13 @@ def load_shards(model, optimizer, path, saves):
     # and set (strict=False: a parameter without one has none, as in the run that saved them).
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata if os.path.isfile(
         os.path.join(path, ".metadata")) else None  # none: dcp.load below says what is wrong
-    for name, state in list(optim_state["state"].items()):
-        if saved is not None and not any(f"optimizer.state.{name}.{key}" in saved for key in state):
-            del optim_state["state"][name]
+    unsaved = [name for name, state in optim_state["state"].items()
+               if saved is not None and not any(f"optimizer.state.{name}.{key}" in saved for key in state)]
+    for name in unsaved:
+        del optim_state["state"][name]
+    if unsaved:  # said: a shard set that lost a parameter's state would resume it from none too
+        print0(f"resume: no optimizer state saved for {len(unsaved)} parameter(s), e.g. {unsaved[0]} (no gradient "
+               "before the save): they go on without one, as in the run that saved them")
     try:
         dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
     except dcp.CheckpointException as exc:  # a BaseException: `except Exception` would let it through

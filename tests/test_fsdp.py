@@ -191,6 +191,8 @@ def test_a_model_with_a_parameter_that_gets_no_gradient_resumes_bitwise(tmp_path
     first = run_direct("fsdp", *args, "--max-steps", PER_EPOCH, "--out-dir", tmp_path / "resumed")
     resumed = run_direct("fsdp", *args, "--resume", "auto", "--out-dir", tmp_path / "resumed")
     assert resumed.returncode == 0 and result_of(resumed)["steps"] == 2 * PER_EPOCH, resumed.stderr[-2000:]
+    assert ("resume: no optimizer state saved for 2 parameter(s), e.g. aux_head.weight (no gradient before the save): "
+            "they go on without one, as in the run that saved them") in resumed.stdout, resumed.stdout
     assert epoch_lines(first.stdout) + epoch_lines(resumed.stdout) == epoch_lines(straight.stdout)
     a, b = params(tmp_path / "straight/model.pt"), params(tmp_path / "resumed/model.pt")
     assert "aux_head.weight" in a and all(torch.equal(a[k], b[k]) for k in a)
