@@ -83,8 +83,9 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # 313 with torch_amp's resumed step counted in this run's epochs (gpu_decode's: the same --batch-size, its step).
     # 314 with common.data's rgb() imported for the files PIL decodes (a 16-bit PNG scaled, not clipped white).
     # 319 with the steps into the epoch saved and the resumed step counted from them in this run's epochs (the saved
-    # step less this run's epochs went wrong on another process count, whose padding makes other epochs).
-    ("torch_amp", "gpu_decode", 319),
+    # step less this run's epochs went wrong on another process count, whose padding makes other epochs); 321 with a
+    # checkpoint from before in_epoch read from its step, and one this run's epochs cannot place refused in one line.
+    ("torch_amp", "gpu_decode", 321),
     # apex_amp 260: its resumed step counted in this run's epochs (a saved count from another batch stopped it early);
     # 261: torch mode's O2 masters re-made after the DDP wrap (made before it, they kept each rank's own weights).
     # mx_face_prefetch: 150, then 160 with issue 65's device_normalize in the flagship (its RecordIO transforms kept
@@ -117,8 +118,9 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # ddp_comm_hooks 235: PowerSGD's error feedback in latest.pt's estimate (the disk check before the first step).
     # fsdp 414: a resume reads only the optimizer states the shards hold (a parameter without a gradient has none;
     # get_state_dict's step made one and the load failed), and --resume of a shard folder named as such; 415 with
-    # the --out-dir check before the resume, as ddp_checkpoint's (its comment a line longer).
-    ("ddp_checkpoint", "fsdp", 415), ("ddp_checkpoint", "ddp_zero", 192), ("ddp_checkpoint", "ddp_comm_hooks", 235),
+    # the --out-dir check before the resume, as ddp_checkpoint's (its comment a line longer); 419 with a line naming
+    # the parameters a resume finds no optimizer state for.
+    ("ddp_checkpoint", "fsdp", 419), ("ddp_checkpoint", "ddp_zero", 192), ("ddp_checkpoint", "ddp_comm_hooks", 235),
     # lm_tp: the plan, sharded checkpoints (fsdp.py's), loss_parallel, the gradients' layouts, and its block picture.
     # 276 until the preemption save (issue 43): the same lines as lm_ddp's, but its import of common.checkpoint
     # then wraps onto 10 lines, and lm_ddp's backward before a resumed run (DDP's bucket layout) is not its.

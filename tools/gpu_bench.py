@@ -731,9 +731,9 @@ class TimeUp(BaseException):
 
 
 def time_up(signum, frame):
-    if os.getpid() != TIME_UP_PID[0]:  # a forked child (make_jpegs' pool, which Pool's exit stops with SIGTERM; a
-        signal.signal(signum, signal.SIG_DFL)  # DataLoader worker) inherits the handler: it ends as SIGTERM ends it,
-        os.kill(os.getpid(), signum)  # without a traceback
+    if os.getpid() != TIME_UP_PID[0]:  # a forked child (make_jpegs' pool, which Pool's exit stops with SIGTERM)
+        signal.signal(signum, signal.SIG_DFL)  # inherits the handler: it ends as SIGTERM ends it, without a traceback
+        os.kill(os.getpid(), signum)
         return
     raise TimeUp(signal.Signals(signum).name)
 
