@@ -275,6 +275,9 @@ def main():
     torch.manual_seed(args.seed)  # same initial weights everywhere: each rank keeps its slice of them
     # YOUR MODEL goes here: an nn.Module from a batch (N, C, H, W) to logits (N, num_classes).
     model = build_model(args.arch, num_classes, args.image_size).to(device)
+    if not any(True for _ in blocks(model)):  # inception_v3's blocks are attributes; so may be yours
+        print0(f"fsdp: {args.arch} holds no Sequential or ModuleList of blocks: fully_shard on the root alone gathers "
+               "all of it at once; put its blocks in one, or have blocks() yield them")
     # One mesh for every fully_shard call: without mesh= each builds its own.
     shard(model, init_device_mesh(device.type, (world_size,)), args.amp_dtype, args.reshard_after_forward)
     torch.manual_seed(args.seed + rank)  # from here on, augmentation and dropout differ per rank

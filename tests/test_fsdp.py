@@ -198,6 +198,19 @@ def test_a_model_with_a_parameter_that_gets_no_gradient_resumes_bitwise(tmp_path
     assert "aux_head.weight" in a and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_model_without_a_sequential_of_blocks_is_said_to_be_sharded_at_the_root_alone(tmp_path):
+    # inception_v3 (torchvision's one such model) keeps its blocks as attributes: blocks() finds none, and fully_shard
+    # on the root alone gathers every parameter at once, which the run now says instead of going on in silence.
+    proc = run_direct("fsdp", "--arch", "inception_v3", "--image-size", "75", "--batch-size", "2", "--synthetic-train",
+                      "4", "--synthetic-val", "2", "--workers", "0", "--epochs", "1", "--max-steps", "1", "--out-dir",
+                      tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert ("fsdp: inception_v3 holds no Sequential or ModuleList of blocks: fully_shard on the root alone gathers "
+            "all of it at once; put its blocks in one, or have blocks() yield them") in proc.stdout, proc.stdout
+    quiet = run_direct("fsdp", *ARGS, "--max-steps", "1", "--out-dir", tmp_path / "tiny")  # tiny: its layers
+    assert quiet.returncode == 0 and "fsdp: tiny holds no" not in quiet.stdout, quiet.stdout
+
+
 def test_a_disk_that_fills_while_the_shards_are_written_keeps_the_previous_ones(tmp_path):
     # FAULT_DISK_FULL: the second time rank 0 opens its shard file (epoch 2's save), the disk takes 1 kB and refuses
     # the rest with ENOSPC. dcp.save hands the failure to every rank (a CheckpointException). torch's zip writer
