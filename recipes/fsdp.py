@@ -174,8 +174,8 @@ def load_shards(model, optimizer, path, saves):
     # and set (strict=False: a parameter without one has none, as in the run that saved them).
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata if os.path.isfile(
         os.path.join(path, ".metadata")) else None  # none: dcp.load below says what is wrong
-    unsaved = [name for name, state in optim_state["state"].items()
-               if saved is not None and not any(f"optimizer.state.{name}.{key}" in saved for key in state)]
+    unsaved = [] if saved is None else [name for name, state in optim_state["state"].items()
+                                        if not any(f"optimizer.state.{name}.{key}" in saved for key in state)]
     for name in unsaved:
         del optim_state["state"][name]
     if unsaved:  # said: a shard set that lost a parameter's state would resume it from none too
