@@ -421,9 +421,8 @@ def main():
                 if is_main:
                     save_atomic({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                                  "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "epoch": epoch,
-                                 "step": step, "in_epoch": in_epoch, "sums": [sum(r[k] for r in ranks) for k in
-                                                                             range(4)], "flags": run_flags},
-                                os.path.join(args.out_dir, "checkpoint.pt"))
+                                 "in_epoch": in_epoch, "sums": [sum(r[k] for r in ranks) for k in range(4)],
+                                 "step": step, "flags": run_flags}, os.path.join(args.out_dir, "checkpoint.pt"))
                     print0(f"saved: checkpoint.pt at step {step} ({in_epoch} of epoch {epoch + 1})")
                 diverged.last_good = os.path.join(args.out_dir, "checkpoint.pt")
             speed.step(args.batch_size)
