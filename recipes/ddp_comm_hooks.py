@@ -5,7 +5,7 @@
     ./launch.sh recipes/ddp_comm_hooks.py cpu:2 --arch tiny --epochs 3 --comm-hook fp16
     ./launch.sh recipes/ddp_comm_hooks.py cpu:3 --arch tiny --epochs 3 --comm-hook powersgd --resume auto
 
-What it shows (the rest is recipes/ddp_checkpoint.py, whose checkpoints it keeps):
+What it shows (the rest is recipes/ddp_checkpoint.py's epoch-end checkpoints; no SIGUSR1 save or --save-every):
 - DDP all-reduces every gradient, every step: 4 bytes per parameter (resnet18: 45 MB). Between nodes, or on GPUs
   without NVLink, that wire time can exceed the compute. model.register_comm_hook(state, hook), once, after the
   DDP wrap and before the first step, replaces DDP's all-reduce of each gradient bucket with the hook's:

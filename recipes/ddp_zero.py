@@ -4,7 +4,7 @@
     ./launch.sh recipes/ddp_zero.py cpu:2 --arch tiny --epochs 3
     ./launch.sh recipes/ddp_zero.py cpu:3 --arch tiny --epochs 3 --resume auto    # stopped early? go on, on 3
 
-What it shows (the rest is recipes/ddp_checkpoint.py, whose checkpoints it keeps):
+What it shows (the rest is recipes/ddp_checkpoint.py's epoch-end checkpoints; no SIGUSR1 save or --save-every):
 - ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, ...) keeps the optimizer state
   (SGD's momentum here; Adam's two moments are where it pays most) of about 1/N of the parameters on each rank:
   whole parameters, assigned greedily by size. DDP still all-reduces every gradient; each rank steps its own

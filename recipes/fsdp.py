@@ -2,14 +2,15 @@
 checkpoints (torch.distributed.checkpoint) that resume on another number of GPUs.
 
     ./launch.sh recipes/fsdp.py 0,1,2,3 --dataset cifar100 --arch resnet50 --epochs 30
-    ./launch.sh recipes/fsdp.py 0,1,2,3 --dataset cifar100 --arch resnet50 --epochs 30 --amp-dtype bf16
     ./launch.sh recipes/fsdp.py 0,1 --dataset cifar100 --arch resnet50 --epochs 30 --resume auto  # 4 GPUs' checkpoint
+    ./launch.sh recipes/fsdp.py 0,1,2,3 --dataset cifar100 --arch resnet50 --epochs 30 --amp-dtype bf16 \
+        --out-dir runs/fsdp_bf16                                                   # its own folder
     NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 \
         ./launch.sh recipes/fsdp.py 0,1,2,3 --dataset cifar100     # node 0; NODE_RANK=1 on node 1
     ./launch.sh recipes/fsdp.py cpu:2 --arch tiny --epochs 3 --resume auto               # CPU (gloo)
     ./launch.sh recipes/fsdp.py 0,1 --dataset cifar100 --epochs 30 --async-save   # shards written by a thread
 
-What it shows (the rest is recipes/ddp_checkpoint.py):
+What it shows (the rest is ddp_checkpoint.py's epoch-end checkpoints; no SIGUSR1 save, --save-every or best.pt):
 - fully_shard makes each parameter a DTensor sharded along dim 0: a rank holds 1/N of the parameters, gradients and
   optimizer state that DDP keeps whole on every GPU (RESULT: state_bytes_per_rank). A block's parameters are
   all-gathered before its forward and backward and freed after (--no-reshard-after-forward keeps them until backward);

@@ -301,6 +301,10 @@ def main():
     harness.check_full_batch(steps_per_epoch, len(train_set), args.batch_size)  # drop_last: else 0 steps
     print0(f"data: {args.dataset} train={len(train_set)} val={len(val_set)} classes={num_classes} "
            f"steps_per_epoch={steps_per_epoch}")
+    if workers_per_process > 0:  # New: start the validation workers now. The training workers are forked again every
+        # epoch, and on Python <= 3.11 a fork just after another loader shut down (here in DataLoaderX's thread) can
+        # deadlock the child (CPython gh-112275). DataLoader's own iter(): DataLoaderX's would start decoding.
+        torch.utils.data.DataLoader.__iter__(val_loader)
     # ----------------------------------------------------------------------------------- model
     torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
     # YOUR MODEL goes here: an nn.Module from a batch (N, C, H, W) to logits (N, num_classes).

@@ -141,7 +141,7 @@ def main():
     amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "tf32": torch.float32, "fp32": torch.float32}[amp_name]
     if amp_name == "fp32":  # strict fp32: TF32 off too (set on above); a no-op on the CPU, which has no TF32
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format  # New: --channels-last
     # ------------------------------------------------------------------------------------ data
     if local_rank == 0:  # one per node (in turn on a shared folder: one download); the others wait at the barrier
         prepare_dataset(args.dataset, args.data_root)
@@ -167,7 +167,7 @@ def main():
     # ----------------------------------------------------------------------------------- model
     torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
     # YOUR MODEL goes here: an nn.Module from a batch (N, C, H, W) to logits (N, num_classes).
-    model = build_model(args.arch, num_classes, args.image_size).to(device, memory_format=memory_format)
+    model = build_model(args.arch, num_classes, args.image_size).to(device, memory_format=memory_format)  # New
     if args.sync_bn:  # before the DDP wrap; each BatchNorm all-gathers its statistics in every training forward
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if args.compile:  # New: in place, before the DDP wrap (ddp_compile.py's lesson): the step compiled, the data not
@@ -226,11 +226,11 @@ def main():
         loss_meter, acc_meter = AverageMeter(), AverageMeter()
         recent = collections.deque(maxlen=4)  # this epoch's last inputs, for BatchNorm below
         speed.start()
-        micro_batches = itertools.islice(train_loader, steps_per_epoch * args.accum_steps)
+        micro_batches = itertools.islice(train_loader, steps_per_epoch * args.accum_steps)  # New: accum-steps
         bar = tqdm(micro_batches, total=steps_per_epoch * args.accum_steps, desc=f"epoch {epoch + 1}", leave=False,
                    disable=not (is_main and sys.stdout.isatty()))
         for i, (images, targets) in enumerate(bar):
-            images = normalize(images.to(device, non_blocking=True, memory_format=memory_format))
+            images = normalize(images.to(device, non_blocking=True, memory_format=memory_format))  # New: NHWC
             targets = targets.to(device, non_blocking=True)
             recent.append(images)
             boundary = (i + 1) % args.accum_steps == 0  # New: the step's last micro-batch
@@ -271,7 +271,7 @@ def main():
         diverged.all_reduce_and_check(epoch, step, scaler.get_scale() if scaler.is_enabled() else None, model)
         # BatchNorm's running statistics trail the weights (momentum 0.1): after a short or fast epoch, eval's loss
         # explodes. Recompute them with the final weights from the last batches: every rank (--sync-bn: a collective).
-        with recomputed_batchnorm(model.module), torch.autocast(device.type, dtype=amp_dtype,
+        with recomputed_batchnorm(model.module), torch.autocast(device.type, dtype=amp_dtype,  # New: as training
                                                                enabled=amp_dtype != torch.float32):
             with torch.compiler.set_stance("force_eager"):  # New: --compile: these few batches want no graphs
                 while recent:  # popped: each batch leaves GPU memory once used

@@ -15,6 +15,7 @@ one-process loop (tests/reference.py) fed the same samples one at a time through
 """
 
 import collections
+import json
 import re
 import threading
 import time
@@ -312,7 +313,8 @@ def test_a_file_that_nothing_decodes_stops_the_run_with_one_line_naming_it(tmp_p
     make_set(root, train=30, val=10, classes=2, size=(40, 30), jobs=1, corrupt=True)
     start = time.monotonic()
     proc = launch("recipes/gpu_decode.py", "cpu:2", "--dataset", "imagefolder", "--data-root", root, "--arch", "tiny",
-                  "--workers", "1", "--image-size", SIZE, "--batch-size", 8, "--out-dir", tmp_path / "out")
+                  "--workers", "1", "--image-size", SIZE, "--batch-size", 8, "--out-dir", tmp_path / "out",
+                  env=instrument_env(LOG_SAMPLES_DIR=tmp_path / "samples"))
     took = time.monotonic() - start
     lines = error_lines(proc.stderr)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -320,6 +322,11 @@ def test_a_file_that_nothing_decodes_stops_the_run_with_one_line_naming_it(tmp_p
                                       r"does not load: \w+: .+", line) for line in lines), lines
     assert took < 60, took
     assert not (tmp_path / "out" / "model.pt").exists()
+    # The validation workers were forked before the training loader's (the first indices each rank's loaders took,
+    # tests/instrument's LOG_SAMPLES_DIR, were evaluation's): not at the first evaluation, right after the training
+    # workers shut down in DataLoaderX's thread, where a fork can deadlock on Python <= 3.11 (CPython gh-112275).
+    firsts = [json.loads(f.read_text().splitlines()[0]) for f in sorted((tmp_path / "samples").glob("*.jsonl"))]
+    assert sorted((r["rank"], r["kind"]) for r in firsts) == [(0, "eval"), (1, "eval")], firsts
 
 
 def test_a_jpeg_broken_inside_is_named_by_the_main_process(photos):

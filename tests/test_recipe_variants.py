@@ -85,7 +85,9 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # 319 with the steps into the epoch saved and the resumed step counted from them in this run's epochs (the saved
     # step less this run's epochs went wrong on another process count, whose padding makes other epochs); 321 with a
     # checkpoint from before in_epoch read from its step, and one this run's epochs cannot place refused in one line.
-    ("torch_amp", "gpu_decode", 321),
+    # 326 with torch_amp's channels-last and micro-batch lines marked `# New` against ddp_torchrun (gpu_decode keeps
+    # them unmarked: not its lesson); 330 with the validation workers started before training (CPython gh-112275).
+    ("torch_amp", "gpu_decode", 330),
     # apex_amp 260: its resumed step counted in this run's epochs (a saved count from another batch stopped it early);
     # 261: torch mode's O2 masters re-made after the DDP wrap (made before it, they kept each rank's own weights).
     # mx_face_prefetch: 150, then 160 with issue 65's device_normalize in the flagship (its RecordIO transforms kept
@@ -120,8 +122,9 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # get_state_dict's step made one and the load failed), and --resume of a shard folder named as such; 415 with
     # the --out-dir check before the resume, as ddp_checkpoint's (its comment a line longer); 419 with a line naming
     # the parameters a resume finds no optimizer state for; 422 with a model without a Sequential of blocks said to
-    # be sharded at the root alone (inception_v3; a model of the user's own).
-    ("ddp_checkpoint", "fsdp", 422), ("ddp_checkpoint", "ddp_zero", 192), ("ddp_checkpoint", "ddp_comm_hooks", 235),
+    # be sharded at the root alone (inception_v3; a model of the user's own); 423 with the docstring's bf16 command
+    # in a folder of its own (a resume refuses a changed --amp-dtype).
+    ("ddp_checkpoint", "fsdp", 423), ("ddp_checkpoint", "ddp_zero", 192), ("ddp_checkpoint", "ddp_comm_hooks", 235),
     # lm_tp: the plan, sharded checkpoints (fsdp.py's), loss_parallel, the gradients' layouts, and its block picture.
     # 276 until the preemption save (issue 43): the same lines as lm_ddp's, but its import of common.checkpoint
     # then wraps onto 10 lines, and lm_ddp's backward before a resumed run (DDP's bucket layout) is not its.
@@ -149,8 +152,9 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # 321 with evaluation's forwards paired up where a dp rank's windows run out (lm_moe's 3 lines; an empty batch
     # cannot pass attention's view).
     # 324 with lm_tp's model built on the host and moved after the cut (this one builds on the meta device), and
-    # evaluation in training's micro-batches (--accum-steps: the whole per-rank batch at once ran out of memory first).
-    ("lm_tp", "lm_fsdp_tp", 324),  # 309 until --compile (issue 66), 316 until the paired evaluation
+    # evaluation in training's micro-batches (--accum-steps: the whole per-rank batch at once ran out of memory first);
+    # 325 with the docstring's resume on another mesh bounded by the global batch (a 3 x 1 mesh cannot split 32).
+    ("lm_tp", "lm_fsdp_tp", 325),  # 309 until --compile (issue 66), 316 until the paired evaluation
     # lm_moe (issue 67): the MoE layer (router, experts, AllToAll), the dp x ep mesh, two gradient groups instead of
     # DDP, the clip across experts, lm_pp's DCP checkpoints (experts by their global names) and its block picture.
     # 375 before the router in fp32 under autocast and the bytes counted as sent; 386 with evaluation's forwards

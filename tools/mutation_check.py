@@ -1,6 +1,6 @@
 """Delete the cookbook's lessons from the recipes, one at a time, and report which deletions the tests miss.
 
-    python tools/mutation_check.py                               # every edit on every recipe, one at a time: 267
+    python tools/mutation_check.py                               # every edit on every recipe, one at a time: 270
     python tools/mutation_check.py --jobs 2                      # two at a time: 255 took 69 min (2026-11-30)
     python tools/mutation_check.py --recipes torch_amp --edits unscale,no_sync
     python tools/mutation_check.py --out bench/mutation.json     # also write the results as JSON
@@ -282,6 +282,9 @@ EDITS = [
          "samples or fails",
          'in_epoch_at_start = ckpt.get("in_epoch", ckpt["step"] - start_epoch * steps_per_epoch)',
          'in_epoch_at_start = ckpt["step"] - start_epoch * steps_per_epoch'),
+    Edit("gpu_decode_val_workers_late", "gpu_decode's validation workers first forked at the first evaluation, just "
+         "after the training workers shut down in DataLoaderX's thread: a fork that can deadlock (CPython gh-112275)",
+         "        torch.utils.data.DataLoader.__iter__(val_loader)", "        pass"),
     Edit("fsdp_unused_state", "fsdp's resume asks the shards for a momentum buffer of every parameter, as "
          "get_state_dict's first step makes them: a model with a parameter that gets no gradient cannot resume",
          'del optim_state["state"][name]', "pass"),
@@ -456,6 +459,7 @@ GUARDS = {
     "gpu_decode_global_generator": {"gpu_decode": ["tests/test_gpu_decode.py", "-k", "thread"]},
     "gpu_decode_resume_reseed": {"gpu_decode": ["tests/test_gpu_decode.py", "-k", "resumed_mid_epoch_ends"]},
     "gpu_decode_resume_saved_step": {"gpu_decode": ["tests/test_gpu_decode.py", "-k", "more_processes"]},
+    "gpu_decode_val_workers_late": {"gpu_decode": ["tests/test_gpu_decode.py", "-k", "nothing_decodes"]},
     "fsdp_unused_state": {"fsdp": ["tests/test_fsdp.py", "-k", "no_gradient"]},
     "eval_rank0_alone": {"gpu_decode": ["tests/test_gpu_decode.py", "-k", "handed"],
                          "ddp_uneven": ["tests/test_uneven.py", "-k", "equals_the_reference and cpu:2"],
