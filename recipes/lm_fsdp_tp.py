@@ -37,9 +37,8 @@ What it shows, against lm_tp.py (diff them: the lesson is what a second, data-pa
   gradient's norm) is done a mesh at a time. Torch warns once per rank where it redistributes over both dimensions
   in two collectives (the norm: one number a step; the weights gathered for model.pt): harmless at these sizes.
 - --sequence-parallel, loss_parallel(), the checkpoints and --async-save: as lm_tp.py. The shards (DCP) resume on
-  another mesh: --dp, --tp, --sequence-parallel, --accum-steps may change (DCP reshards 2 x 2 onto 1 x 2, 4 x 1,
-  2 x 1); the model's shape and the global batch may not (a 3 x 1 mesh cannot split 32). OUT_DIR/model.pt: full
-  weights for common.lm.Transformer, one process.
+  another mesh: --dp, --tp, --sequence-parallel, --accum-steps may change (2 x 2 onto 1 x 2, 4 x 1, 2 x 1); the
+  model's shape and global batch may not (3 x 1 cannot split 32). OUT_DIR/model.pt: full weights, one process.
 - --compile: each block compiled in place after the TP plan and before fully_shard (torchtitan's order): FSDP2's
   all-gathers and reduce-scatters run eagerly around each compiled block (0 graph breaks).
 - Not here: HSDP (FSDP2 within a node, replicated across nodes: fully_shard on a 2-D (replicate, shard) mesh).

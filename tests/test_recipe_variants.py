@@ -152,9 +152,8 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # 321 with evaluation's forwards paired up where a dp rank's windows run out (lm_moe's 3 lines; an empty batch
     # cannot pass attention's view).
     # 324 with lm_tp's model built on the host and moved after the cut (this one builds on the meta device), and
-    # evaluation in training's micro-batches (--accum-steps: the whole per-rank batch at once ran out of memory first);
-    # 325 with the docstring's resume on another mesh bounded by the global batch (a 3 x 1 mesh cannot split 32).
-    ("lm_tp", "lm_fsdp_tp", 325),  # 309 until --compile (issue 66), 316 until the paired evaluation
+    # evaluation in training's micro-batches (--accum-steps: the whole per-rank batch at once ran out of memory first).
+    ("lm_tp", "lm_fsdp_tp", 324),  # 309 until --compile (issue 66), 316 until the paired evaluation
     # lm_moe (issue 67): the MoE layer (router, experts, AllToAll), the dp x ep mesh, two gradient groups instead of
     # DDP, the clip across experts, lm_pp's DCP checkpoints (experts by their global names) and its block picture.
     # 375 before the router in fp32 under autocast and the bytes counted as sent; 386 with evaluation's forwards
