@@ -24,7 +24,7 @@ Environment: MASTER_PORT (default: a free port), MASTER_ADDR (default 127.0.0.1)
 NNODES and NODE_RANK for multi-node (then MASTER_ADDR and MASTER_PORT are required),
 MAX_RESTARTS (default 0): torchrun restarts every rank this many times when one fails (give the
 recipe --resume auto so it goes on from its last checkpoint), PYTHON (default python3),
-OMP_NUM_THREADS (default: cores / processes).
+OMP_NUM_THREADS (default: cores / processes; cores: nproc's, at most a container's CPU limit).
 
 The recipe names its launcher in a line '# launcher: torchrun|torch.distributed.launch|python'.
 
@@ -232,7 +232,21 @@ else
 fi
 
 # ---- command
+# The cores this node's job may use: nproc's (its CPU affinity: a Slurm job's CPUs, a taskset, a cpuset), and no
+# more than a container's CPU limit (Docker's --cpus, a Kubernetes CPU limit), which nproc does not count: the
+# cgroup's CFS quota over its period, rounded up, as common/data.py's cpu_quota() reads it (CGROUP_FS: tests' files).
 cores=$(nproc)
+cgroup=${CGROUP_FS:-/sys/fs/cgroup}
+quota=0
+if read -r q p _ < "$cgroup/cpu.max" 2>/dev/null ||
+   { read -r q _ < "$cgroup/cpu/cpu.cfs_quota_us" && read -r p _ < "$cgroup/cpu/cpu.cfs_period_us"; } 2>/dev/null; then
+  if [[ $q =~ ^[0-9]+$ && $p =~ ^[0-9]+$ ]] && ((10#$q > 0 && 10#$p > 0)); then
+    quota=$(((10#$q + 10#$p - 1) / 10#$p))
+  fi
+fi
+if ((quota > 0 && quota < cores)); then
+  cores=$quota
+fi
 threads=${OMP_NUM_THREADS:-$((cores / nprocs > 0 ? cores / nprocs : 1))}
 # tools/torchrun.py is torchrun (from this environment) with the same flags; when a rank fails it prints one
 # line naming the failed ranks and exits with the failed rank's code (torchrun itself always exits 1).

@@ -200,9 +200,29 @@ def default_worker_count(cores, processes_per_node):
 
 
 def usable_cores():
-    """The cores this process may run on, as launch.sh's `nproc` counts them: its CPU affinity, what a job
-    scheduler's cgroup (a Slurm job's --cpus-per-task), a taskset or a cpuset leaves it, not the whole machine."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """The cores this process may use, as launch.sh counts them: its CPU affinity (what a Slurm job's --cpus-per-task,
+    a taskset or a cpuset leaves it, not the whole machine), and no more than a container's CPU limit (cpu_quota)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = cpu_quota()
+    return min(cores, quota) if quota else cores
+
+
+def cpu_quota(root=None):
+    """The CPUs a container's limit allows (Docker's --cpus, a Kubernetes pod's CPU limit): its cgroup's CFS quota
+    over the period, rounded up; None where there is none. Affinity does not show it: a pod limited to 16 CPUs on a
+    128-core node sees 128, and 15 workers for each of 8 processes would take turns on 16. cgroup v2's cpu.max
+    ("QUOTA PERIOD", or "max PERIOD": none), else v1's cpu.cfs_quota_us (-1: none) and cpu.cfs_period_us, under
+    root (default: $CGROUP_FS, else /sys/fs/cgroup: the container's own cgroup, as Docker and Kubernetes mount it)."""
+    root = root or os.environ.get("CGROUP_FS") or "/sys/fs/cgroup"
+    for files in (("cpu.max",), ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")):
+        try:
+            words = " ".join(open(os.path.join(root, name)).read() for name in files).split()
+        except OSError:
+            continue
+        if len(words) == 2 and all(w.isdigit() for w in words) and int(words[0]) > 0 and int(words[1]) > 0:
+            return -(-int(words[0]) // int(words[1]))
+        return None  # this file says: no limit (or says nothing this reads)
+    return None
 
 
 def default_workers(workers, processes_per_node):

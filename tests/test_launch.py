@@ -396,6 +396,39 @@ def test_cpu_threads_split_across_processes(tmp_path, cores, devices, threads):
     assert env["OMP_NUM_THREADS"] == "7"
 
 
+def cgroup_files(folder, files):
+    """A stand-in for the kernel's cgroup folder (a test double: /sys/fs/cgroup cannot be written here)."""
+    for name, text in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+    return str(folder)
+
+
+@pytest.mark.parametrize(("files", "devices", "threads", "quota"), [
+    ({"cpu.max": "1600000 100000\n"}, "cpu:8", "2", 16),  # a pod limited to 16 CPUs of a 128-core node
+    ({"cpu.max": "150000 100000\n"}, "cpu:1", "2", 2),  # 1.5 CPUs: rounded up
+    ({"cpu.max": "max 100000\n", "cpu/cpu.cfs_quota_us": "100000\n", "cpu/cpu.cfs_period_us": "100000\n"}, "cpu:2",
+     "64", None),  # cgroup v2 says no limit: v1's files are not read
+    ({"cpu/cpu.cfs_quota_us": "400000\n", "cpu/cpu.cfs_period_us": "100000\n"}, "cpu:2", "2", 4),  # cgroup v1
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, "cpu:2", "64", None),  # v1: no limit
+    ({"cpu.max": "25600000 100000\n"}, "cpu:2", "64", 256),  # a limit above the cores: the cores
+])
+def test_cores_are_nproc_s_at_most_a_container_s_cpu_limit(tmp_path, monkeypatch, files, devices, threads, quota):
+    """launch.sh's threads and the recipes' default --workers count the same cores: a Docker --cpus or Kubernetes
+    CPU limit (the cgroup's CFS quota, which nproc does not count) caps them."""
+    from common.data import cpu_quota, default_workers, usable_cores
+
+    root = cgroup_files(tmp_path / "cgroup", files)
+    path = stand_in_command(tmp_path, "nproc", "echo 128\n")  # the node's 128 cores, all in this job's affinity
+    assert dry_run("recipes/ddp_torchrun.py", devices, env={**path, "CGROUP_FS": root})[0]["OMP_NUM_THREADS"] == threads
+    assert cpu_quota(root) == quota
+    monkeypatch.setenv("CGROUP_FS", root)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(128)))
+    processes = int(devices.split(":")[1])
+    assert usable_cores() == min(128, quota or 128)
+    assert default_workers(None, processes) == min(16, min(128, quota or 128) // processes - 1)
+
+
 def test_the_gpu_tier_asked_for_without_cuda_fails_with_one_line():
     """`python -m pytest -m gpu` where CUDA cannot run must not skip everything and pass."""
     import torch
