@@ -12,7 +12,7 @@ What it shows (the rest is recipes/ddp_torchrun.py):
   A corrupt or truncated file stops training with one line naming the file and the record key.
 - common.DataLoaderX: a background thread loads the next batches while this one computes, and on a GPU
   copies them on a side CUDA stream (the step waits on that copy's event; record_stream keeps the memory
-  alive). It needs torch.cuda.set_device(local_rank) first, or every process copies onto GPU 0.
+  alive). Call torch.cuda.set_device(local_rank) first: the DataLoader's pin-memory thread pins on the current GPU.
 - A margin-based softmax head: CosFace s*(cos(theta_y) - m) or ArcFace s*cos(theta_y + m) for the true
   identity, s*cos(theta) for the others, on L2-normalised embeddings and class weights. Validation
   scores held-out images of the same identities (every 10th image) by plain cosine logits.
