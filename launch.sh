@@ -238,7 +238,7 @@ fi
 cores=$(nproc)
 cgroup=${CGROUP_FS:-/sys/fs/cgroup}
 quota=0
-if read -r q p _ < "$cgroup/cpu.max" 2>/dev/null ||
+if { read -r q p _ < "$cgroup/cpu.max"; } 2>/dev/null ||  # braced: a missing file's error is the redirection's
    { read -r q _ < "$cgroup/cpu/cpu.cfs_quota_us" && read -r p _ < "$cgroup/cpu/cpu.cfs_period_us"; } 2>/dev/null; then
   if [[ $q =~ ^[0-9]+$ && $p =~ ^[0-9]+$ ]] && ((10#$q > 0 && 10#$p > 0)); then
     quota=$(((10#$q + 10#$p - 1) / 10#$p))

@@ -420,7 +420,9 @@ def test_cores_are_nproc_s_at_most_a_container_s_cpu_limit(tmp_path, monkeypatch
 
     root = cgroup_files(tmp_path / "cgroup", files)
     path = stand_in_command(tmp_path, "nproc", "echo 128\n")  # the node's 128 cores, all in this job's affinity
-    assert dry_run("recipes/ddp_torchrun.py", devices, env={**path, "CGROUP_FS": root})[0]["OMP_NUM_THREADS"] == threads
+    env, _, err = dry_run("recipes/ddp_torchrun.py", devices, env={**path, "CGROUP_FS": root})
+    assert env["OMP_NUM_THREADS"] == threads
+    assert err.startswith("launch.sh: "), err  # its own line first: nothing about the files the cgroup lacks
     assert cpu_quota(root) == quota
     monkeypatch.setenv("CGROUP_FS", root)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(128)))
