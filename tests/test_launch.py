@@ -426,9 +426,9 @@ def test_cores_are_nproc_s_at_most_a_container_s_cpu_limit(tmp_path, monkeypatch
     assert cpu_quota(root) == quota
     monkeypatch.setenv("CGROUP_FS", root)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(128)))
-    processes = int(devices.split(":")[1])
-    assert usable_cores() == min(128, quota or 128)
-    assert default_workers(None, processes) == min(16, min(128, quota or 128) // processes - 1)
+    processes, cores = int(devices.split(":")[1]), min(128, quota or 128)
+    assert usable_cores() == cores
+    assert default_workers(None, processes) == min(16, cores // processes - 1)
 
 
 def test_the_gpu_tier_asked_for_without_cuda_fails_with_one_line():
