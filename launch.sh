@@ -68,11 +68,27 @@ case $launcher in
 esac
 
 # ---- devices -> CUDA_VISIBLE_DEVICES and the process count (never torch.cuda.device_count() of the box)
+smi_list() {
+  # nvidia-smi -L's lines. "No devices were found" is a machine without GPUs; any other failure (a driver/library
+  # version mismatch after a driver update, a driver not loaded, a hang) stops here in one line: read as "no GPU",
+  # it would train an 8-GPU job on the CPU.
+  local out rc=0
+  out=$(timeout 10 nvidia-smi -L 2>&1) || rc=$?
+  if ((rc == 124)); then
+    fail "nvidia-smi -L did not answer in 10 s; check the GPU driver, or pass cpu or cpu:N to run on the CPU"
+  elif ((rc != 0)) && [[ $out != *"No devices were found"* ]]; then
+    fail "nvidia-smi -L failed (exit $rc): $(head -n 1 <<<"${out:-no output}"); fix the GPU driver, or pass cpu or cpu:N to run on the CPU"
+  fi
+  ((rc != 0)) || printf '%s\n' "$out"
+}
+
 gpu_count() {
   # nvidia-smi lists every GPU of the machine in PCI order; CUDA_DEVICE_ORDER=PCI_BUS_ID below makes
   # CUDA number them the same way, so "0,1,3" means what nvidia-smi shows.
   if command -v nvidia-smi >/dev/null 2>&1; then
-    timeout 10 nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true
+    local smi
+    smi=$(smi_list) || exit $?
+    grep -c '^GPU ' <<<"$smi" || true
   else
     # No nvidia-smi: a container started without the driver's "utility" capability still runs CUDA. Ask
     # CUDA through torch (a few seconds), with every GPU visible and numbered as nvidia-smi would.
@@ -101,7 +117,7 @@ if [[ -z $devices ]]; then
     devices=cpu:2
     echo "launch.sh: CUDA_VISIBLE_DEVICES is empty, running cpu:2 (2 processes, gloo); pass DEVICES to choose" >&2
   else
-    count=$(gpu_count)
+    count=$(gpu_count) || exit $?
     if ((count > 0)); then
       devices=$(seq -s, 0 $((count - 1)))
     else
@@ -139,7 +155,7 @@ elif [[ $devices =~ ^[0-9]+(,[0-9]+)*$ ]]; then
     seen[$id]=1
     visible+=${visible:+,}$id
   done
-  count=$(gpu_count)
+  count=$(gpu_count) || exit $?
   ((count > 0)) || fail "DEVICES '$asked' asks for GPUs, but this machine has none (nvidia-smi, or torch without it); use cpu or cpu:N, e.g. cpu:2"
   for id in "${!seen[@]}"; do
     ((id < count)) || fail "GPU $id does not exist: this machine has $count GPU(s), ids 0-$((count - 1)); e.g. $(seq -s, 0 $((count - 1)))"
@@ -156,7 +172,8 @@ elif [[ $devices =~ ^(GPU|MIG)-[A-Za-z0-9/-]+(,(GPU|MIG)-[A-Za-z0-9/-]+)*$ ]]; t
   IFS=, read -ra ids <<<"$devices"
   [[ $(printf '%s\n' "${ids[@]}" | sort | uniq -d) == "" ]] || fail "a GPU is listed twice in '$devices'; list each once"
   if command -v nvidia-smi >/dev/null 2>&1; then # CUDA drops an id it does not know, and every id after it
-    listed=$(timeout 10 nvidia-smi -L 2>/dev/null | grep -o 'UUID: [^)]*' | cut -c7- | paste -sd, -)
+    smi=$(smi_list) || exit $?
+    listed=$(grep -o 'UUID: [^)]*' <<<"$smi" | cut -c7- | paste -sd, - || true)
     for id in "${ids[@]}"; do # a UUID's first characters do (NVIDIA's docs); the legacy MIG-GPU-.../GI/CI form is
       [[ $id == */* || ,$listed == *,"$id"* ]] || # not in the list: passed as it is
         fail "GPU $id is not on this machine: nvidia-smi -L lists ${listed:-no UUID}; pass ids from it, or numbers like 0,1"
@@ -199,32 +216,58 @@ if ((nnodes > 1)) && [[ -z ${MASTER_ADDR:-} || -z ${MASTER_PORT:-} ]]; then
 fi
 master_addr=${MASTER_ADDR:-127.0.0.1}
 
-port_is_free() {
-  # SO_REUSEADDR as torch's TCPStore sets it, so a port in TIME_WAIT is not reported busy.
-  "$python" -c 'import socket, sys
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+check_master() {
+  # On node 0, which hosts the rendezvous: MASTER_ADDR must be an address of this machine (any other one, say a
+  # cluster job's left exported, makes every rank retry its connection for 15 minutes), and MASTER_PORT, when
+  # given, free to listen on (SO_REUSEADDR as torch's TCPStore sets it: a port in TIME_WAIT is not busy).
+  # Exit 0: fine; 1: the port is in use; 3: the address is not this machine's; 4: it does not resolve; 5: the
+  # port needs root.
+  "$python" -c 'import errno, socket, sys
+addr, port = sys.argv[1], int(sys.argv[2])
 try:
-    s.bind(("", int(sys.argv[1])))
-except OSError:
-    sys.exit(1)' "$1"
+    found = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+except (socket.gaierror, UnicodeError):
+    sys.exit(4)
+local = False
+for family, kind, _, _, where in found:
+    with socket.socket(family, kind) as s:
+        try:
+            s.bind((where[0], 0))
+            local = True
+        except OSError:
+            pass
+if not local:
+    sys.exit(3)
+if port:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(("", port))
+    except OSError as e:
+        sys.exit(5 if e.errno == errno.EACCES else 1)' "$1" "$2"
 }
 
 if [[ -n ${MASTER_PORT:-} ]]; then
   if ! [[ $MASTER_PORT =~ ^[0-9]+$ ]] || ((10#$MASTER_PORT < 1 || 10#$MASTER_PORT > 65535)); then
     fail "MASTER_PORT='$MASTER_PORT' is not a port number (1-65535)"
   fi
-  # Only node 0 listens on it; on other nodes it is a port of MASTER_ADDR.
-  if ((node_rank == 0)); then
-    free=0
-    port_is_free "$MASTER_PORT" 2>/dev/null || free=$?
-    case $free in
-      0) ;;
-      1) fail "MASTER_PORT=$MASTER_PORT is already in use (another job on this machine?); unset MASTER_PORT to get a free port, or pick another" ;;
-      *) fail "could not run '$python' to check MASTER_PORT; set PYTHON to your environment's python" ;;
-    esac
-  fi
   master_port=$((10#$MASTER_PORT))
-else
+fi
+# Only node 0 listens; on the other nodes MASTER_ADDR and MASTER_PORT are node 0's. Nothing to check when neither
+# is given: 127.0.0.1 and a port picked free below.
+if ((node_rank == 0)) && [[ -n ${MASTER_ADDR:-} || -n ${MASTER_PORT:-} ]]; then
+  ok=0
+  check_master "$master_addr" "${master_port:-0}" 2>/dev/null || ok=$?
+  case $ok in
+    0) ;;
+    1) fail "MASTER_PORT=$master_port is already in use (another job on this machine?); unset MASTER_PORT to get a free port, or pick another" ;;
+    3) fail "MASTER_ADDR=$master_addr is not an address of this machine, and node 0 (NODE_RANK=$node_rank) hosts the rendezvous there; set it to this node's address, or unset it for a one-node job" ;;
+    4) fail "MASTER_ADDR=$master_addr does not resolve to an address; set it to node 0's address or host name, or unset it for a one-node job" ;;
+    5) fail "MASTER_PORT=$master_port is a privileged port (below 1024) that this user cannot listen on; pick one above 1024" ;;
+    *) fail "could not run '$python' to check MASTER_ADDR and MASTER_PORT; set PYTHON to your environment's python" ;;
+  esac
+fi
+if [[ -z ${MASTER_PORT:-} ]]; then
   # A random free port below the kernel's ephemeral range, where no other job's connection can take it before
   # torchrun listens on it (tools/free_port.py says why).
   master_port=$("$python" "$here/tools/free_port.py") ||
@@ -246,6 +289,10 @@ if { read -r q p _ < "$cgroup/cpu.max"; } 2>/dev/null ||  # braced: a missing fi
 fi
 if ((quota > 0 && quota < cores)); then
   cores=$quota
+fi
+if [[ -n ${OMP_NUM_THREADS:-} && ! $OMP_NUM_THREADS =~ ^0*[1-9][0-9]{0,5}(,[0-9]{1,6})*$ ]]; then
+  # libgomp ignores a bad value with a warning and runs a thread per core in every process (6x slower measured)
+  fail "OMP_NUM_THREADS='$OMP_NUM_THREADS' must be a whole number >= 1 (threads per process); unset it for cores / processes ($((cores / nprocs > 0 ? cores / nprocs : 1)) here)"
 fi
 threads=${OMP_NUM_THREADS:-$((cores / nprocs > 0 ? cores / nprocs : 1))}
 # tools/torchrun.py is torchrun (from this environment) with the same flags; when a rank fails it prints one

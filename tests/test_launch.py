@@ -131,6 +131,30 @@ def test_bad_devices(devices, gpus, message, fake_gpus, tmp_path):
     assert not (tmp_path / "ran").exists()
 
 
+@pytest.mark.parametrize("devices", [None, "0,1", "GPU-00000001", "GPU-abc"])
+@pytest.mark.parametrize(("smi", "code", "said"), [
+    # after a driver update, before a reboot: read as "no GPU", an 8-GPU job would train on the CPU
+    ("Failed to initialize NVML: Driver/library version mismatch", 18,
+     "nvidia-smi -L failed (exit 18): Failed to initialize NVML: Driver/library version mismatch; fix the GPU driver, "
+     "or pass cpu or cpu:N to run on the CPU"),
+    ("", 9, "nvidia-smi -L failed (exit 9): no output; fix the GPU driver"),
+])
+def test_a_failing_nvidia_smi_is_said_in_one_line_not_read_as_no_gpu(devices, smi, code, said, tmp_path):
+    env = stand_in_command(tmp_path / "smi", "nvidia-smi", f'echo "{smi}"\nexit {code}\n' if smi else f"exit {code}\n")
+    proc = launch("--dry-run", "recipes/ddp_torchrun.py", *([devices] if devices else []), env=env)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and proc.stdout == "" and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"launch.sh: error: {said}"), lines[0]
+
+
+def test_a_uuid_on_a_machine_whose_nvidia_smi_lists_no_gpu_is_refused_in_one_line(fake_gpus):
+    # the list's grep matched nothing: with pipefail the script ended there, exit 1 and not a word
+    proc = launch("--dry-run", "recipes/ddp_torchrun.py", "GPU-abc", env=fake_gpus(0))
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "launch.sh: error: GPU GPU-abc is not on this machine: nvidia-smi -L lists no UUID; pass ids from it, or "
+        "numbers like 0,1"], proc.stderr
+
+
 def test_a_uuid_nvidia_smi_lists_runs_and_replacing_cuda_visible_devices_is_said(fake_gpus):
     env, argv, stderr = dry_run("recipes/ddp_torchrun.py", "GPU-00000001",
                                 env={**fake_gpus(2), "CUDA_VISIBLE_DEVICES": "GPU-00000000"})
@@ -281,8 +305,36 @@ def test_busy_master_port_fails_clearly():
     # sets MASTER_PORT on nodes whose PATH may lack the environment's python).
     proc = launch("recipes/ddp_torchrun.py", "cpu", env={"MASTER_PORT": str(port), "PYTHON": "/no/such/python"})
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        "launch.sh: error: could not run '/no/such/python' to check MASTER_PORT; set PYTHON to your environment's "
-        "python"], proc.stderr
+        "launch.sh: error: could not run '/no/such/python' to check MASTER_ADDR and MASTER_PORT; set PYTHON to your "
+        "environment's python"], proc.stderr
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    # a cluster job's MASTER_ADDR left exported: node 0's ranks would retry their connection for 15 minutes
+    ({"MASTER_ADDR": "192.0.2.1"}, "MASTER_ADDR=192.0.2.1 is not an address of this machine, and node 0 (NODE_RANK=0) "
+                                   "hosts the rendezvous there; set it to this node's address, or unset it"),
+    ({"NNODES": "2", "MASTER_ADDR": "192.0.2.1", "MASTER_PORT": "29500"}, "MASTER_ADDR=192.0.2.1 is not an address"),
+    ({"MASTER_ADDR": "no-such-host.invalid"}, "MASTER_ADDR=no-such-host.invalid does not resolve to an address"),
+    # libgomp would warn and run a thread per core in every process
+    ({"OMP_NUM_THREADS": "abc"}, "OMP_NUM_THREADS='abc' must be a whole number >= 1 (threads per process); unset it "
+                                 "for cores / processes"),
+    ({"OMP_NUM_THREADS": "0"}, "OMP_NUM_THREADS='0' must be a whole number >= 1"),
+])
+def test_a_master_addr_not_on_node_0_and_a_bad_thread_count_are_one_line(env, message):
+    proc = launch("--dry-run", "recipes/ddp_torchrun.py", "cpu", env=env)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("launch.sh: error: "), proc.stderr
+    assert message in lines[0], lines[0]
+
+
+def test_a_master_addr_of_this_machine_and_other_nodes_addresses_pass():
+    for addr in ("localhost", socket.gethostname()):
+        assert dry_run("recipes/ddp_torchrun.py", "cpu", env={"MASTER_ADDR": addr})[0]["MASTER_ADDR"] == addr
+    # node 1 only connects to node 0's address: not this machine's, and not checked here
+    env, _, _ = dry_run("recipes/ddp_torchrun.py", "cpu", env={"NNODES": "2", "NODE_RANK": "1",
+                                                               "MASTER_ADDR": "192.0.2.1", "MASTER_PORT": "29500"})
+    assert env["MASTER_ADDR"] == "192.0.2.1"
+    assert dry_run("recipes/ddp_torchrun.py", "cpu", env={"OMP_NUM_THREADS": "3"})[0]["OMP_NUM_THREADS"] == "3"
 
 
 @pytest.mark.parametrize("port", ["0", "70000", "http"])
