@@ -177,10 +177,11 @@ def collate(samples):  # New: files differ in length: a list of them, not one st
     return list(payloads), torch.stack(boxes), torch.tensor(flips), torch.tensor(labels), torch.tensor(indices)
 
 
-def decode_batch(batch, device, size, memory_format, counts, split, source):  # New: the main process's part
+def decode_batch(batch, device, size, memory_format, normalize, counts, split, source):  # New: the main process's
     """Decode, crop, resize, flip and normalise a batch on `device` (DataLoaderX runs it one batch ahead, on CUDA on
-    its side stream): (images N x 3 x size x size float32, labels). counts: bytes and images handed over, added up.
-    split, source: what names a file that does not decode (source.samples: an ImageFolder's files)."""
+    its side stream): (images N x 3 x size x size float32, labels). normalize: device_normalize's, made once (its
+    mean and std copied to the GPU here would wait for the side stream's queued work at every batch). counts: bytes
+    and images handed over, added up. split, source: what names a file that does not decode (an ImageFolder's)."""
     payloads, boxes, flips, labels, indices = batch
     files = [p for p in payloads if p.dim() == 1]
     if device.type == "cuda":  # nvjpeg writes its output from a stream of its own: nothing may be queued on ours
@@ -212,7 +213,7 @@ def decode_batch(batch, device, size, memory_format, counts, split, source):  # 
         images.append(TF.horizontal_flip(image) if flip else image)
     counts.update(encoded_bytes=sum(p.numel() for p in files), images=len(payloads),
                   decoded_by_workers=len(payloads) - len(files))
-    images = device_normalize("imagefolder", device)(torch.stack(images))  # ImageNet's mean and std, as float32
+    images = normalize(torch.stack(images))  # ImageNet's mean and std, as float32
     return images.contiguous(memory_format=memory_format), labels.to(device, non_blocking=True)
 
 
@@ -286,16 +287,19 @@ def main():
     train_sampler = SkipFirst(DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
                                                  seed=args.seed))
     counts, val_counts = collections.Counter(), collections.Counter()  # New: what crossed from the workers
+    normalize = device_normalize("imagefolder", device)  # New: ImageNet's mean and std, on the device once
     # New: DataLoaderX decodes one batch ahead: on_device runs in its thread (on CUDA, on its side stream). Workers
     # not persistent: each epoch's copy of train_set has its epoch (the seeds). pin_memory: for the labels' copy.
     loader_args = dict(batch_size=batch_per_process, num_workers=workers_per_process, collate_fn=collate,
                        pin_memory=device.type == "cuda", persistent_workers=workers_per_process > 0, prefetch=1)
     train_loader = DataLoaderX(device, train_set, sampler=train_sampler, drop_last=True, on_device=lambda b:
-                               decode_batch(b, device, args.image_size, memory_format, counts, "train", train_source),
+                               decode_batch(b, device, args.image_size, memory_format, normalize, counts, "train",
+                                            train_source),
                                **{**loader_args, "batch_size": micro_batch, "persistent_workers": False})
     # DistributedSampler pads val with repeated samples; a strided shard counts each sample once.
     val_loader = DataLoaderX(device, Subset(val_set, range(rank, len(val_set), world_size)), on_device=lambda b:
-                             decode_batch(b, device, args.image_size, memory_format, val_counts, "val", val_source),
+                             decode_batch(b, device, args.image_size, memory_format, normalize, val_counts, "val",
+                                          val_source),
                              **loader_args)
     steps_per_epoch = len(train_loader) // args.accum_steps  # a partial accumulation at the end is dropped
     harness.check_full_batch(steps_per_epoch, len(train_set), args.batch_size)  # drop_last: else 0 steps

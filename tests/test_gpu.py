@@ -47,7 +47,7 @@ from jobs import Job, error_lines, job_mid_epoch, survivors, tracebacks_beyond_m
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from common.data import SyntheticImages, build_datasets
+from common.data import SyntheticImages, build_datasets, device_normalize
 from common.loader import DataLoaderX
 from common.models import build_model
 from common.profiling import LABELS
@@ -824,15 +824,21 @@ def gpu_decode_batch(root, size=224, odd=False):
     return recipe, files, recipe.collate([items[i] for i in range(len(files))])
 
 
+def decode_on(recipe, batch, device, files):
+    """recipe.decode_batch at 224 px, contiguous, on `device`, its normalize made there once as main() makes it."""
+    import collections
+
+    device = torch.device(device)
+    return recipe.decode_batch(batch, device, 224, torch.contiguous_format, device_normalize("imagefolder", device),
+                               collections.Counter(), "train", files)
+
+
 def test_gpu_decode_on_the_gpu_is_within_a_level_of_the_cpu_decoder(tmp_path):
     # nvjpeg (hardware or CUDA) against libjpeg-turbo on the same files, gray, CMYK, PNG and progressive ones among
     # them: IDCT and chroma upsampling differ in the last bits, then the same crop and resize on each device.
-    import collections
-
     recipe, files, batch = gpu_decode_batch(tmp_path, odd=True)
-    args = (224, torch.contiguous_format, collections.Counter(), "train", files)
-    on_gpu, labels = recipe.decode_batch(batch, torch.device("cuda"), *args)
-    on_cpu, _ = recipe.decode_batch(batch, torch.device("cpu"), *args)
+    on_gpu, labels = decode_on(recipe, batch, "cuda", files)
+    on_cpu, _ = decode_on(recipe, batch, "cpu", files)
     assert on_gpu.is_cuda and labels.is_cuda and on_gpu.shape == on_cpu.shape == (36, 3, 224, 224)
     levels = (on_gpu.cpu() - on_cpu).abs() * 0.226 * 255  # normalised units back to levels of 255 (std ~0.226)
     print(f"gpu_decode: nvjpeg against the CPU decoder: mean {levels.mean():.3f}, max {levels.max():.1f} levels")
@@ -843,14 +849,11 @@ def test_gpu_decode_the_step_cannot_read_a_batch_before_its_decode_and_copy_end(
     # DataLoaderX runs on_device on its side stream; here it ends with a copy queued behind ~0.5 s of GPU sleep.
     # The loop reads each batch at once on the default stream: without the wait on the batch's event it would read
     # the copy's destination before the copy (torch.empty: garbage), and the sums would differ from the CPU's.
-    import collections
-
     recipe, files, batch = gpu_decode_batch(tmp_path)
-    args = (224, torch.contiguous_format, collections.Counter(), "train", files)
-    expected, _ = recipe.decode_batch(batch, torch.device("cpu"), *args)
+    expected, _ = decode_on(recipe, batch, "cpu", files)
 
     def on_device(b):
-        images, labels = recipe.decode_batch(b, torch.device("cuda"), *args)
+        images, labels = decode_on(recipe, b, "cuda", files)
         late = torch.empty_like(images)
         torch.cuda._sleep(int(1e9))  # about half a second of one SM's clock on the side stream
         late.copy_(images)
@@ -868,15 +871,13 @@ def test_gpu_decode_drains_its_stream_before_nvjpeg_writes(tmp_path):
     # with reads of it still queued there, so an output may take it and be written before those reads run.
     # decode_batch drains its stream first. Here, on a side stream as DataLoaderX's: blocks the size of the decoded
     # images, filled with 7, their sums queued behind ~0.5 s of GPU sleep, freed, then the batch decoded.
-    import collections
 
     from PIL import Image
 
     recipe, files, batch = gpu_decode_batch(tmp_path)
-    args = (224, torch.contiguous_format, collections.Counter(), "train", files)
-    expected, _ = recipe.decode_batch(batch, torch.device("cpu"), *args)
+    expected, _ = decode_on(recipe, batch, "cpu", files)
     sizes = [3 * width * height for width, height in (Image.open(path).size for path, _ in files.samples)]
-    recipe.decode_batch(batch, torch.device("cuda"), *args)  # nvjpeg's decoder made (once a process) before the sleep
+    decode_on(recipe, batch, "cuda", files)  # nvjpeg's decoder made (once a process) before the sleep
     side = torch.cuda.Stream()
     torch.cuda.synchronize()
     with torch.cuda.stream(side):
@@ -884,7 +885,29 @@ def test_gpu_decode_drains_its_stream_before_nvjpeg_writes(tmp_path):
         torch.cuda._sleep(int(1e9))  # about half a second of one SM's clock
         sums = [block.sum(dtype=torch.int64) for block in blocks]  # queued: they read after the sleep
         del blocks  # free for the allocator on this stream now; the sums still to read them
-        images, _ = recipe.decode_batch(batch, torch.device("cuda"), *args)
+        images, _ = decode_on(recipe, batch, "cuda", files)
     torch.cuda.synchronize()
     assert [s.item() for s in sums] == [7 * n for n in sizes]  # no decoded pixel landed in a block before its read
+    assert (images.cpu() - expected).abs().mean().item() * 0.226 * 255 < 1.0
+
+
+def test_gpu_decode_a_file_nvjpeg_refuses_is_decoded_on_the_cpu_and_lands_on_the_gpu(tmp_path, monkeypatch):
+    # nvjpeg refuses some JPEGs libjpeg-turbo decodes; no file this tier can make is one, so the recipe's decode_jpeg
+    # is wrapped to refuse the batch and one file on the GPU: decode_batch then decodes each file alone, that one on
+    # the CPU, waits for nvjpeg's stream and copies it over. The batch as the CPU decoder makes it, on the GPU.
+    recipe, files, batch = gpu_decode_batch(tmp_path)
+    expected, _ = decode_on(recipe, batch, "cpu", files)
+    real, refused, calls = recipe.decode_jpeg, batch[0][1], []
+
+    def decode_jpeg(data, *args, device="cpu", **kwargs):
+        on_gpu = torch.device(device).type == "cuda"
+        calls.append(("list" if isinstance(data, list) else "one", on_gpu))
+        if on_gpu and (isinstance(data, list) or data is refused):
+            raise RuntimeError("nvjpeg cannot decode this file (a test's stand-in)")
+        return real(data, *args, device=device, **kwargs)
+
+    monkeypatch.setattr(recipe, "decode_jpeg", decode_jpeg)
+    images, labels = decode_on(recipe, batch, "cuda", files)
+    assert images.is_cuda and labels.is_cuda and images.shape == expected.shape
+    assert calls[0] == ("list", True) and calls.count(("one", False)) == 1 and calls.count(("one", True)) == len(files)
     assert (images.cpu() - expected).abs().mean().item() * 0.226 * 255 < 1.0

@@ -42,7 +42,14 @@ from PIL import Image
 from reference import Autocast, Plain, evaluate, train
 from test_conformance import read_curves
 
-from common.data import IMAGENET_MEAN, IMAGENET_STD, NameFailingSamples, SampleError, build_datasets
+from common.data import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    NameFailingSamples,
+    SampleError,
+    build_datasets,
+    device_normalize,
+)
 from common.models import build_model
 from tools.make_jpegs import class_name, make_set
 
@@ -73,7 +80,7 @@ def sources(root):
 def decoded(recipe, samples, size, files, split="train"):
     """The recipe's main-process part (decode_batch) on the CPU, for its worker's samples: (images, labels)."""
     return recipe.decode_batch(recipe.collate(samples), torch.device("cpu"), size, torch.contiguous_format,
-                               collections.Counter(), split, files)
+                               device_normalize("imagefolder", "cpu"), collections.Counter(), split, files)
 
 
 def levels(images):

@@ -86,8 +86,9 @@ TINY = ["--arch", "tiny", "--workers", "0"]
     # step less this run's epochs went wrong on another process count, whose padding makes other epochs); 321 with a
     # checkpoint from before in_epoch read from its step, and one this run's epochs cannot place refused in one line.
     # 326 with torch_amp's channels-last and micro-batch lines marked `# New` against ddp_torchrun (gpu_decode keeps
-    # them unmarked: not its lesson); 330 with the validation workers started before training (CPython gh-112275).
-    ("torch_amp", "gpu_decode", 330),
+    # them unmarked: not its lesson); 330 with the validation workers started before training (CPython gh-112275);
+    # 334 with the normalisation made once (its mean and std copied at each batch waited for the side stream).
+    ("torch_amp", "gpu_decode", 334),
     # apex_amp 260: its resumed step counted in this run's epochs (a saved count from another batch stopped it early);
     # 261: torch mode's O2 masters re-made after the DDP wrap (made before it, they kept each rank's own weights).
     # mx_face_prefetch: 150, then 160 with issue 65's device_normalize in the flagship (its RecordIO transforms kept
