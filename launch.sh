@@ -99,6 +99,18 @@ gpu_count() {
 
 devices=""
 given=0
+if [[ $# -gt 0 && $1 =~ ^-[0-9] ]]; then # CUDA_VISIBLE_DEVICES' -1, typed as DEVICES: read as a recipe flag
+  fail "bad DEVICES '$1': to run without GPUs pass cpu or cpu:N, e.g. cpu:2"
+fi
+for word in "$@"; do # launch.sh's own words after RECIPE would reach every rank, each printing its usage
+  [[ $word != --dry-run ]] || fail "--dry-run goes before RECIPE: ./launch.sh --dry-run RECIPE [DEVICES] [recipe args...]"
+done
+if [[ $# -gt 0 && $1 == -* ]]; then
+  for word in "$@"; do
+    [[ ! $word =~ ^cpu(:[0-9]+)?$ ]] ||
+      fail "DEVICES '$word' comes after a recipe flag; put it right after RECIPE: ./launch.sh RECIPE $word [recipe args...]"
+  done
+fi
 if [[ $# -gt 0 && $1 != -* ]]; then
   devices=$1
   given=1

@@ -117,6 +117,7 @@ def test_devices_omitted_without_gpu_runs_cpu2_and_says_so(fake_gpus):
     # CUDA would drop an id it does not know and every one after it, and the recipe would train on the CPU
     ("GPU-00000001,GPU-typo", 2, "GPU GPU-typo is not on this machine: nvidia-smi -L lists GPU-00000000,GPU-00000001; "
                                  "pass ids from it, or numbers like 0,1"),
+    ("-1", 4, "bad DEVICES '-1': to run without GPUs pass cpu or cpu:N, e.g. cpu:2"),  # not a recipe flag
     ("cpu:0", 0, "cpu:N needs a whole number N >= 1"),
     ("cpu:two", 0, "cpu:N needs a whole number N >= 1"),
 ])
@@ -145,6 +146,21 @@ def test_a_failing_nvidia_smi_is_said_in_one_line_not_read_as_no_gpu(devices, sm
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and proc.stdout == "" and len(lines) == 1, proc.stderr
     assert lines[0].startswith(f"launch.sh: error: {said}"), lines[0]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    # each reached every rank as a recipe flag: N copies of argparse's usage and an unrecognized argument
+    (["--arch", "tiny", "cpu:2"], "DEVICES 'cpu:2' comes after a recipe flag; put it right after RECIPE: ./launch.sh "
+                                  "RECIPE cpu:2 [recipe args...]"),
+    (["--epochs", "1", "cpu"], "DEVICES 'cpu' comes after a recipe flag"),
+    (["cpu:2", "--dry-run"], "--dry-run goes before RECIPE: ./launch.sh --dry-run RECIPE [DEVICES] [recipe args...]"),
+    (["--dry-run"], "--dry-run goes before RECIPE"),
+])
+def test_launch_sh_s_own_words_after_the_recipe_flags_are_one_line(args, message, fake_gpus):
+    proc = launch("recipes/ddp_torchrun.py", *args, env=fake_gpus(2))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and proc.stdout == "" and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("launch.sh: error: ") and message in lines[0], lines[0]
 
 
 def test_a_uuid_on_a_machine_whose_nvidia_smi_lists_no_gpu_is_refused_in_one_line(fake_gpus):
@@ -605,6 +621,18 @@ def test_ctrl_c_while_node_0_waits_for_the_others_stops_it_at_once(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == -signal.SIGINT, (proc.returncode, stderr[-2000:])
+
+
+def test_ctrl_c_while_the_launcher_imports_torch_ends_it_without_a_traceback():
+    # tools/torchrun.py imports torch for a second or more before main(): a Ctrl-C then printed Python's
+    # KeyboardInterrupt traceback from inside the import, 35 lines. It ends by the signal, as the shell expects.
+    proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "torchrun.py"), "--nproc-per-node=1", "x.py"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)  # python has started; torch's import takes 1.5 s or more
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGINT and "Traceback" not in stderr, (proc.returncode, stderr[-2000:])
 
 
 WAITING_RANK = """
