@@ -9,10 +9,9 @@
 
 What it shows, against lm_ddp.py (diff them: the lesson is what experts, a router and the all-to-all change):
 - The model: lm_ddp.py's transformer with each block's MLP replaced by --experts MLPs (of --expert-width units, by
-  default 4 x --d-model / --top-k: the same active parameters per token as lm_ddp's one MLP of 4 x --d-model) and a
-  router (fp32 logits, under bf16 autocast too): a softmax gate, each token's --top-k experts, their gates renormalised
-  over the k (k > 1). Dropless: an expert takes every token routed to it, however many (no capacity, no token
-  dropped), so every layout computes the one-process model.
+  default 4 x --d-model / --top-k: lm_ddp's active parameters per token) and a router (fp32 logits under bf16
+  autocast too; on a GPU its matmul is TF32): a softmax gate, each token's --top-k experts, their gates renormalised
+  over the k (k > 1). Dropless (no capacity, no token dropped): every layout computes the one-process model.
 - The balance loss (Switch Transformer, GShard): --aux-loss-weight x E x sum_e f_e P_e, the layers' mean (Switch
   weighs each layer's: x --n-layer to match), f_e the share of the global batch's routed rows that expert e got
   (counts all-reduced over every rank), P_e its mean gate probability; 1.0 when balanced. --z-loss-weight: ST-MoE's
@@ -27,8 +26,8 @@ What it shows, against lm_ddp.py (diff them: the lesson is what experts, a route
   sums every ep rank's tokens). The clip's norm adds the other ranks' experts (an all-reduce over the ep group).
 - Checkpoints as lm_pp.py's (DCP, every parameter under the one-process model's name, experts by their global
   index): --resume on any --ep and --dp. OUT_DIR/model.pt: every expert gathered on rank 0.
-- While it trains: each eval line's tokens per expert (max/min over the experts, the worst layer), the balance loss
-  and the bytes this rank's all-to-alls send a step.
+- While it trains, after each eval line: the worst layer's most and fewest rows an expert got, the balance loss, and
+  the bytes rank 0's AllToAlls sent other ranks a step (the rows, forward and backward; not the counts' exchange).
 
 One MoE layer, 8 experts on --ep 2, top-2 (rank 0 holds experts 0-3, rank 1 experts 4-7)
                 rank 0                                   rank 1
@@ -430,14 +429,14 @@ def main():
                 # -------------------------------------------------------------------------------- eval
                 train_loss = meter.all_reduce_loss()  # the mean since the last eval; the clock stops
                 val_loss = evaluate(model, val_x, val_y, rank, world_size, batch_per_process, device, amp)
-                # New: the experts' load since the last line: the worst layer's max / min rows per expert.
-                balance = (load.max(-1).values / load.min(-1).values).max().item()
+                worst = int((load.amax(-1) / load.amin(-1)).argmax())  # New: the layer whose max / min is largest
+                least, most = map(int, load[worst].aminmax())  # New: its fewest and most rows an expert got
                 dist.all_reduce(aux_sum)  # each rank's balance loss weighs its own tokens' gates: their mean
                 sent, sent_bytes = AllToAll.sent_bytes - sent_bytes, AllToAll.sent_bytes
                 print0(f"step={step}/{args.steps} train_loss={train_loss:.4f} val_loss={val_loss:.4f} "
                        f"val_bpb={lm.bits_per_byte(val_loss):.4f} lr={scheduler.get_last_lr()[0]:.2e} "
                        f"{meter.fields(last - step)}")
-                print0(f"experts: rows max/min {balance:.2f} (the worst layer), balance loss "  # New
+                print0(f"experts: rows max {most} / min {least} (layer {worst}, the worst), balance loss "  # New
                        f"{aux_sum.item() / since / world_size:.4f} (1: even), all-to-all "
                        f"{sent / since / 1e6:.3f} MB a step sent by rank 0 (forward and backward)")
                 load, aux_sum, since = 0, torch.zeros((), device=device), 0
@@ -485,7 +484,7 @@ def main():
     # ------------------------------------------------- harness: what tests and benchmarks read, not the lesson
     if val_loss is None:  # resumed at or past --max-steps / --steps: nothing left to train
         val_loss = evaluate(model, val_x, val_y, rank, world_size, batch_per_process, device, amp)
-        balance = float("nan")  # New
+        worst = least = most = None  # New: no experts' line to report
     compile_fields = compiled.gather_fields()  # --compile: every rank's counts (an all-gather), the 'compile:' line
     if args.profile:  # a collective (all-gather): every rank's compute, communication, data, idle
         print0(meter.gather_profile_table())
@@ -493,7 +492,8 @@ def main():
     print0(meter.gather_result_line(model, optimizer, recipe="lm_moe", steps=step, start_step=start_step,
                                     train_loss=train_loss, val_loss=val_loss, val_bpb=lm.bits_per_byte(val_loss),
                                     val_windows=len(val_x), ep=args.ep, dp=args.dp, experts=args.experts,
-                                    top_k=args.top_k, load_max_over_min=round(balance, 4), **compile_fields))
+                                    top_k=args.top_k, load_max_over_min=round(most / least, 4) if least else None,
+                                    load_max=most, load_min=least, load_layer=worst, **compile_fields))
     dist.destroy_process_group()
 
 

@@ -26,7 +26,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import launch, load_recipe, max_diff, params, result_of
+from conftest import launch, load_recipe, max_diff, params, result_of, run_direct
 from lm_checks import (
     check_args_refuses,
     claims_env,
@@ -51,6 +51,11 @@ ARGS = ["--n-layer", 2, "--n-head", 4, "--d-model", 32, "--block-size", 32, "--s
 LOSS_ATOL = 1.5e-6  # the RESULT line's 6 decimals, one unit either way
 WEIGHTS_ATOL = 1e-5
 PRINTED_ATOL = 1.01e-4  # one unit of the printed 4th decimal
+# After each eval line: the rows of the busiest and idlest expert of the worst layer (the largest max / min) since the
+# last line, that layer, the balance loss and the bytes rank 0 sent a step.
+EXPERTS_LINE = re.compile(r"^experts: rows max (\d+) / min (\d+) \(layer (\d+), the worst\), balance loss ([\d.]+) "
+                          r"\(1: even\), all-to-all ([\d.]+) MB a step sent by rank 0 \(forward and backward\)$", re.M)
+LOAD_KEYS = ("load_max", "load_min", "load_layer", "load_max_over_min")
 COUNTED = {("cpu:2",), ("cpu:4", "--dp", "2", "--ep", "2"), ("cpu:2", "--amp-dtype", "bf16", "--max-steps", "2"),
            ("cpu:2", "--compile")}
 # the runs whose collectives a test reads
@@ -238,6 +243,7 @@ def test_each_rank_sends_what_its_router_chose_runs_its_own_experts_and_reduces_
     expert = sum(p.numel() for n, p in net.named_parameters() if ".experts." in n)
     steps = [comm_records(claims(out), rank) for rank in range(world)]
     train = split(read_text()[0])[0]
+    load = torch.zeros(2, 2, 12, dtype=torch.long)  # (steps 1-4 and 5-8, layer, expert): the rows the routers chose
     for rank in range(world):  # every rank its own slice of each step's batch: data parallel over all ranks
         seen = [t["rows"] for t in tokens_seen(claims(out), rank) if t["train"]]
         assert seen == [train_batch(train, k, 0, 12, 16, rank, world)[0].tolist() for k in range(8)]
@@ -251,6 +257,7 @@ def test_each_rank_sends_what_its_router_chose_runs_its_own_experts_and_reduces_
             ran = [(r[4], r[3]) for r in records if r[0] == "expert"]
             a2a = [r for r in records if r[0] == "alltoall_base_" and r[1] != "step"]  # evaluation's: "step"
             assert len(chosen) == 2 and len(ran) == 2 * share, (k, rank, chosen, ran)  # 2 layers
+            load[k // 4] += torch.tensor(chosen)
             if k == 0:  # the weights alive in the process: the dense ones and its experts, nothing freed kept alive
                 held = [r[3] for r in records if r[0] == "parameters"]
                 assert held == [4 * (dense + expert // ep)], (rank, held, 4 * (dense + expert // ep))
@@ -283,6 +290,16 @@ def test_each_rank_sends_what_its_router_chose_runs_its_own_experts_and_reduces_
             for layer in range(2):
                 for e, rows in ran[layer * share:(layer + 1) * share]:
                     assert rows == sum(routes[d * ep + i, layer][0][e] for i in range(ep)), (k, rank, layer, e)
+    # The experts' lines at steps 4 and 8, and RESULT's load fields (steps 5-8): the worst layer's (the largest max /
+    # min) busiest and idlest expert's rows, as every rank's router chose them since the last line.
+    lines, result = EXPERTS_LINE.findall(proc.stdout), result_of(proc)
+    assert len(lines) == 2 and (load.sum(-1) == 4 * 12 * 16 * 2).all(), (lines, load)  # 4 steps' rows, top-2
+    for line, interval in zip(lines, load, strict=True):
+        ratio, layer = interval.amax(-1) / interval.amin(-1), int(line[2])
+        assert ratio[layer] == ratio.max(), (line, interval)
+        assert [int(line[0]), int(line[1])] == [int(interval[layer].max()), int(interval[layer].min())], line
+    assert [result[key] for key in LOAD_KEYS[:3]] == [int(field) for field in lines[-1][:3]], result
+    assert result["load_max_over_min"] == pytest.approx(int(lines[-1][0]) / int(lines[-1][1]), abs=1e-4), result
     # model.pt at step 4's save (--eval-every 4): rank 0 receives the experts of ranks 1 .. ep - 1 from each of them,
     # point to point (a size, then the pickled experts, which hold this rank's share alone); every other rank, which
     # holds copies of those, sends nothing (a gather_object padded every rank's part to rank 0's whole state: the
@@ -367,13 +384,31 @@ def test_at_the_defaults_the_balance_loss_keeps_every_expert_fed(tmp_path):
     result = result_of(proc)
     assert (result["steps"], result["ep"], result["experts"]) == (40, 2, 8)
     assert 1 <= result["load_max_over_min"] <= 4, result
-    line = re.search(r"^experts: rows max/min ([\d.]+) \(the worst layer\), balance loss ([\d.]+) \(1: even\), "
-                     r"all-to-all ([\d.]+) MB a step sent by rank 0", proc.stdout, re.M)
-    assert float(line[1]) == pytest.approx(result["load_max_over_min"], abs=0.006), line[0]
-    assert 1 <= float(line[2]) < 1.2, line[0]  # E sum f P: 1 when even
+    line = EXPERTS_LINE.search(proc.stdout)  # the one experts' line, at step 40
+    most, least, layer = map(int, line.groups()[:3])
+    assert [result[key] for key in LOAD_KEYS[:3]] == [most, least, layer] and 0 <= layer < 4, (line[0], result)
+    assert result["load_max_over_min"] == pytest.approx(most / least, abs=1e-4), (line[0], result)
+    assert 1 <= float(line[4]) < 1.2, line[0]  # E sum f P: 1 when even
     # Rank 0's rows sent to rank 1 and back, 128 fp32 numbers each, forward and backward: about half of its
     # 16 x 128 x 2 = 4096 rows a layer, 4 layers.
-    assert 0.3 * 16.8 < float(line[3]) < 1.7 * 16.8, line[0]
+    assert 0.3 * 16.8 < float(line[5]) < 1.7 * 16.8, line[0]
+
+
+def test_a_starved_expert_and_a_run_with_nothing_to_train_differ_in_result(tmp_path):
+    # 48 experts and one sequence of 16 bytes a step, top-2: 32 rows a layer, so at least 16 experts of each layer
+    # get none. The experts' line says min 0 and in which layer; RESULT's load_min is 0 and load_max_over_min null
+    # (inf is not JSON). Resumed at its last step, the run trains nothing: no experts' line, every load field null.
+    flags = [*ARGS, "--experts", 48, "--batch-size", 1, "--steps", 1, "--out-dir", tmp_path]
+    proc = run_direct("lm_moe", *flags)
+    first, line = result_of(proc), EXPERTS_LINE.search(proc.stdout)
+    assert first["steps"] == 1 and line, proc.stdout
+    most, least, layer = map(int, line.groups()[:3])
+    assert least == 0 and 0 < most <= 16, line[0]  # an expert takes one of a token's 2 rows at most: 16
+    assert [first[key] for key in LOAD_KEYS] == [most, least, layer, None], (line[0], first)
+    resumed = run_direct("lm_moe", *flags, "--resume", "auto")
+    result = result_of(resumed)
+    assert (result["start_step"], result["steps"]) == (1, 1) and not EXPERTS_LINE.search(resumed.stdout), result
+    assert [result[key] for key in LOAD_KEYS] == [None] * 4 and result["val_loss"] == first["val_loss"], result
 
 
 def test_a_diverged_run_stops_with_one_line_and_saves_nothing(tmp_path):
