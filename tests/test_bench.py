@@ -20,6 +20,7 @@ from common.models import build_model
 from tools import lm_bench
 from tools.bench import (
     BARE,
+    COLUMNS,
     ENTRIES,
     add_derived,
     compare,
@@ -78,11 +79,12 @@ def close(cell, value):
     return float(cell) == pytest.approx(value, abs=0.5 * 10**-decimals + 1e-9)
 
 
-def cell_matches(cell, values):
-    """A 'median (lowest–highest)' cell equals the median, min and max of `values`, to its printed digits."""
+def cell_matches(cell, values, median=None):
+    """A 'median (lowest–highest)' cell equals the median (or `median`), min and max of `values`, to its printed
+    digits."""
     match = CELL.fullmatch(cell)
     assert match, cell
-    expected = (statistics.median(values), min(values), max(values))
+    expected = (statistics.median(values) if median is None else median, min(values), max(values))
     return all(close(printed, value) for printed, value in zip(match.groups(), expected, strict=True))
 
 
@@ -167,6 +169,24 @@ def test_median_and_range_of_recorded_runs():
     row = summarize_entry(runs[:2], bare_ms=[8.0, 16.0], attempts=2)
     assert row["images_per_sec"] == {"median": 2500.0, "low": 1000.0, "high": 4000.0}
     assert row["peak_mem_mb_per_rank"] == [710.0, 707.5]
+
+
+def test_an_even_count_of_runs_derives_the_step_times_from_the_median_images_per_sec():
+    # The footnote: s / 20 it = 20 x global batch / images/s, step ms = global batch / images/s, for the medians too.
+    # Runs of 1000 and 4000 images/s: median 2500, so 64 / 2500 s a step (25.6 ms), not the mean of 64 and 16 ms (40).
+    runs = [recorded("ddp_torchrun", 1000.0, 5.0, [700.0, 710.0]),
+            recorded("ddp_torchrun", 4000.0, 7.0, [720.0, 705.0])]
+    row = summarize_entry(runs, bare_ms=[8.0, 16.0], attempts=2)
+    assert [row["step_ms"][k] for k in ("median", "low", "high")] == pytest.approx([25.6, 16.0, 64.0])
+    assert [row["s_per_20_it"][k] for k in ("median", "low", "high")] == pytest.approx([0.512, 0.32, 1.28])
+    assert row["s_per_20_it"]["median"] == pytest.approx(20 * 64 / row["images_per_sec"]["median"])
+    assert row["step_vs_bare"] == pytest.approx(25.6 / 12.0)
+    cells = dict(zip(COLUMNS, table_rows([row])[0], strict=True))
+    assert (cells["s / 20 it"], cells["step ms"]) == ("0.512 (0.320–1.280)", "25.60 (16.00–64.00)")
+    # The comparison with the bare loop takes the same median as the table's step ms.
+    (made,) = comparisons([e for e in ENTRIES if e.name == "ddp_torchrun"], {"ddp_torchrun": runs},
+                          {"ddp_torchrun": [8.0, 16.0]})
+    assert made["entry_summary"] == pytest.approx((25.6, 16.0, 64.0)) and made["ratio"] == pytest.approx(25.6 / 12)
 
 
 def test_against():
@@ -279,6 +299,12 @@ def test_args_messages(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--repeats", "-1"])
     assert capsys.readouterr().err.splitlines()[-1].endswith(": error: --repeats must be >= 1")  # one line, exit 2
+    for args, message in ((["--workers", "-1"], "--workers must be >= 0 (DataLoader workers per process)"),
+                          (["--timeout", "0"], "--timeout must be > 0 (seconds one recipe run may take)"),
+                          (["--timeout", "nan"], "--timeout must be > 0 (seconds one recipe run may take)")):
+        with pytest.raises(SystemExit) as exc:
+            parse_args(args)
+        assert exc.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith(f": error: {message}")
     with pytest.raises(SystemExit):
         parse_args(["--help"])
     assert "DataLoader workers per process (default 0)" in " ".join(capsys.readouterr().out.split())
@@ -305,6 +331,16 @@ def test_an_entry_name_given_twice_is_refused_in_one_line(monkeypatch, capsys):
         "name\n"
 
 
+@pytest.mark.parametrize("out", ["/proc/benchout", "{tmp}/file/sub"])
+def test_an_out_folder_that_cannot_be_written_is_refused_before_the_first_run(out, tmp_path, monkeypatch, capsys):
+    (tmp_path / "file").write_text("a file, not a folder")
+    out = out.format(tmp=tmp_path)
+    code, stdout, err = bench_here(monkeypatch, capsys, "--recipes", "ddp_torchrun", "--out", out, *FAST)
+    assert (code, stdout) == (2, "")  # nothing launched
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"bench: error: --out {out}: cannot make or write that folder ("), err
+
+
 def test_the_bare_loops_threads_are_launch_shs_from_the_cores_this_process_may_use(monkeypatch):
     # A Slurm job's 4 CPUs of a 64-core node: launch.sh's nproc says 4, os.cpu_count() 64
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {8, 9, 10, 11})
@@ -322,6 +358,17 @@ def test_lm_bench_refuses_a_run_with_no_timed_step(capsys):
             lm_bench.main(args)
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and err.startswith("lm_bench: error: --steps ") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("devices", ["foo", "cpu:0", "cpu:1,foo", "cpu:1,0", "0,,1", "cpu:1,"])
+def test_lm_bench_refuses_devices_launch_sh_does_not_take_before_any_launch(devices, monkeypatch, capsys):
+    # `--devices foo` launched every entry, each failing, and printed an empty table; cpu:0 was taken
+    monkeypatch.setattr(lm_bench, "launch", lambda *args: pytest.fail(f"launched {args}"))
+    with pytest.raises(SystemExit) as exit_:
+        lm_bench.main(["--devices", devices])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err == f"lm_bench: error: --devices {devices!r}: expected cpu:N entries " \
+        "(cpu:1,cpu:2, N >= 1) or one GPU list like 0,1\n"
 
 
 # ------------------------------------------------------------------------------ real runs, CPU
@@ -366,10 +413,13 @@ def test_table_matches_result_lines(two_recipes):
             "step ms": step_ms,
             "bare ms": bare_ms,
         }
+        # the step times' medians: from the median images/s (2 runs: not the mean of the two times)
+        medians_of = {"s / 20 it": 20 * BATCH / statistics.median(ips),
+                      "step ms": 1000 * BATCH / statistics.median(ips)}
         for column, values in expected.items():
             assert all(v > 0 for v in values), (column, values)
-            assert cell_matches(row[column], values), (name, column, row[column], values)
-        assert close(row["step / bare"], statistics.median(step_ms) / statistics.median(bare_ms))
+            assert cell_matches(row[column], values, medians_of.get(column)), (name, column, row[column], values)
+        assert close(row["step / bare"], medians_of["step ms"] / statistics.median(bare_ms))
         assert row["runs"] == "2/2" and row["world size"] == str(world_size)
         per_rank = [float(cell) for cell in row["peak MB per rank"].split(" / ")]
         assert len(per_rank) == world_size
@@ -492,7 +542,8 @@ def test_failed_repeat(tmp_path, monkeypatch, capsys):
     assert "Failed runs: flaky round 2 (exit code 1)" in md and "No successful run" not in md
     row = table(md)["flaky", "-"]
     assert row["runs"] == "2/3" and row["images/s"] == "2000.0 (1000.0–3000.0)"
-    assert row["step ms"] == "10.67 (5.33–16.00)" and row["peak MB per rank"] == "12.0 / 22.0"
+    # 16 images at the median 2000 images/s: 8 ms (not 10.67, the mean of the two runs' 16 and 5.33)
+    assert row["step ms"] == "8.00 (5.33–16.00)" and row["peak MB per rank"] == "12.0 / 22.0"
     report = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [(r["name"], r["round"], r["images_per_sec"]) for r in report["runs"]] == [("flaky", 1, 1000.0),
                                                                                     ("flaky", 3, 3000.0)]
@@ -501,3 +552,17 @@ def test_failed_repeat(tmp_path, monkeypatch, capsys):
     bare_ms = [b["step_ms"] for b in report["bare_runs"]]
     assert cell_matches(row["bare ms"], bare_ms)
     assert comparison_table(md)["flaky", BARE]["verdict"] in ("faster", "slower", "within noise")
+
+
+@pytest.mark.slow
+def test_results_that_cannot_be_written_are_printed_first_and_one_line(tmp_path, monkeypatch, capsys):
+    """--out passes the check before the first run, and is gone when the runs end: the tables are printed, then one
+    line says what could not be written; exit 1."""
+    steady = tmp_path / "steady.py"
+    steady.write_text(FLAKY)  # its first run succeeds
+    monkeypatch.setattr("tools.bench.unwritable", lambda folder: None)
+    code, out, err = bench_here(monkeypatch, capsys, "--recipes", "steady", "--repeats", 1, "--out", "/proc/benchout",
+                                *FAST, "--add-entry", f"steady={steady}")
+    assert code == 1 and table(out)["steady", "-"]["images/s"] == "1000.0 (1000.0–1000.0)", err[-4000:]
+    assert err.count("\n") == 1 and err.startswith("bench: error: cannot write to --out /proc/benchout: "), err
+    assert "the tables are printed above" in err and "Traceback" not in err

@@ -19,14 +19,16 @@ then runs the bare loop (below), so the order is A B C bare A B C bare ... and a
 hits every entry alike. A run that fails is reported with its stderr tail and the others still run; an entry is
 summarized from its runs that succeeded, and one with none is left out of the tables. Any failed run: exit 1.
 
-Written to --out (default bench/): results.md (the tables, also printed), results.json (settings, hardware,
-every run with its RESULT line, every bare-loop run, the summaries and the comparisons, so anyone can recompute)
-and results.png (images/s and s per 20 it: bars at the median, whiskers to the lowest and highest run).
+Written to --out (default bench/, made and checked before the first run): results.md (the tables, printed first),
+results.json (settings, hardware, every run with its RESULT line, every bare-loop run, the summaries and the
+comparisons, so anyone can recompute) and results.png (images/s and s per 20 it: bars at the median, whiskers to the
+lowest and highest run).
 
 Columns of the first table; each timed cell is "median (lowest-highest)" over the entry's successful runs:
   runs              runs that succeeded / runs launched
   images/s          global images per second, from the recipe; its first step (warm-up) is left out
-  s / 20 it         20 * global batch / images/s: seconds for 20 optimizer steps
+  s / 20 it         20 * global batch / images/s: seconds for 20 optimizer steps; the median is 20 * global batch /
+                    the median images/s (with an even count of runs, not the mean of the middle two runs' times)
   peak MB per rank  the recipe's peak_mem_mb_per_rank, the median over the runs of each rank; DataParallel lists
                     one value per GPU, so GPU 0's extra memory (gathered outputs, gradients) shows
   state kB per rank parameters + gradients + optimizer state held by each rank (DDP: a full copy each; fsdp: a
@@ -37,8 +39,8 @@ Columns of the first table; each timed cell is "median (lowest-highest)" over th
                     same); "-" for the other entries
   launch -> step 1  first_step_end_unix (when the first optimizer step ended) minus the wall-clock time just
                     before launch.sh was started: interpreter, launcher, process group, data, model, step 1
-  step ms           recipe step time = global batch / images/s. In one step each replica (a DDP process, or
-                    one GPU of DataParallel) trains on global batch / replicas images
+  step ms           recipe step time = global batch / images/s (the median too, as for s / 20 it). In one step
+                    each replica (a DDP process, or one GPU of DataParallel) trains on global batch / replicas images
   bare ms           a bare loop in this process: the same model on one device, global batch / replicas
                     random images, SGD, no data loader, no wrapper; STEPS steps, the first left out. On the
                     CPU it gets the threads a recipe process gets. It runs once per round for every
@@ -86,6 +88,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common.data import build_datasets, usable_cores
 from common.models import build_model
+from tools.cli import unwritable
 from tools.procs import run_group
 
 REPO = Path(__file__).resolve().parents[1]
@@ -171,7 +174,7 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=REPO / "bench",
                    help="where results.md, .json and .png go (default bench/)")
     args = p.parse_args(argv)
-    if not re.fullmatch(r"cpu(:[1-9][0-9]*)?|[0-9]+(,[0-9]+)*", args.devices):
+    if not valid_devices(args.devices):
         p.error(f"--devices {args.devices!r}: expected a GPU list like 0,1,3, or cpu:N")
     if args.batch_size % process_count(args.devices):
         p.error(f"--batch-size {args.batch_size} is the GLOBAL batch; it must divide by the "
@@ -182,6 +185,10 @@ def parse_args(argv=None):
                         ("--repeats", args.repeats)):
         if value < 1:
             p.error(f"{flag} must be >= 1")
+    if args.workers < 0:
+        p.error("--workers must be >= 0 (DataLoader workers per process)")
+    if not args.timeout > 0:  # nan too
+        p.error("--timeout must be > 0 (seconds one recipe run may take)")
     return args
 
 
@@ -213,6 +220,11 @@ def schedule(items, repeats):
 
 
 # -------------------------------------------------------------------------------------- devices
+def valid_devices(devices):
+    """Whether DEVICES is one launch.sh takes here: a GPU list like 0,1,3, cpu, or cpu:N with N >= 1."""
+    return re.fullmatch(r"cpu(:[1-9][0-9]*)?|[0-9]+(,[0-9]+)*", devices) is not None
+
+
 def is_cpu(devices):
     return devices == "cpu" or devices.startswith("cpu:")
 
@@ -370,12 +382,25 @@ def summarize(values):
     return statistics.median(values), min(values), max(values)
 
 
-def compare(values, against, higher_is_better=True):
+def summarize_time(values):
+    """summarize() for a time a step derived from images/s (global batch / images/s, each run's): its median is the
+    reciprocal of the rates' median, so global batch / the median images/s, as the table's footnote says. The two
+    differ for an even count: the mean of the middle two times is not the time of the mean of the middle two rates."""
+    if not values:
+        raise ValueError("summarize_time() needs at least one value")
+    rate = statistics.median([1 / v for v in values])  # a time of inf (images/s 0): rate 0
+    return (1 / rate if rate else float("inf")), min(values), max(values)
+
+
+TIME_KEYS = ("s_per_20_it", "step_ms")  # the timed columns derived from images/s: summarize_time's
+
+
+def compare(values, against, higher_is_better=True, summary=summarize):
     """`values` against `against` (each one measure's runs): the ratio of their medians, and whether their
     [lowest, highest] ranges overlap (touching counts as overlapping): then the runs cannot tell the two apart and
     the verdict is "within noise", else "faster" or "slower". With one run on either side there is no range:
-    within_noise is None."""
-    mine, theirs = summarize(values), summarize(against)
+    within_noise is None. summary: how `values` are summarized (summarize_time for a recipe's step ms)."""
+    mine, theirs = summary(values), summarize(against)
     ratio = mine[0] / theirs[0] if theirs[0] else float("inf")
     if min(len(values), len(against)) < 2:
         within_noise, verdict = None, "one run: no range"
@@ -395,7 +420,8 @@ def summarize_entry(runs, bare_ms, attempts):
     row.update(runs=len(runs), attempts=attempts)
     for key, _, _ in TIMED:
         values = bare_ms if key == "bare_step_ms" else [run[key] for run in runs]
-        row[key] = dict(zip(("median", "low", "high"), summarize(values), strict=True))
+        row[key] = dict(zip(("median", "low", "high"), (summarize_time if key in TIME_KEYS else summarize)(values),
+                            strict=True))
     per_rank = zip(*(r["peak_mem_mb_per_rank"] for r in runs), strict=True)
     row["peak_mem_mb_per_rank"] = [statistics.median(rank) for rank in per_rank]
     row["state_bytes_per_rank"] = first.get("state_bytes_per_rank")  # exact: the same in every run
@@ -420,7 +446,7 @@ def comparisons(chosen, runs_by_name, bare_ms_by_name):
         if runs_by_name.get(entry.name) and bare_ms_by_name.get(entry.name):
             made.append({"entry": entry.name, "against": BARE, "measure": "step ms",
                          **compare([r["step_ms"] for r in runs_by_name[entry.name]], bare_ms_by_name[entry.name],
-                                   higher_is_better=False)})
+                                   higher_is_better=False, summary=summarize_time)})
     return made
 
 
@@ -587,6 +613,11 @@ def main(argv=None):
     except ValueError as exc:
         print(f"bench: error: {exc}", file=sys.stderr)
         return 2
+    why = unwritable(args.out)  # now, not after every run: a benchmark whose results cannot be written is lost
+    if why:
+        print(f"bench: error: --out {args.out}: cannot make or write that folder ({why}); pass one you can write",
+              file=sys.stderr)
+        return 2
     # Before the bare loop's first CUDA call: number GPUs as nvidia-smi and launch.sh do, all of them visible.
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     visible = os.environ.pop("CUDA_VISIBLE_DEVICES", None)  # launch.sh sets it for each recipe from --devices
@@ -632,16 +663,21 @@ def main(argv=None):
               "comparisons": comparisons(present, runs_by_name, bare_ms_by_name), "runs": runs,
               "bare_runs": bare_runs, "failed": failed,
               "failed_entries": [e.name for e in present if not runs_by_name[e.name]], "skipped": skipped}
-    args.out.mkdir(parents=True, exist_ok=True)
     text = markdown(report)
-    (args.out / "results.md").write_text(text)
-    (args.out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
-    print("\n" + text, flush=True)  # the table before the chart: a chart that cannot be drawn loses nothing
+    print("\n" + text, flush=True)  # the tables first: files that cannot be written lose no measurement
     try:
-        plot(report, args.out / "results.png")
-        chart = ", results.png"
-    except ImportError as exc:  # matplotlib is in requirements-dev.txt, not requirements.txt
-        chart = f" (no chart: {exc}; pip install matplotlib)"
+        args.out.mkdir(parents=True, exist_ok=True)  # checked before the first run; it can have gone since
+        (args.out / "results.md").write_text(text)
+        (args.out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
+        try:
+            plot(report, args.out / "results.png")
+            chart = ", results.png"
+        except ImportError as exc:  # matplotlib is in requirements-dev.txt, not requirements.txt
+            chart = f" (no chart: {exc}; pip install matplotlib)"
+    except OSError as exc:
+        print(f"bench: error: cannot write to --out {args.out}: {exc.strerror or exc} ({exc.filename or args.out}); "
+              "the tables are printed above", file=sys.stderr)
+        return 1
     print(f"bench: wrote {args.out / 'results.md'}, results.json{chart}", flush=True)
     if failed:
         counts = collections.Counter(f["name"] for f in failed)  # in the order of the first failure

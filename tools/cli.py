@@ -3,6 +3,8 @@ block above the message (a bad flag should read as one line in a log). Standard 
 
 import argparse
 import sys
+import tempfile
+from pathlib import Path
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -13,3 +15,22 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message):
         print(f"{self.name}: error: {message}", file=sys.stderr)
         sys.exit(2)
+
+
+def unwritable(folder, make=True):
+    """Why no file can be written in `folder`, made here with its parents where missing; None when one can. It makes
+    and removes a file there, since permission bits do not tell (root passes every os.access check, a read-only
+    mount or /proc does not): a tool checks its output folder so, before its long work, not after it. make=False:
+    nothing is made; the nearest folder of the path that exists is probed (the one the missing ones would go in)."""
+    folder = Path(folder)
+    try:
+        if make:
+            folder.mkdir(parents=True, exist_ok=True)
+        else:
+            while not folder.exists() and folder != folder.parent:
+                folder = folder.parent
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None

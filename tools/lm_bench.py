@@ -30,7 +30,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from common.lm import Transformer, adamw_implementation  # noqa: E402
-from tools.bench import cpu_threads, process_count  # noqa: E402
+from tools.bench import cpu_threads, is_cpu, process_count, valid_devices  # noqa: E402
 from tools.cli import OneLineParser  # noqa: E402
 from tools.recipes import load_recipe  # noqa: E402
 
@@ -322,6 +322,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.steps < 2 or args.rounds < 1:  # the first step is left out of tokens/s: one would leave none
         p.error(f"--steps {args.steps} must be at least 2 and --rounds {args.rounds} at least 1")
+    device_sets = args.devices.split(",") if args.devices.startswith("cpu") else [args.devices]
+    if not all(valid_devices(d) and is_cpu(d) == is_cpu(device_sets[0]) for d in device_sets):  # before any launch
+        p.error(f"--devices {args.devices!r}: expected cpu:N entries (cpu:1,cpu:2, N >= 1) or one GPU list like 0,1")
     if args.activations:
         results = spawn(activations_per_rank)
         print("| layout (global batch 32 x 128 bytes, the default model) | activation MiB per rank |")
@@ -343,7 +346,6 @@ def main(argv=None):
                 print(f"| {name} | {world} | {held} | {ops} | {size / 1e6:.2f} | {sent / 1e6:.2f} |")
         print("RESULT " + json.dumps(results))
         return 0
-    device_sets = args.devices.split(",") if args.devices.startswith("cpu") else [args.devices]
     runs = []
     for round_ in range(args.rounds):
         for devices in device_sets:
