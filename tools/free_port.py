@@ -9,10 +9,18 @@ Jobs started together (a sweep, a test suite) would each find the same port free
 at once: 1 in 800) and one would fail to listen. So the picks of the last HOLD_S seconds are kept in a file of the
 user's in the temporary folder, read and written under a lock: a port picked there is not picked again until
 torchrun has had time to listen on it (where the file cannot be used, the pick goes on without it).
+
+    python tools/free_port.py              # below the ephemeral range (launch.sh's MASTER_PORT)
+    python tools/free_port.py 29500 29600  # in [29500, 29600): a free one, or one line and exit 1 if none is
+
+With LOW and HIGH it prints only a port in [LOW, HIGH), 1 <= LOW < HIGH <= 65536: random draws, then (a range that
+is small or nearly full) every port of it in random order; none free there (or all picked in the last HOLD_S
+seconds): one line on stderr, exit 1. Bad arguments: one line, exit 2.
 """
 
 import contextlib
 import fcntl
+import itertools
 import os
 import random
 import socket
@@ -60,13 +68,19 @@ def free_port(low=None, high=None, tries=200, recent=RECENT):
     """A random port in [low, high) that binds now (SO_REUSEADDR, as torch's TCPStore sets it, so a port in
     TIME_WAIT counts as free) and that no pick of the last HOLD_S seconds took (`recent`: the file that keeps them).
     By default the 12,000 ports below the ephemeral range; the kernel's pick if that range starts too low to leave
-    room."""
-    if low is None:
+    room. With low and high given, only a port in [low, high): after `tries` random draws (none where the range is
+    under 1000 ports) every port of it, in random order; OSError when none is free."""
+    given = low is not None
+    if not given:
         start = ephemeral_range()[0]
         low, high = max(1024, start - 12000), start
+
+    def walk():  # lazily: a large range is seldom walked
+        yield from random.sample(range(low, high), high - low)
+
     with recent_picks(recent) as picks:
-        for _ in range(tries if high - low >= 1000 else 0):
-            port = random.randint(low, high - 1)
+        draws = (random.randint(low, high - 1) for _ in range(tries if high - low >= 1000 else 0))
+        for port in itertools.chain(draws, walk() if given else ()):
             if port in picks:
                 continue
             with socket.socket() as s:
@@ -77,12 +91,35 @@ def free_port(low=None, high=None, tries=200, recent=RECENT):
                     continue
             picks[port] = time.time()
             return port
+    if given:
+        raise OSError(f"no free port in [{low}, {high}): each is in use or was picked in the last {HOLD_S} s")
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
 
 
+def main(argv):
+    """The command line: prints the port, or one line on stderr (exit 2: bad arguments, 1: none free)."""
+    usage = "usage: python tools/free_port.py [LOW HIGH]"
+    if len(argv) not in (0, 2):
+        print(f"error: expected no argument or LOW HIGH, got {len(argv)}; {usage}", file=sys.stderr)
+        return 2
+    try:
+        bounds = [int(a) for a in argv]
+    except ValueError:
+        print(f"error: LOW and HIGH must be whole numbers, not {' '.join(argv)!r}; {usage}", file=sys.stderr)
+        return 2
+    if bounds and not 1 <= bounds[0] < bounds[1] <= 65536:
+        print(f"error: LOW {bounds[0]} and HIGH {bounds[1]} must satisfy 1 <= LOW < HIGH <= 65536 (HIGH is not "
+              "included); " + usage, file=sys.stderr)
+        return 2
+    try:
+        print(free_port(*bounds))
+    except OSError as exc:
+        print(f"error: {exc}; give a wider range", file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    if len(sys.argv) not in (1, 3):
-        sys.exit("usage: python tools/free_port.py [LOW HIGH]")
-    print(free_port(*(int(a) for a in sys.argv[1:])))
+    sys.exit(main(sys.argv[1:]))
