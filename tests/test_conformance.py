@@ -392,6 +392,43 @@ def test_plot_tb_refuses_a_folder_without_events(tmp_path, capsys):
                                        "pass a recipe's --tb-dir\n")
 
 
+def event_files(folder, scalars):
+    """A --tb-dir holding `scalars` ({tag: [(step, value), ...]}), written by torch's SummaryWriter as a recipe's."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(folder)) as writer:
+        for tag, points in scalars.items():
+            for step, value in points:
+                writer.add_scalar(tag, value, step)
+    return str(folder)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # matplotlib's and tensorboard's, on import
+def test_plot_tb_labels_runs_of_one_folder_name_apart_and_a_legend_without_a_loss_point(tmp_path, monkeypatch):
+    # runs/exp1/tb and runs/exp2/tb were one run, "tb"; two runs too short for a train/loss point (logged every
+    # --tb-every steps) had their legend in that empty panel, so none
+    import matplotlib.figure
+
+    drawn = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *args, **kwargs: drawn.append(fig))
+    runs = [event_files(tmp_path / "runs" / name / "tb", {"epoch/val_acc1": [(3, 10.0)],
+                                                          "train/lr": [(1, lr), (3, lr)]})
+            for name, lr in (("exp1", 0.25), ("exp2", 0.5))]
+    assert plot_tb([*runs, "--out", str(tmp_path / "curves.png")]) == 0
+    (fig,) = drawn
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend()]
+    assert [[t.get_text() for t in legend.get_texts()] for legend in legends] == [["exp1/tb", "exp2/tb"]]
+    lr = fig.axes[2]  # both runs' lines, each in its own colour, the legend's
+    assert [line.get_ydata().tolist() for line in lr.lines] == [[0.25, 0.25], [0.5, 0.5]]
+    assert [line.get_color() for line in lr.lines] == [h.get_color() for h in legends[0].legend_handles]
+    # a third run beside them: its folder name alone tells it apart; one folder given twice is refused
+    from tools.plot_tb import labels
+
+    assert labels([*runs, tmp_path / "mine"]) == ["exp1/tb", "exp2/tb", "mine"]
+    with pytest.raises(ValueError, match="is given twice"):
+        labels([runs[0], f"{runs[0]}/."])
+
+
 RESUMABLE = {"ddp_checkpoint": "latest.pt", "ddp_zero": "latest.pt", "ddp_comm_hooks": "latest.pt",
              "torch_amp:fp32": "checkpoint.pt", "apex_amp:O0": "checkpoint.pt"}
 

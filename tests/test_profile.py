@@ -120,6 +120,34 @@ def test_plot_profile_refuses_a_folder_without_traces(tmp_path, capsys):
                                        "least 3 steps)\n")
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # matplotlib's pyparsing calls, on import
+def test_plot_profile_bad_input_is_one_line_and_a_new_out_folder_is_made(tmp_path, capsys):
+    # --steps -1 drew 3 of 4 steps; a trace without a step was a TypeError, one that is no JSON a JSONDecodeError,
+    # --out p.txt matplotlib's ValueError after the drawing, and --out newdir/p.png a FileNotFoundError.
+    good = tmp_path / "good"
+    good.mkdir()
+    step = [x(f"ProfilerStep#{i}", 100 * i, 100, cat="user_annotation") for i in range(2, 6)]
+    (good / "trace_rank0.json").write_text(json.dumps(trace_double(*step, x("aten::mm", 200, 50))))
+    for name, text in (("nostep", json.dumps(trace_double(x("aten::mm", 0, 10)))), ("broken", '{"traceEvents": ['),
+                       ("notrace", "[1, 2]")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "trace_rank0.json").write_text(text)
+    for args, message in (
+            ([good, "--steps", "-1"], "--steps -1 must be >= 1"), ([good, "--steps", "0"], "--steps 0 must be >= 1"),
+            ([good, "--out", tmp_path / "p.txt"], f"--out {tmp_path / 'p.txt'}: not a picture matplotlib can write"),
+            ([tmp_path / "nostep"], f"{tmp_path / 'nostep' / 'trace_rank0.json'} records no ProfilerStep"),
+            ([tmp_path / "broken"], f"{tmp_path / 'broken' / 'trace_rank0.json'} cannot be read as JSON ("),
+            ([tmp_path / "notrace"], f"{tmp_path / 'notrace' / 'trace_rank0.json'} is not a Chrome trace"),
+            ([good, "--out", "/proc/x/p.png"], "--out /proc/x/p.png: cannot write it (")):
+        assert plot_profile([*map(str, args)]) == 2, args
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith(f"error: {message}") and err.count("\n") == 1, (args, err)
+    assert not (tmp_path / "p.txt").exists()
+    png = tmp_path / "new" / "folder" / "p.png"
+    assert plot_profile([str(good), "--out", str(png), "--steps", "2"]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_a_run_shorter_than_the_schedule_writes_what_it_recorded(tmp_path):
     short = run_direct("ddp_torchrun", *TINY, "--max-steps", "4", "--profile", "--out-dir", tmp_path / "four")
     assert short.returncode == 0, short.stderr

@@ -28,28 +28,44 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("folder", help="OUT_DIR/profile of a run with --profile (trace_rank0.json, trace_rank1.json, ...)")
     p.add_argument("--out", default="profile.png", help="the PNG to write")
-    p.add_argument("--steps", type=int, help="draw only the first N recorded steps (default: all)")
+    p.add_argument("--steps", type=int, help="draw only the first N recorded steps, N >= 1 (default: all)")
     p.add_argument("--title", help="the picture's title (default: the folder)")
     args = p.parse_args(argv)
+    if args.steps is not None and args.steps < 1:
+        return error(f"--steps {args.steps} must be >= 1 (leave it out to draw every recorded step)")
     files = sorted(Path(args.folder).glob("trace_rank*.json"), key=lambda f: int(re.findall(r"\d+", f.name)[-1]))
-    traces = [json.loads(f.read_text()) for f in files]
+    traces = []
+    for f in files:
+        try:
+            trace = json.loads(f.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return error(f"{f} cannot be read as JSON ({exc}): run the recipe with --profile again")
+        if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+            return error(f"{f} is not a Chrome trace (no traceEvents list): run the recipe with --profile again")
+        traces.append(trace)
     world = traces[0].get("distributedInfo", {}).get("world_size") if traces else None
     if world:  # an earlier run with more ranks may have left its higher ranks' files here
         files, traces = files[:world], traces[:world]
     if not files:
-        print(f"error: no trace_rank*.json in {args.folder}: run a recipe with --profile (at least 3 steps)",
-              file=sys.stderr)
-        return 2
+        return error(f"no trace_rank*.json in {args.folder}: run a recipe with --profile (at least 3 steps)")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.backend_bases import FigureCanvasBase
 
+    out = Path(args.out)
+    if out.suffix[1:].lower() not in FigureCanvasBase.get_supported_filetypes():  # matplotlib goes by the suffix
+        return error(f"--out {out}: not a picture matplotlib can write (it goes by the suffix); give a .png (or .svg, "
+                     ".pdf) path")
+    # Whole training steps only: a run cut short recorded a last step that ran on through eval and the save.
+    cut = [segments(trace, complete=min(args.steps or 99, trace.get("completeSteps", 99))) for trace in traces]
+    if None in cut:  # a trace cut short, or not --profile's
+        return error(f"{files[cut.index(None)]} records no ProfilerStep: a trace of a run with --profile (at least 3 "
+                     "steps)")
     fig, ax = plt.subplots(figsize=(11, 0.7 * len(files) + 1.6))
     used = set()
-    for row, trace in enumerate(traces):
-        # Whole training steps only: a run cut short recorded a last step that ran on through eval and the save.
-        steps, pieces = segments(trace, complete=min(args.steps or 99, trace.get("completeSteps", 99)))
+    for row, (steps, pieces) in enumerate(cut):
         start, end = steps[0][0], steps[-1][1]
         y = len(files) - 1 - row  # rank 0 on top
         for label in COLOURS:
@@ -66,9 +82,20 @@ def main(argv=None):
     ax.legend(handles, [NAMES.get(k, k) for k in COLOURS if k in used], loc="upper center", ncol=3, fontsize=8,
               bbox_to_anchor=(0.5, -0.35 if len(files) < 3 else -0.22), frameon=False)
     fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=110)
+    except OSError as exc:
+        return error(f"--out {out}: cannot write it ({exc.strerror or exc}); pass a path you can write")
+    finally:
+        plt.close(fig)
     print(f"wrote {args.out}: {len(files)} ranks")
     return 0
+
+
+def error(message):
+    print(f"error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
