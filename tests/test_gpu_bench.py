@@ -596,6 +596,23 @@ def test_bad_render_input_in_process(tmp_path, capsys, content, message):
     assert err.count("\n") == 1 and err.startswith("gpu_bench: error: ") and message in err
 
 
+def test_an_md_or_out_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    # --render wrote --md after merging, with a traceback; a measuring run found it after its first section.
+    (tmp_path / "file").write_text("a file, not a folder")
+    for args, line in (
+            (["--render", str(REPO / RUN_DIR), "--md", "/proc/x/g.md"], "--md /proc/x/g.md: cannot write it ("),
+            (["--render", str(REPO / RUN_DIR), "--md", str(tmp_path / "file" / "g.md")],
+             f"--md {tmp_path / 'file' / 'g.md'}: cannot write it (File exists)"),  # its folder: mkdir's error
+            (["--device", "cpu", "--only", "throughput", "--md", "/proc/x/g.md"],
+             "--md /proc/x/g.md: cannot make or write its folder ("),
+            (["--device", "cpu", "--only", "throughput", "--out", str(tmp_path / "file" / "g.json")],
+             f"--out {tmp_path / 'file' / 'g.json'}: cannot make or write its folder (Not a directory)")):
+        assert gpu_bench.main(args) == 2, args
+        out, err = capsys.readouterr()
+        assert err.startswith(f"gpu_bench: error: {line}") and err.count("\n") == 1, (args, err)
+        assert "gpu_bench: throughput" not in out  # nothing measured
+
+
 def test_two_hosts_of_one_machine_kind_merge_each_driver_named(tmp_path, capsys):
     """A lent H200 is one of several hosts: another driver build is the same measurement, and the page names both."""
     lm = json.loads(run_file("lm.json"))

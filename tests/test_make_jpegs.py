@@ -203,6 +203,18 @@ def test_bad_numbers_are_one_line_and_exit_2(tmp_path, capsys, args):
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.parametrize("root", ["/proc/foo", "{tmp}/file/set"])
+def test_a_root_that_cannot_be_made_is_one_line_and_exit_2(tmp_path, capsys, root):
+    (tmp_path / "file").write_text("a file, not a folder")
+    root = root.format(tmp=tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main([root, "--train", "20", "--val", "10", "--size", "40x30", "--jobs", "1"])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == ""
+    assert err.startswith(f"make_jpegs: error: {root}: cannot make or write that folder ("), err
+    assert err.count("\n") == 1, err
+
+
 def test_cli_prints_one_summary_line(tmp_path, capsys):
     assert main([str(tmp_path / "new"), "--train", "20", "--val", "10", "--size", "40x30", "--jobs", "1",
                  "--odd"]) == 0

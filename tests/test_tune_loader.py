@@ -271,6 +271,11 @@ def test_help_states_the_rule(capsys):
     (["--out", "{tmp}"], "--out {tmp} must end in .png, .svg, .pdf"),  # matplotlib would write {tmp}.png
     (["--batch-size", "10", "--processes", "4"], "--batch-size 10 is the GLOBAL batch and must be a multiple of "
      "--processes 4; try --batch-size 8"),
+    # found before measuring, not after it (the JSON's folder was made at the end)
+    (["--json", "/proc/x/y.json"], "--json /proc/x/y.json: cannot make or write its folder (No such file or "
+     "directory)"),
+    (["--json", "{tmp}/file/y.json"], "--json {tmp}/file/y.json: cannot make or write its folder (Not a directory)"),
+    (["--out", "/proc/x/chart.png"], "--out /proc/x/chart.png: cannot make or write its folder ("),
     (["--dataset", "imagefolder", "--data-root", "{tmp}/missing"], "--data-root '{tmp}/missing' has no train/ folder"),
     (["--dataset", "imagefolder", "--data-root", "{tmp}/file"], "--data-root '{tmp}/file' has no train/ folder"),
     (["--dataset", "imagefolder", "--data-root", "{tmp}/small", "--batch-size", "64", "--processes", "2"],

@@ -26,8 +26,8 @@ pixels, as a broken download leaves it: it opens, then PIL's load and torchvisio
 notimage_0.JPEG (random bytes). These are counted apart ("+N odd") and left out of the means. Prints one line: files,
 seconds, files/s, mean width x height, mean bytes a file. --force replaces ROOT's train/ and val/ (an earlier run's:
 none of its files, odd or corrupt, stays beside the new set) and leaves the rest of ROOT. Bad input (a ROOT that is
-not empty, without --force; a bad number): one line on stderr, exit 2. make_set() does the same from Python,
-without the checks.
+not empty, without --force; one that cannot be made or written; a bad number): one line on stderr, exit 2.
+make_set() does the same from Python, without the checks.
 """
 
 import argparse
@@ -46,7 +46,7 @@ import numpy as np
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/ when run as a script
-from tools.cli import OneLineParser
+from tools.cli import OneLineParser, unwritable
 
 PHOTOS = ("china.jpg", "flower.jpg")
 MAX_CLASSES = 100
@@ -183,6 +183,9 @@ def main(argv=None):
     if importlib.util.find_spec("sklearn") is None:  # before any file is made
         p.error("scikit-learn is not installed, and its two sample photographs are the source: "
                 "pip install -r requirements-dev.txt")
+    why = unwritable(args.root)  # made here, before any file: a folder that cannot be written is one line
+    if why:
+        p.error(f"{args.root}: cannot make or write that folder ({why}); pass one you can write")
     if args.force:  # an earlier run's files, a larger set's or its corrupt ones, must not stay among the new
         for split in SPLITS:
             shutil.rmtree(args.root / split, ignore_errors=True)

@@ -46,7 +46,8 @@ ms/batch), the recommendation and what the recipes' default worker count measure
 chart of images/s against workers (--out, PNG) and, with --json, the settings, the hardware and every row with its
 rounds.
 Bad input (a missing --data-root, --batches 0, a batch that does not divide by --processes, --device cuda
-without a GPU) gets one line on stderr and exit code 2; an image that does not load, one line and exit 1.
+without a GPU, an --out or --json whose folder cannot be written: checked before measuring) gets one line on stderr
+and exit code 2; an image that does not load, one line and exit 1.
 """
 
 import argparse
@@ -77,6 +78,7 @@ from common.data import (
 )
 from common.loader import DataLoaderX
 from tools.bench import hardware
+from tools.cli import unwritable
 
 LOADERS = ("DataLoader", "DataLoaderX")
 TOLERANCE = 0.05  # rows within 5% of the fastest count as equally fast
@@ -341,6 +343,10 @@ def main(argv=None):
     problem = check_args(args)
     if problem:
         return error(problem)
+    for flag, path in (("--json", args.json), ("--out", args.out)):  # now, not after the measuring
+        why = path is not None and unwritable(path.parent, make=False)  # made when written, as before
+        if why:
+            return error(f"{flag} {path}: cannot make or write its folder ({why}); pass a path you can write")
     # One process's share of the machine, taken before torch starts any thread: the workers inherit the pinning,
     # and torch's threads match launch.sh's OMP_NUM_THREADS. Restored after, for callers of main() in a
     # longer-lived process. The cores are what launch.sh's `nproc` counts: a cpuset can hold fewer than the box.
