@@ -102,13 +102,17 @@ given=0
 if [[ $# -gt 0 && $1 =~ ^-[0-9] ]]; then # CUDA_VISIBLE_DEVICES' -1, typed as DEVICES: read as a recipe flag
   fail "bad DEVICES '$1': to run without GPUs pass cpu or cpu:N, e.g. cpu:2"
 fi
-for word in "$@"; do # launch.sh's own words after RECIPE would reach every rank, each printing its usage
-  [[ $word != --dry-run ]] || fail "--dry-run goes before RECIPE: ./launch.sh --dry-run RECIPE [DEVICES] [recipe args...]"
-done
+# launch.sh's own words after the recipe's flags would reach every rank, each printing its usage: --dry-run (unless
+# the recipe takes one of its own) and DEVICES ("cpu", "cpu:2" where no flag takes it as its value).
+if [[ " $* " == *" --dry-run "* ]] && ! grep -q -e --dry-run "$recipe"; then
+  fail "--dry-run goes before RECIPE: ./launch.sh --dry-run RECIPE [DEVICES] [recipe args...]"
+fi
 if [[ $# -gt 0 && $1 == -* ]]; then
+  previous=""
   for word in "$@"; do
-    [[ ! $word =~ ^cpu(:[0-9]+)?$ ]] ||
+    [[ ! $word =~ ^cpu(:[0-9]+)?$ || $previous == -* ]] ||
       fail "DEVICES '$word' comes after a recipe flag; put it right after RECIPE: ./launch.sh RECIPE $word [recipe args...]"
+    previous=$word
   done
 fi
 if [[ $# -gt 0 && $1 != -* ]]; then
@@ -232,8 +236,8 @@ check_master() {
   # On node 0, which hosts the rendezvous: MASTER_ADDR must be an address of this machine (any other one, say a
   # cluster job's left exported, makes every rank retry its connection for 15 minutes), and MASTER_PORT, when
   # given, free to listen on (SO_REUSEADDR as torch's TCPStore sets it: a port in TIME_WAIT is not busy).
-  # Exit 0: fine; 1: the port is in use; 3: the address is not this machine's; 4: it does not resolve; 5: the
-  # port needs root.
+  # Exit 0: fine; 6: the port is in use; 3: the address is not this machine's; 4: it does not resolve; 5: the
+  # port needs root; anything else (1: a traceback): the check could not run.
   "$python" -c 'import errno, socket, sys
 addr, port = sys.argv[1], int(sys.argv[2])
 try:
@@ -242,12 +246,12 @@ except (socket.gaierror, UnicodeError):
     sys.exit(4)
 local = False
 for family, kind, _, _, where in found:
-    with socket.socket(family, kind) as s:
-        try:
-            s.bind((where[0], 0))
+    try:  # an IPv6 address on a kernel without IPv6 is not an address here
+        with socket.socket(family, kind) as s:
+            s.bind((where[0], 0, *where[2:]))  # an IPv6 link-local address keeps its scope
             local = True
-        except OSError:
-            pass
+    except OSError:
+        pass
 if not local:
     sys.exit(3)
 if port:
@@ -256,7 +260,7 @@ if port:
     try:
         s.bind(("", port))
     except OSError as e:
-        sys.exit(5 if e.errno == errno.EACCES else 1)' "$1" "$2"
+        sys.exit(5 if e.errno == errno.EACCES else 6)' "$1" "$2"
 }
 
 if [[ -n ${MASTER_PORT:-} ]]; then
@@ -272,7 +276,7 @@ if ((node_rank == 0)) && [[ -n ${MASTER_ADDR:-} || -n ${MASTER_PORT:-} ]]; then
   check_master "$master_addr" "${master_port:-0}" 2>/dev/null || ok=$?
   case $ok in
     0) ;;
-    1) fail "MASTER_PORT=$master_port is already in use (another job on this machine?); unset MASTER_PORT to get a free port, or pick another" ;;
+    6) fail "MASTER_PORT=$master_port is already in use (another job on this machine?); unset MASTER_PORT to get a free port, or pick another" ;;
     3) fail "MASTER_ADDR=$master_addr is not an address of this machine, and node 0 (NODE_RANK=$node_rank) hosts the rendezvous there; set it to this node's address, or unset it for a one-node job" ;;
     4) fail "MASTER_ADDR=$master_addr does not resolve to an address; set it to node 0's address or host name, or unset it for a one-node job" ;;
     5) fail "MASTER_PORT=$master_port is a privileged port (below 1024) that this user cannot listen on; pick one above 1024" ;;
@@ -302,9 +306,9 @@ fi
 if ((quota > 0 && quota < cores)); then
   cores=$quota
 fi
-if [[ -n ${OMP_NUM_THREADS:-} && ! $OMP_NUM_THREADS =~ ^0*[1-9][0-9]{0,5}(,[0-9]{1,6})*$ ]]; then
+if [[ -n ${OMP_NUM_THREADS:-} && ! $OMP_NUM_THREADS =~ ^0*[1-9][0-9]{0,5}(,0*[1-9][0-9]{0,5})*$ ]]; then
   # libgomp ignores a bad value with a warning and runs a thread per core in every process (6x slower measured)
-  fail "OMP_NUM_THREADS='$OMP_NUM_THREADS' must be a whole number >= 1 (threads per process); unset it for cores / processes ($((cores / nprocs > 0 ? cores / nprocs : 1)) here)"
+  fail "OMP_NUM_THREADS='$OMP_NUM_THREADS' must be a whole number >= 1 (threads per process; a list such as 4,2 for nested levels); unset it for cores / processes ($((cores / nprocs > 0 ? cores / nprocs : 1)) here)"
 fi
 threads=${OMP_NUM_THREADS:-$((cores / nprocs > 0 ? cores / nprocs : 1))}
 # tools/torchrun.py is torchrun (from this environment) with the same flags; when a rank fails it prints one

@@ -155,12 +155,21 @@ def test_a_failing_nvidia_smi_is_said_in_one_line_not_read_as_no_gpu(devices, sm
     (["--epochs", "1", "cpu"], "DEVICES 'cpu' comes after a recipe flag"),
     (["cpu:2", "--dry-run"], "--dry-run goes before RECIPE: ./launch.sh --dry-run RECIPE [DEVICES] [recipe args...]"),
     (["--dry-run"], "--dry-run goes before RECIPE"),
+    (["--lr", "1", "--arch", "tiny", "cpu"], "DEVICES 'cpu' comes after a recipe flag"),
 ])
 def test_launch_sh_s_own_words_after_the_recipe_flags_are_one_line(args, message, fake_gpus):
     proc = launch("recipes/ddp_torchrun.py", *args, env=fake_gpus(2))
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and proc.stdout == "" and len(lines) == 1, proc.stderr
     assert lines[0].startswith("launch.sh: error: ") and message in lines[0], lines[0]
+
+
+def test_a_flag_s_value_cpu_and_a_recipe_s_own_dry_run_reach_the_recipe(tmp_path):
+    _, argv, _ = dry_run("recipes/ddp_torchrun.py", "--out-dir", "cpu", "--tb-dir", "cpu:2")
+    assert argv[-4:] == ["--out-dir", "cpu", "--tb-dir", "cpu:2"]
+    own = tmp_path / "own.py"  # a user's recipe with a --dry-run of its own
+    own.write_text('# launcher: torchrun\nimport argparse\nargparse.ArgumentParser().add_argument("--dry-run")\n')
+    assert dry_run(str(own), "cpu:1", "--dry-run")[1][-1] == "--dry-run"
 
 
 def test_a_uuid_on_a_machine_whose_nvidia_smi_lists_no_gpu_is_refused_in_one_line(fake_gpus):
@@ -332,9 +341,10 @@ def test_busy_master_port_fails_clearly():
     ({"NNODES": "2", "MASTER_ADDR": "192.0.2.1", "MASTER_PORT": "29500"}, "MASTER_ADDR=192.0.2.1 is not an address"),
     ({"MASTER_ADDR": "no-such-host.invalid"}, "MASTER_ADDR=no-such-host.invalid does not resolve to an address"),
     # libgomp would warn and run a thread per core in every process
-    ({"OMP_NUM_THREADS": "abc"}, "OMP_NUM_THREADS='abc' must be a whole number >= 1 (threads per process); unset it "
-                                 "for cores / processes"),
+    ({"OMP_NUM_THREADS": "abc"}, "OMP_NUM_THREADS='abc' must be a whole number >= 1 (threads per process; a list "
+                                 "such as 4,2 for nested levels); unset it for cores / processes"),
     ({"OMP_NUM_THREADS": "0"}, "OMP_NUM_THREADS='0' must be a whole number >= 1"),
+    ({"OMP_NUM_THREADS": "4,0"}, "OMP_NUM_THREADS='4,0' must be a whole number >= 1"),
 ])
 def test_a_master_addr_not_on_node_0_and_a_bad_thread_count_are_one_line(env, message):
     proc = launch("--dry-run", "recipes/ddp_torchrun.py", "cpu", env=env)
@@ -350,7 +360,9 @@ def test_a_master_addr_of_this_machine_and_other_nodes_addresses_pass():
     env, _, _ = dry_run("recipes/ddp_torchrun.py", "cpu", env={"NNODES": "2", "NODE_RANK": "1",
                                                                "MASTER_ADDR": "192.0.2.1", "MASTER_PORT": "29500"})
     assert env["MASTER_ADDR"] == "192.0.2.1"
-    assert dry_run("recipes/ddp_torchrun.py", "cpu", env={"OMP_NUM_THREADS": "3"})[0]["OMP_NUM_THREADS"] == "3"
+    for threads in ("3", "4,2"):  # a list: libgomp's threads per nested level
+        assert dry_run("recipes/ddp_torchrun.py", "cpu", env={"OMP_NUM_THREADS": threads})[0]["OMP_NUM_THREADS"] == \
+            threads
 
 
 @pytest.mark.parametrize("port", ["0", "70000", "http"])
@@ -623,7 +635,7 @@ def test_ctrl_c_while_node_0_waits_for_the_others_stops_it_at_once(tmp_path):
     assert proc.returncode == -signal.SIGINT, (proc.returncode, stderr[-2000:])
 
 
-def test_ctrl_c_while_the_launcher_imports_torch_ends_it_without_a_traceback():
+def test_ctrl_c_while_the_launcher_imports_torch_ends_it_without_a_traceback(tmp_path):
     # tools/torchrun.py imports torch for a second or more before main(): a Ctrl-C then printed Python's
     # KeyboardInterrupt traceback from inside the import, 35 lines. It ends by the signal, as the shell expects.
     proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "torchrun.py"), "--nproc-per-node=1", "x.py"],
@@ -633,6 +645,13 @@ def test_ctrl_c_while_the_launcher_imports_torch_ends_it_without_a_traceback():
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGINT and "Traceback" not in stderr, (proc.returncode, stderr[-2000:])
+    # Imported (tests import its helpers; pytest needs its KeyboardInterrupt to stop and report), Ctrl-C is left as is.
+    probe = tmp_path / "probe.py"
+    probe.write_text(f"import signal, sys\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+                     f"sys.path.insert(0, {str(REPO)!r})\nimport tools.torchrun\n"
+                     "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n")
+    probed = run_script([probe])
+    assert probed.stdout.strip() == "True", probed.stderr[-2000:]
 
 
 WAITING_RANK = """

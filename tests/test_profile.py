@@ -146,6 +146,11 @@ def test_plot_profile_bad_input_is_one_line_and_a_new_out_folder_is_made(tmp_pat
     png = tmp_path / "new" / "folder" / "p.png"
     assert plot_profile([str(good), "--out", str(png), "--steps", "2"]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # A one-rank run's traces where a bigger run left a half-written rank 1: drawn from rank 0's world, not refused.
+    (good / "trace_rank0.json").write_text(json.dumps({**trace_double(*step), "distributedInfo": {"world_size": 1}}))
+    (good / "trace_rank1.json").write_text('{"traceEvents": [')
+    assert plot_profile([str(good), "--out", str(png)]) == 0
+    assert capsys.readouterr().out.endswith(": 1 ranks\n")
 
 
 def test_a_run_shorter_than_the_schedule_writes_what_it_recorded(tmp_path):

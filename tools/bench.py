@@ -241,7 +241,7 @@ def process_count(devices):
 def cpu_threads(processes):
     """Threads per recipe process, as launch.sh sets them: OMP_NUM_THREADS if set, else cores / processes."""
     if os.environ.get("OMP_NUM_THREADS"):
-        return int(os.environ["OMP_NUM_THREADS"])
+        return int(os.environ["OMP_NUM_THREADS"].split(",")[0])  # a list (nested levels): the outer one
     return max(1, usable_cores() // processes)
 
 

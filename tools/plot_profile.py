@@ -34,8 +34,10 @@ def main(argv=None):
     if args.steps is not None and args.steps < 1:
         return error(f"--steps {args.steps} must be >= 1 (leave it out to draw every recorded step)")
     files = sorted(Path(args.folder).glob("trace_rank*.json"), key=lambda f: int(re.findall(r"\d+", f.name)[-1]))
-    traces = []
+    traces, world = [], None
     for f in files:
+        if world and len(traces) >= world:  # an earlier run with more ranks may have left its higher ranks' files
+            break
         try:
             trace = json.loads(f.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -43,9 +45,8 @@ def main(argv=None):
         if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
             return error(f"{f} is not a Chrome trace (no traceEvents list): run the recipe with --profile again")
         traces.append(trace)
-    world = traces[0].get("distributedInfo", {}).get("world_size") if traces else None
-    if world:  # an earlier run with more ranks may have left its higher ranks' files here
-        files, traces = files[:world], traces[:world]
+        world = world or trace.get("distributedInfo", {}).get("world_size")  # rank 0's run: how many are its
+    files = files[:len(traces)]
     if not files:
         return error(f"no trace_rank*.json in {args.folder}: run a recipe with --profile (at least 3 steps)")
     import matplotlib

@@ -54,9 +54,10 @@ from pathlib import Path
 # is in place (pass_sigusr1_to_the_ranks).
 EARLY_SIGUSR1 = []
 signal.signal(signal.SIGUSR1, lambda signum, frame: EARLY_SIGUSR1.append(signum))
-# Ctrl-C while torch imports: this process ends as by the signal (exit 130 in the shell), not with a 35-line
-# KeyboardInterrupt traceback from inside the import; main() keeps it so until torchrun handles it.
-signal.signal(signal.SIGINT, signal.SIG_DFL)
+if __name__ == "__main__":  # run as the launcher, not imported (by a test, which keeps Python's Ctrl-C):
+    # Ctrl-C while torch imports ends this process as by the signal (exit 130 in the shell), not with a 35-line
+    # KeyboardInterrupt traceback from inside the import; main() keeps it so until torchrun handles it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 from torch.distributed import DistError  # noqa: E402
 from torch.distributed import launch as legacy_launch  # noqa: E402
