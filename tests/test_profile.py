@@ -207,7 +207,10 @@ def test_straggler_drill_names_the_slow_rank_on_the_epoch_line_and_in_the_profil
     assert rows[2]["idle"] > 60 and rows[2]["communication"] < 10, rows  # it sleeps; nobody makes it wait
     assert all(rows[r]["communication"] > 60 for r in (0, 1)), rows  # they wait for it
     steps = [row["step_ms"] for row in rows.values()]
-    assert max(steps) - min(steps) < 0.05 * max(steps), rows  # the same wall-clock step on every rank
+    # The same wall-clock step on every rank, within 10%: each rank's step boundaries sit at another point of the
+    # shared step, and on 2 busy cores a rank held off the CPU near one moves it (5.7%, 250.6 against 236.2 ms, in a
+    # full-suite run of 2026-12-01); the ranks' own compute differs 5x and more (own_ms above).
+    assert max(steps) - min(steps) < 0.10 * max(steps), rows
 
 
 @pytest.mark.slow
