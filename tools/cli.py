@@ -34,3 +34,14 @@ def unwritable(folder, make=True):
     except OSError as exc:
         return exc.strerror or str(exc)
     return None
+
+
+def unwritable_output(*flags_and_paths):
+    """The first of (flag, path) pairs whose file cannot be written, as one line's message ("--json x/y.json: cannot
+    make or write its folder (why); ..."), None when each can (a path of None is skipped). Nothing is made: the
+    tool makes the folder when it writes the file, after its work; this is checked before it."""
+    for flag, path in flags_and_paths:
+        why = path is not None and unwritable(Path(path).parent, make=False)
+        if why:
+            return f"{flag} {path}: cannot make or write its folder ({why}); pass a path you can write"
+    return None

@@ -98,7 +98,7 @@ from common.models import build_model, check_arch, check_image_size  # noqa: E40
 from common.schedule import default_lr, warmup_cosine  # noqa: E402
 from common.utils import AverageMeter, accuracy, first_line  # noqa: E402
 from tools import junit  # noqa: E402
-from tools.cli import OneLineParser, unwritable  # noqa: E402
+from tools.cli import OneLineParser, unwritable_output  # noqa: E402
 from tools.free_port import free_port  # noqa: E402
 from tools.recipes import load_recipe  # noqa: E402
 
@@ -1370,12 +1370,10 @@ def main(argv=None):
     command = shlex.join(["python", "tools/gpu_bench.py", *map(str, sys.argv[1:] if argv is None else argv)])
     if args.render is not None:
         return render_main(args, command)
-    for flag, path in (("--out", args.out), ("--md", args.md)):  # before the first section, not after it
-        why = path is not None and unwritable(path.parent, make=False)
-        if why:
-            print(f"gpu_bench: error: {flag} {path}: cannot make or write its folder ({why}); pass a path you can "
-                  "write", file=sys.stderr)
-            return 2
+    problem = unwritable_output(("--out", args.out), ("--md", args.md))  # before the first section, not after it
+    if problem:
+        print(f"gpu_bench: error: {problem}", file=sys.stderr)
+        return 2
     started = time.perf_counter()
     device = setup(args)
     env = environment(device)

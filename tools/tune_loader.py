@@ -78,7 +78,7 @@ from common.data import (
 )
 from common.loader import DataLoaderX
 from tools.bench import hardware
-from tools.cli import unwritable
+from tools.cli import unwritable_output
 
 LOADERS = ("DataLoader", "DataLoaderX")
 TOLERANCE = 0.05  # rows within 5% of the fastest count as equally fast
@@ -343,10 +343,9 @@ def main(argv=None):
     problem = check_args(args)
     if problem:
         return error(problem)
-    for flag, path in (("--json", args.json), ("--out", args.out)):  # now, not after the measuring
-        why = path is not None and unwritable(path.parent, make=False)  # made when written, as before
-        if why:
-            return error(f"{flag} {path}: cannot make or write its folder ({why}); pass a path you can write")
+    problem = unwritable_output(("--json", args.json), ("--out", args.out))  # now, not after the measuring
+    if problem:
+        return error(problem)
     # One process's share of the machine, taken before torch starts any thread: the workers inherit the pinning,
     # and torch's threads match launch.sh's OMP_NUM_THREADS. Restored after, for callers of main() in a
     # longer-lived process. The cores are what launch.sh's `nproc` counts: a cpuset can hold fewer than the box.
