@@ -26,6 +26,15 @@ def dry_run(*args, env=None, cwd=REPO):
     return dict(w.split("=", 1) for w in env_words), words[len(env_words):], proc.stderr
 
 
+def error_line(proc):
+    """launch.sh's refusal of bad input: exit 2, nothing on stdout, one line on stderr, "launch.sh: error: ...";
+    that line."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and proc.stdout == "" and len(lines) == 1, (proc.returncode, proc.stdout, proc.stderr)
+    assert lines[0].startswith("launch.sh: error: "), lines[0]
+    return lines[0]
+
+
 def flag(argv, name):
     return next(a.split("=", 1)[1] for a in argv if a.startswith(f"--{name}="))
 
@@ -125,10 +134,7 @@ def test_bad_devices(devices, gpus, message, fake_gpus, tmp_path):
     # Refused before any Python starts (a second, not torch's import): PYTHON is a stand-in that leaves a mark.
     stand_in_command(tmp_path, "python", f"touch {tmp_path / 'ran'}\nexit 1\n")
     proc = launch("recipes/ddp_torchrun.py", devices, env={**fake_gpus(gpus), "PYTHON": str(tmp_path / "python")})
-    assert proc.returncode == 2
-    assert proc.stdout == ""
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("launch.sh: error: ") and message in lines[0], proc.stderr
+    assert message in error_line(proc)
     assert not (tmp_path / "ran").exists()
 
 
@@ -143,9 +149,8 @@ def test_bad_devices(devices, gpus, message, fake_gpus, tmp_path):
 def test_a_failing_nvidia_smi_is_said_in_one_line_not_read_as_no_gpu(devices, smi, code, said, tmp_path):
     env = stand_in_command(tmp_path / "smi", "nvidia-smi", f'echo "{smi}"\nexit {code}\n' if smi else f"exit {code}\n")
     proc = launch("--dry-run", "recipes/ddp_torchrun.py", *([devices] if devices else []), env=env)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and proc.stdout == "" and len(lines) == 1, proc.stderr
-    assert lines[0].startswith(f"launch.sh: error: {said}"), lines[0]
+    line = error_line(proc)
+    assert line.startswith(f"launch.sh: error: {said}"), line
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -159,9 +164,8 @@ def test_a_failing_nvidia_smi_is_said_in_one_line_not_read_as_no_gpu(devices, sm
 ])
 def test_launch_sh_s_own_words_after_the_recipe_flags_are_one_line(args, message, fake_gpus):
     proc = launch("recipes/ddp_torchrun.py", *args, env=fake_gpus(2))
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and proc.stdout == "" and len(lines) == 1, proc.stderr
-    assert lines[0].startswith("launch.sh: error: ") and message in lines[0], lines[0]
+    line = error_line(proc)
+    assert message in line, line
 
 
 def test_a_flag_s_value_cpu_and_a_recipe_s_own_dry_run_reach_the_recipe(tmp_path):
@@ -348,9 +352,8 @@ def test_busy_master_port_fails_clearly():
 ])
 def test_a_master_addr_not_on_node_0_and_a_bad_thread_count_are_one_line(env, message):
     proc = launch("--dry-run", "recipes/ddp_torchrun.py", "cpu", env=env)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("launch.sh: error: "), proc.stderr
-    assert message in lines[0], lines[0]
+    line = error_line(proc)
+    assert message in line, line
 
 
 def test_a_master_addr_of_this_machine_and_other_nodes_addresses_pass():
