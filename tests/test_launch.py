@@ -404,6 +404,44 @@ def test_a_port_picked_lately_is_not_picked_again_until_its_hold_ends(tmp_path, 
     assert free_port(recent=tmp_path / "no" / "such" / "folder") == 25003
 
 
+# tools/free_port.py LOW HIGH (a job's own port range)
+def free_port_cli(*args, tmp):
+    """`python tools/free_port.py ARGS` with TMPDIR=tmp (where tempfile has not read TMPDIR yet, the picks it keeps go
+    there, not into the user's file)."""
+    return run_script([REPO / "tools" / "free_port.py", *args], env={**os.environ, "TMPDIR": str(tmp)})
+
+
+def test_free_port_with_a_range_prints_only_a_port_in_it(tmp_path):
+    # A range under 1000 ports: it made no draw and printed the kernel's pick, 41119 for 29500 29600, exit 0.
+    ports = [int(free_port_cli(29500, 29600, tmp=tmp_path).stdout) for _ in range(3)]
+    assert all(29500 <= port < 29600 for port in ports) and len(set(ports)) == 3, ports  # kept picks: 3 different
+    # A small range is walked: every port but one of ten was picked lately, so that one it is.
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]  # free once closed
+    recent = tmp_path / "picks"
+    recent.write_text("".join(f"{p} {time.time()}\n" for p in range(port - 5, port + 5) if p != port))
+    assert free_port(port - 5, port + 5, recent=recent) == port
+    with pytest.raises(OSError, match=rf"no free port in \[{port - 5}, {port + 5}\)"):  # now all ten are taken
+        free_port(port - 5, port + 5, recent=recent)
+
+
+def test_free_port_with_no_free_port_in_its_range_or_bad_arguments_is_one_line(tmp_path):
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = free_port_cli(port, port + 1, tmp=tmp_path)
+    assert (proc.returncode, proc.stdout) == (1, "")
+    assert proc.stderr == f"error: no free port in [{port}, {port + 1}): each is in use or was picked in the last " \
+        "120 s; give a wider range\n"
+    for args in (["x", "y"], ["0", "10"], ["10", "10"], ["5", "65537"], ["29500"]):
+        proc = free_port_cli(*args, tmp=tmp_path)
+        assert (proc.returncode, proc.stdout) == (2, "") and proc.stderr.count("\n") == 1, (args, proc.stderr)
+        assert proc.stderr.startswith("error: ")
+        assert proc.stderr.endswith("usage: python tools/free_port.py [LOW HIGH]\n")
+
+
 def test_a_master_port_taken_after_launch_sh_checked_it_is_one_line():
     # launch.sh checks MASTER_PORT, but another process can take it before torchrun listens: its DistNetworkError,
     # one line from tools/torchrun.py, not the agent's traceback.
