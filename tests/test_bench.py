@@ -37,6 +37,7 @@ from tools.bench import (
     select,
     summarize,
     summarize_entry,
+    summarize_time,
     table_rows,
 )
 
@@ -119,6 +120,16 @@ def test_summarize():
     assert summarize([5.0, 5.0, 1.0]) == (5.0, 1.0, 5.0)
     with pytest.raises(ValueError):
         summarize([])
+
+
+def test_summarize_time_keeps_the_median_inside_the_runs_range():
+    # the median of times is 1 / the median of rates; for one run that is 1 / (1 / v), which rounds past v for
+    # 25.899085861793406 (CI's plot then refused a negative whisker): the median stays within [lowest, highest]
+    for v in (25.899085861793406, 28.190966061526385, 61.840715977566404, 0.391):
+        assert summarize_time([v]) == (v, v, v)
+    median, low, high = summarize_time([25.899085861793406, 28.190966061526385])
+    assert low <= median <= high and median == pytest.approx(2 / (1 / 25.899085861793406 + 1 / 28.190966061526385))
+    assert summarize_time([2.0, float("inf")]) == (4.0, 2.0, float("inf"))  # rates 0.5 and 0: their median 0.25
 
 
 def test_compare_within_noise():

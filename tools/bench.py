@@ -389,7 +389,9 @@ def summarize_time(values):
     if not values:
         raise ValueError("summarize_time() needs at least one value")
     rate = statistics.median([1 / v for v in values])  # a time of inf (images/s 0): rate 0
-    return (1 / rate if rate else float("inf")), min(values), max(values)
+    low, high = min(values), max(values)
+    # 1 / (1 / v) can round past v (25.899085861793406 does): kept inside the runs' range, where it is exactly
+    return min(max(1 / rate if rate else float("inf"), low), high), low, high
 
 
 TIME_KEYS = ("s_per_20_it", "step_ms")  # the timed columns derived from images/s: summarize_time's
@@ -572,8 +574,8 @@ def plot(report, path):
     for ax, key, title in ((axes[0], "images_per_sec", "images/s (higher is better)"),
                            (axes[1], "s_per_20_it", "s per 20 it (lower is better)")):
         medians = [e[key]["median"] for e in entries]
-        whiskers = [[e[key]["median"] - e[key]["low"] for e in entries],
-                    [e[key]["high"] - e[key]["median"] for e in entries]]
+        whiskers = [[max(e[key]["median"] - e[key]["low"], 0) for e in entries],  # matplotlib refuses any below 0
+                    [max(e[key]["high"] - e[key]["median"], 0) for e in entries]]
         hatches = ["//" if versus.get(e["name"], {}).get("within_noise") else "" for e in entries]
         bars = ax.barh(labels, medians, xerr=whiskers, capsize=3, hatch=hatches, edgecolor="white",
                        color="tab:blue" if key == "images_per_sec" else "tab:orange")
