@@ -51,13 +51,22 @@ while [[ $# -gt 0 && $1 == -* ]]; do
   esac
   shift
 done
+# Only 1 prints: any other word (true, yes) would run the job for real.
+if [[ ! ${LAUNCH_DRY_RUN:-0} =~ ^[01]$ ]]; then
+  fail "LAUNCH_DRY_RUN='$LAUNCH_DRY_RUN' must be 1 (print the command, as --dry-run does) or 0 (run it); unset it to run"
+fi
 [[ $# -ge 1 ]] || { usage >&2; exit 2; }
 
 # ---- recipe: a path from here, or from the repo root; it names its own launcher
 recipe=$1
 shift
 if [[ ! -f $recipe ]]; then
-  [[ -f $here/$recipe ]] || fail "recipe '$recipe' not found; try one of: $(cd "$here" && echo recipes/*.py)"
+  if [[ ! -f $here/$recipe ]]; then
+    for guess in "$recipe.py" "recipes/$recipe" "recipes/$recipe.py"; do # no .py, or no recipes/
+      [[ ! -f $guess && ! -f $here/$guess ]] || fail "recipe '$recipe' not found; did you mean $guess?"
+    done
+    fail "recipe '$recipe' not found; try one of: $(cd "$here" && echo recipes/*.py)"
+  fi
   recipe=$here/$recipe
 fi
 launcher=$(head -n 60 "$recipe" | sed -n 's/^# launcher: *\([A-Za-z._]*\) *$/\1/p' | head -n 1)
@@ -99,6 +108,7 @@ gpu_count() {
 
 devices=""
 given=0
+cvd="" # CUDA_VISIBLE_DEVICES= where the list came from it: the errors below name it
 if [[ $# -gt 0 && $1 =~ ^-[0-9] ]]; then # CUDA_VISIBLE_DEVICES' -1, typed as DEVICES: read as a recipe flag
   fail "bad DEVICES '$1': to run without GPUs pass cpu or cpu:N, e.g. cpu:2"
 fi
@@ -129,6 +139,7 @@ if [[ -z $devices ]]; then
     echo "launch.sh: CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES hides every GPU, running cpu:2 (2 processes, gloo); pass DEVICES to choose" >&2
   elif [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
     devices=$CUDA_VISIBLE_DEVICES
+    cvd=CUDA_VISIBLE_DEVICES=
   elif [[ -n ${CUDA_VISIBLE_DEVICES+set} ]]; then # set but empty: the usual way to hide every GPU
     devices=cpu:2
     echo "launch.sh: CUDA_VISIBLE_DEVICES is empty, running cpu:2 (2 processes, gloo); pass DEVICES to choose" >&2
@@ -147,16 +158,17 @@ if [[ $devices == cpu ]]; then
   devices=cpu:2
 fi
 asked=$devices
+named="${cvd:-DEVICES }'$asked'" # DEVICES '0,1' or CUDA_VISIBLE_DEVICES='0,1'
 ranks_per_gpu=1
 if [[ $devices =~ ^([0-9]+):([0-9]+)$ ]]; then # G:N, N ranks on GPU G
   ranks_per_gpu=$((10#${BASH_REMATCH[2]}))
-  ((ranks_per_gpu >= 1)) || fail "bad DEVICES '$devices': G:N needs N >= 1 processes, e.g. 0:2"
+  ((ranks_per_gpu >= 1)) || fail "bad $named: G:N needs N >= 1 processes, e.g. 0:2"
   devices=${BASH_REMATCH[1]}
 fi
 if [[ $devices == cpu:* ]]; then
   n=${devices#cpu:}
   if ! [[ $n =~ ^[0-9]+$ ]] || ((10#$n < 1)); then
-    fail "bad DEVICES '$devices': cpu:N needs a whole number N >= 1, e.g. cpu:2"
+    fail "bad $named: cpu:N needs a whole number N >= 1, e.g. cpu:2"
   fi
   nprocs=$((10#$n))
   visible=""
@@ -167,14 +179,16 @@ elif [[ $devices =~ ^[0-9]+(,[0-9]+)*$ ]]; then
   visible=""
   for id in "${ids[@]}"; do
     id=$((10#$id))
-    [[ -z ${seen[$id]:-} ]] || fail "GPU $id is listed twice in '$devices'; list each GPU once, e.g. $(tr ',' '\n' <<<"$devices" | awk '!seen[$0 + 0]++' | paste -sd,)"
+    [[ -z ${seen[$id]:-} ]] || fail "GPU $id is listed twice in $cvd'$asked'; list each GPU once, e.g. $(tr ',' '\n' <<<"$devices" | awk '!seen[$0 + 0]++' | paste -sd,)"
     seen[$id]=1
     visible+=${visible:+,}$id
   done
   count=$(gpu_count) || exit $?
-  ((count > 0)) || fail "DEVICES '$asked' asks for GPUs, but this machine has none (nvidia-smi, or torch without it); use cpu or cpu:N, e.g. cpu:2"
+  use=use
+  [[ -z $cvd ]] || use="unset it, or pass DEVICES"
+  ((count > 0)) || fail "$named asks for GPUs, but this machine has none (nvidia-smi, or torch without it); $use cpu or cpu:N, e.g. cpu:2"
   for id in "${!seen[@]}"; do
-    ((id < count)) || fail "GPU $id does not exist: this machine has $count GPU(s), ids 0-$((count - 1)); e.g. $(seq -s, 0 $((count - 1)))"
+    ((id < count)) || fail "GPU $id${cvd:+ in $named} does not exist: this machine has $count GPU(s), ids 0-$((count - 1)); e.g. $(seq -s, 0 $((count - 1)))"
   done
   nprocs=$((${#ids[@]} * ranks_per_gpu))
   if ((given)) && [[ -n ${CUDA_VISIBLE_DEVICES:-} && $CUDA_VISIBLE_DEVICES != "$visible" ]]; then
@@ -186,13 +200,13 @@ elif [[ $devices =~ ^[0-9]+(,[0-9]+)*$ ]]; then
 elif [[ $devices =~ ^(GPU|MIG)-[A-Za-z0-9/-]+(,(GPU|MIG)-[A-Za-z0-9/-]+)*$ ]]; then
   # UUIDs (nvidia-smi -L) or MIG instances, as schedulers set them: passed to CUDA as they are.
   IFS=, read -ra ids <<<"$devices"
-  [[ $(printf '%s\n' "${ids[@]}" | sort | uniq -d) == "" ]] || fail "a GPU is listed twice in '$devices'; list each once"
+  [[ $(printf '%s\n' "${ids[@]}" | sort | uniq -d) == "" ]] || fail "a GPU is listed twice in $cvd'$asked'; list each once"
   if command -v nvidia-smi >/dev/null 2>&1; then # CUDA drops an id it does not know, and every id after it
     smi=$(smi_list) || exit $?
     listed=$(grep -o 'UUID: [^)]*' <<<"$smi" | cut -c7- | paste -sd, - || true)
     for id in "${ids[@]}"; do # a UUID's first characters do (NVIDIA's docs); the legacy MIG-GPU-.../GI/CI form is
       [[ $id == */* || ,$listed == *,"$id"* ]] || # not in the list: passed as it is
-        fail "GPU $id is not on this machine: nvidia-smi -L lists ${listed:-no UUID}; pass ids from it, or numbers like 0,1"
+        fail "GPU $id${cvd:+ in $named} is not on this machine: nvidia-smi -L lists ${listed:-no UUID}; pass ids from it, or numbers like 0,1"
     done
   fi
   if ((given)) && [[ -n ${CUDA_VISIBLE_DEVICES:-} && $CUDA_VISIBLE_DEVICES != "$devices" ]]; then
@@ -202,9 +216,9 @@ elif [[ $devices =~ ^(GPU|MIG)-[A-Za-z0-9/-]+(,(GPU|MIG)-[A-Za-z0-9/-]+)*$ ]]; t
   nprocs=${#ids[@]}
   where="GPU $visible"
 elif [[ $devices =~ ^[0-9,]+$ ]]; then
-  fail "bad GPU list '$devices': an empty entry between commas; write ids separated by single commas, e.g. 0,1,3"
+  fail "bad GPU list $cvd'$asked': an empty entry between commas; write ids separated by single commas, e.g. 0,1,3"
 else
-  fail "bad DEVICES '$devices': expected a GPU list like 0,1,3, or G:N (N processes on GPU G), or cpu, or cpu:N"
+  fail "bad $named: expected a GPU list like 0,1,3, or G:N (N processes on GPU G), or cpu, or cpu:N"
 fi
 
 # ---- rendezvous: nodes, address, port
@@ -215,13 +229,16 @@ if ! [[ $nnodes =~ ^[0-9]+$ ]] || ((10#$nnodes < 1)); then
   fail "NNODES='$nnodes' must be a whole number >= 1"
 fi
 nnodes=$((10#$nnodes))
+if [[ -z ${NNODES:-} && $node_rank =~ ^0*[1-9][0-9]*$ ]]; then # a node of a multi-node job, told too little
+  fail "NODE_RANK=$node_rank needs NNODES, the number of nodes: set NNODES (and MASTER_ADDR, MASTER_PORT) the same on every node, or unset NODE_RANK for a one-node job"
+fi
 if ! [[ $node_rank =~ ^[0-9]+$ ]] || ((10#$node_rank >= nnodes)); then
   fail "NODE_RANK='$node_rank' must be 0..$((nnodes - 1)) (NNODES=$nnodes)"
 fi
 node_rank=$((10#$node_rank))
 max_restarts=${MAX_RESTARTS:-0}
-if ! [[ $max_restarts =~ ^[0-9]+$ ]]; then
-  fail "MAX_RESTARTS='$max_restarts' must be a whole number >= 0"
+if ! [[ $max_restarts =~ ^0*[0-9]{1,6}$ ]]; then # bounded: bash arithmetic wraps past 2^63
+  fail "MAX_RESTARTS='$max_restarts' must be a whole number >= 0 and at most 999999 (restarts when a rank fails); unset it for none"
 fi
 max_restarts=$((10#$max_restarts))
 if ((max_restarts > 0)) && [[ $launcher == python ]]; then
@@ -337,7 +354,12 @@ env_vars=(CUDA_VISIBLE_DEVICES="$visible" CUDA_DEVICE_ORDER=PCI_BUS_ID OMP_NUM_T
 
 restarts=""
 ((max_restarts == 0)) || restarts=", up to $max_restarts restart(s)"
-echo "launch.sh: $nprocs process(es) per node on $where, $nnodes node(s), $launcher$restarts, master $master_addr:$master_port" >&2
+started="$nprocs process(es) per node on $where"
+# A '# launcher: python' recipe gets the count only as NPROC_PER_NODE: one that never reads it (dp.py) is one process.
+if [[ $launcher == python ]] && ((nprocs > 1)) && ! grep -q NPROC_PER_NODE "$recipe"; then
+  started="1 process per node on ${where%% shared by*} ($(basename "$recipe") reads no NPROC_PER_NODE: it starts one process, not $nprocs)"
+fi
+echo "launch.sh: $started, $nnodes node(s), $launcher$restarts, master $master_addr:$master_port" >&2
 if [[ $dry_run == 1 ]]; then
   line=""
   for word in "${env_vars[@]}" "${cmd[@]}"; do

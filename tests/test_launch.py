@@ -138,6 +138,26 @@ def test_bad_devices(devices, gpus, message, fake_gpus, tmp_path):
     assert not (tmp_path / "ran").exists()
 
 
+@pytest.mark.parametrize(("inherited", "gpus", "message"), [
+    ("0,7", 4, "GPU 7 in CUDA_VISIBLE_DEVICES='0,7' does not exist: this machine has 4 GPU(s), ids 0-3; e.g. 0,1,2,3"),
+    ("0,1", 0, "CUDA_VISIBLE_DEVICES='0,1' asks for GPUs, but this machine has none (nvidia-smi, or torch without it); "
+               "unset it, or pass DEVICES cpu or cpu:N, e.g. cpu:2"),
+    ("a,b", 4, "bad CUDA_VISIBLE_DEVICES='a,b': expected a GPU list like 0,1,3, or G:N (N processes on GPU G), or cpu, "
+               "or cpu:N"),
+    ("0:0", 4, "bad CUDA_VISIBLE_DEVICES='0:0': G:N needs N >= 1 processes, e.g. 0:2"),
+    ("0,1,1", 4, "GPU 1 is listed twice in CUDA_VISIBLE_DEVICES='0,1,1'; list each GPU once, e.g. 0,1"),
+    ("0,,1", 4, "bad GPU list CUDA_VISIBLE_DEVICES='0,,1': an empty entry between commas; write ids separated by "
+                "single commas, e.g. 0,1,3"),
+    ("GPU-00000001,GPU-typo", 2, "GPU GPU-typo in CUDA_VISIBLE_DEVICES='GPU-00000001,GPU-typo' is not on this "
+                                 "machine: nvidia-smi -L lists GPU-00000000,GPU-00000001; pass ids from it, or numbers "
+                                 "like 0,1"),
+])
+def test_a_bad_inherited_cuda_visible_devices_is_named_not_devices(inherited, gpus, message, fake_gpus):
+    # DEVICES omitted: the list is the environment's, and an error naming DEVICES sent the user to the command line.
+    proc = launch("--dry-run", "recipes/ddp_torchrun.py", env={**fake_gpus(gpus), "CUDA_VISIBLE_DEVICES": inherited})
+    assert error_line(proc) == f"launch.sh: error: {message}"
+
+
 @pytest.mark.parametrize("devices", [None, "0,1", "GPU-00000001", "GPU-abc"])
 @pytest.mark.parametrize(("smi", "code", "said"), [
     # after a driver update, before a reboot: read as "no GPU", an 8-GPU job would train on the CPU
@@ -205,6 +225,19 @@ def test_n_processes_share_one_gpu(fake_gpus):
     assert dry_run("recipes/ddp_torchrun.py", "0,1", env=fake_gpus(2))[0]["RANKS_PER_GPU"] == "1"
 
 
+@pytest.mark.parametrize(("devices", "where", "asked"), [("cpu:4", "cpu", 4), ("0,1,3", "GPU 0,1,3", 3),
+                                                         ("0:2", "GPU 0", 2)])
+def test_a_one_process_recipe_is_said_as_one_process(devices, where, asked, fake_gpus):
+    # dp.py ('# launcher: python', reads no NPROC_PER_NODE) is one process: "4 process(es) per node on cpu" was false.
+    _, argv, stderr = dry_run("recipes/dp.py", devices, env=fake_gpus(4))
+    assert stderr.splitlines()[-1].startswith(
+        f"launch.sh: 1 process per node on {where} (dp.py reads no NPROC_PER_NODE: it starts one process, not "
+        f"{asked}), 1 node(s), python, master "), stderr
+    assert argv[1:] == ["recipes/dp.py"]
+    # ddp_spawn.py reads NPROC_PER_NODE and starts that many
+    assert "launch.sh: 4 process(es) per node on cpu," in dry_run("recipes/ddp_spawn.py", "cpu:4")[2]
+
+
 @pytest.mark.parametrize("devices", [
     "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6,GPU-1d5ee8a9-79a7-4fa9-9b2e-4f4c1e44cd0e",
     "MIG-GPU-8932f937-d72c-4106-c12f-20bd9faed9f6/1/0",
@@ -259,6 +292,14 @@ def test_missing_recipe_lists_the_real_ones():
     assert "recipes/ddp_torchrun.py" in proc.stderr and "recipes/dp.py" in proc.stderr
 
 
+@pytest.mark.parametrize("typed", ["recipes/ddp_torchrun", "ddp_torchrun", "ddp_torchrun.py"])
+def test_a_recipe_named_without_py_or_recipes_gets_the_one_that_exists(typed, tmp_path):
+    for cwd in (REPO, tmp_path):  # a path from here or from the repo root, as launch.sh takes it
+        proc = launch("--dry-run", typed, "cpu", cwd=cwd)
+        assert error_line(proc) == \
+            f"launch.sh: error: recipe '{typed}' not found; did you mean recipes/ddp_torchrun.py?"
+
+
 def test_recipe_without_launcher_marker(tmp_path):
     script = tmp_path / "plain.py"
     script.write_text("print('hi')\n")
@@ -305,6 +346,16 @@ def test_works_from_another_directory(tmp_path):
 def test_launch_dry_run_env_equals_flag():
     proc = launch("recipes/ddp_torchrun.py", "cpu", env={"LAUNCH_DRY_RUN": "1", "MASTER_PORT": "29613"})
     assert proc.returncode == 0 and "--master-port=29613" in proc.stdout
+
+
+@pytest.mark.parametrize("value", ["true", "yes", "on", "2"])
+def test_launch_dry_run_other_than_1_or_0_is_refused_not_run(value, tmp_path):
+    # Only 1 printed the command: `LAUNCH_DRY_RUN=true` started the job for real.
+    script = tmp_path / "r.py"
+    script.write_text("# launcher: python\nprint('ran')\n")
+    proc = launch(script, "cpu:1", env={"LAUNCH_DRY_RUN": value})
+    assert error_line(proc) == (f"launch.sh: error: LAUNCH_DRY_RUN='{value}' must be 1 (print the command, as "
+                                "--dry-run does) or 0 (run it); unset it to run")
 
 
 def test_master_port_from_environment_is_used():
@@ -490,6 +541,15 @@ def test_bad_multi_node_environment(env, message):
     assert proc.returncode == 2 and message in proc.stderr
 
 
+def test_node_rank_without_nnodes_says_to_set_nnodes():
+    # It said "NODE_RANK='1' must be 0..0 (NNODES=1)": true, and silent on the variable to set.
+    proc = launch("--dry-run", "recipes/ddp_torchrun.py", "cpu", env={"NODE_RANK": "1"})
+    assert error_line(proc) == (
+        "launch.sh: error: NODE_RANK=1 needs NNODES, the number of nodes: set NNODES (and MASTER_ADDR, MASTER_PORT) "
+        "the same on every node, or unset NODE_RANK for a one-node job")
+    assert dry_run("recipes/ddp_torchrun.py", "cpu", env={"NODE_RANK": "0"})[0]["NNODES"] == "1"
+
+
 def test_max_restarts_goes_to_torchrun_with_a_fresh_store_per_attempt():
     env, argv, stderr = dry_run("recipes/ddp_checkpoint.py", "cpu:2", "--resume", "auto", env={"MAX_RESTARTS": "3"})
     assert flag(argv, "max-restarts") == "3" and flag(argv, "rdzv-backend") == "c10d"
@@ -507,6 +567,16 @@ def test_max_restarts_goes_to_torchrun_with_a_fresh_store_per_attempt():
 def test_bad_max_restarts(recipe, value, message):
     proc = launch(f"recipes/{recipe}.py", "cpu:2", env={"MAX_RESTARTS": value})
     assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("value", ["18446744073709551616", "9" * 20, "1000000"])
+def test_a_huge_max_restarts_is_refused_not_wrapped(value):
+    # bash arithmetic wraps past 2^63: 2^64 became 0 restarts, twenty 9s 7766279631452241919.
+    proc = launch("--dry-run", "recipes/ddp_torchrun.py", "cpu:2", env={"MAX_RESTARTS": value})
+    assert error_line(proc) == (f"launch.sh: error: MAX_RESTARTS='{value}' must be a whole number >= 0 and at most "
+                                "999999 (restarts when a rank fails); unset it for none")
+    _, argv, _ = dry_run("recipes/ddp_torchrun.py", "cpu:2", env={"MAX_RESTARTS": "000999999"})
+    assert flag(argv, "max-restarts") == "999999"
 
 
 @pytest.mark.parametrize(("cores", "devices", "threads"), [(8, "cpu:2", "4"), (16, "cpu:3", "5"), (1, "cpu:3", "1")])
