@@ -222,7 +222,7 @@ def balance_loss(model, experts):  # New
     mean gate probability (this rank's tokens: averaged over ranks by the gradient's all-reduce). Returns (the loss,
     the router z-loss, the rows each expert got (L, E))."""
     routed = [block.mlp.routed for block in model.blocks.values()]
-    load = torch.stack([counts for counts, _, _ in routed]).float()
+    load = torch.stack([counts for counts, _, _ in routed])  # int64: exact (float32's counts round past 2^24)
     dist.all_reduce(load)  # every rank's rows per expert: the global batch's balance
     share = load / load.sum(-1, keepdim=True)
     aux = experts * (share * torch.stack([p for _, p, _ in routed])).sum(-1).mean()

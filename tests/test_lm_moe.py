@@ -5,7 +5,10 @@ process (--ep 1: every expert local, no exchange) is the reference, launched onc
   data parallel alone): the printed losses, train_loss and val_loss (the RESULT line's 6 decimals) equal the
   reference's, model.pt (every expert, gathered) within WEIGHTS_ATOL;
 - a run stopped at step 4 on --ep 2 goes on with --resume auto on --ep 4 (DCP, the experts by their global names)
-  to the uninterrupted run's val_loss and weights, with --activation-checkpointing on the way.
+  to the uninterrupted run's val_loss and weights, with --activation-checkpointing on the way;
+- at --top-k 1, against its own one-process run: --ep 2 the same; a run stopped at step 4 on --dp 2 --ep 2 goes on
+  on --dp 1 --ep 2 to the same numbers;
+- the rows per expert are counted in int64: exact past float32's 2^24.
 What each rank holds, computes and sends (docs/lm.md's table), measured inside the recipe's processes
 (tests/instrument/lm_claims.py: every collective with its group and bytes, each all-to-all's rows per destination,
 the router's choices recomputed from each MoE layer's input, each expert's forward):
@@ -211,6 +214,59 @@ def test_a_resume_on_another_ep_goes_on_to_the_uninterrupted_run(runs, tmp_path)
     print(f"resumed on --ep 4: model.pt {weights:.1e} from the one-process run's")
 
 
+def test_top_1_on_ep_2_trains_the_one_process_model(runs):
+    # The layouts above route top-2. --top-k 1 (Switch's: one row a token, its gate the probability itself) on --ep 2
+    # against its own one-process run: the same 6 decimals, printed lines and weights. (--dp 2 --ep 2 at top-1: the
+    # resume across --dp below trains its first 4 steps there.)
+    ref_proc, ref_out = runs("cpu:1", "--top-k", 1)
+    proc, out = runs("cpu:2", "--top-k", 1)
+    ref, result = result_of(ref_proc), result_of(proc)
+    assert "dp=1 x ep=2: 6 of 12 experts a rank, top-1" in proc.stdout and (ref["ep"], ref["top_k"]) == (1, 1)
+    for key in ("train_loss", "val_loss"):  # the 6 decimals of the RESULT line
+        assert abs(result[key] - ref[key]) <= LOSS_ATOL, (key, result[key], ref[key])
+    lines, ref_lines = step_lines(proc.stdout), step_lines(ref_proc.stdout)
+    assert sorted(lines) == sorted(ref_lines) == [4, 8]
+    for step, values in lines.items():
+        assert values == pytest.approx(ref_lines[step], abs=PRINTED_ATOL), (step, values, ref_lines[step])
+    weights = max_diff(params(out / "model.pt"), params(ref_out / "model.pt"))
+    assert weights <= WEIGHTS_ATOL, weights
+    print(f"top-1 on --ep 2: val_loss {result['val_loss']:.6f} ({ref['val_loss']:.6f} on one process), model.pt "
+          f"{weights:.1e} from the one-process run's")
+
+
+def test_a_resume_on_another_dp_goes_on_to_the_uninterrupted_run(runs, tmp_path):
+    # Stopped at step 4 on --dp 2 --ep 2 (4 processes: each expert on 2 ranks, DCP writes it once), resumed on --dp 1
+    # --ep 2 (2 processes), at top-1: the one-process run's numbers, as the resume on another --ep above.
+    ref_proc, ref_out = runs("cpu:1", "--top-k", 1)
+    out, top1 = tmp_path / "run", [*ARGS, "--top-k", 1]
+    first = launch("recipes/lm_moe.py", "cpu:4", *top1, "--dp", 2, "--ep", 2, "--max-steps", 4, "--out-dir", out)
+    assert (result_of(first)["steps"], result_of(first)["dp"], result_of(first)["ep"]) == (4, 2, 2)
+    assert step_lines(first.stdout)[4] == pytest.approx(step_lines(ref_proc.stdout)[4], abs=PRINTED_ATOL)
+    second = launch("recipes/lm_moe.py", "cpu:2", *top1, "--dp", 1, "--resume", "auto", "--out-dir", out)
+    result = result_of(second)
+    assert "resume: " in second.stdout and (result["start_step"], result["steps"]) == (4, 8), result
+    assert (result["dp"], result["ep"], result["top_k"]) == (1, 2, 1), result
+    assert abs(result["val_loss"] - result_of(ref_proc)["val_loss"]) <= LOSS_ATOL
+    assert step_lines(second.stdout)[8] == pytest.approx(step_lines(ref_proc.stdout)[8], abs=PRINTED_ATOL)
+    weights = max_diff(params(out / "model.pt"), params(ref_out / "model.pt"))
+    assert weights <= WEIGHTS_ATOL, weights
+    print(f"resumed on --dp 1: val_loss {result['val_loss']:.6f} ({result_of(ref_proc)['val_loss']:.6f} on one "
+          f"process), model.pt {weights:.1e} from the one-process run's")
+
+
+def test_the_rows_per_expert_are_counted_exactly_past_float32s_integers(monkeypatch):
+    # A logging interval's rows per expert, summed over ranks and steps: int64 (float32 holds integers exactly only
+    # up to 2^24, which a long interval at a large batch passes: 2^24 + 1 would read 2^24).
+    recipe = load_recipe("lm_moe")
+    monkeypatch.setattr(recipe.dist, "all_reduce", lambda tensor, *args, **kwargs: None)  # one process's sum
+    counts = torch.tensor([2**24 + 1, 1, 2**40 + 3])
+    block = types.SimpleNamespace(mlp=types.SimpleNamespace(routed=(counts, torch.full((3,), 1 / 3), torch.ones(()))))
+    aux, _, load = recipe.balance_loss(types.SimpleNamespace(blocks={"0": block}), 3)
+    interval = load + load  # as the loop sums the steps' counts
+    assert interval.tolist() == [[2 * (2**24 + 1), 2, 2 * (2**40 + 3)]], interval
+    assert aux.dtype == torch.float32 and abs(aux.item() - 1.0) < 1e-6, aux
+
+
 def test_a_stop_on_sigusr1_with_async_saves_resumes_bitwise(runs, tmp_path):
     # The preemption drill on --ep 2 with --async-save: SIGUSR1 to rank 0 at a random step; the vote stops every rank
     # after the same step, each writes its experts' shards (dcp.async_save, then model.pt) and exits 75; --resume
@@ -275,7 +331,7 @@ def test_each_rank_sends_what_its_router_chose_runs_its_own_experts_and_reduces_
             # squared expert norm over the ep group; the balance loss's rows per expert over every rank.
             step_ops = sorted((r[2], r[3]) for r in records if r[0] == "allreduce_" and r[1] == "step")
             assert (list(range(world)), 4 * dense) in step_ops and (dp_group, 4 * expert // ep) in step_ops
-            assert (group, 4) in step_ops and (list(range(world)), 4 * 2 * 12) in step_ops, step_ops
+            assert (group, 4) in step_ops and (list(range(world)), 8 * 2 * 12) in step_ops, step_ops  # int64
             assert not any(r[2] == list(range(world)) and r[3] == 4 * expert // ep for r in records if
                            r[0] == "allreduce_" and dp < world), "the experts' gradients reduced over every rank"
         for rank in range(world):  # what arrived from each rank is what that rank's router chose for mine
