@@ -8,6 +8,7 @@ import errno
 import importlib
 import os
 import struct
+import subprocess
 import sys
 import time
 from functools import partial
@@ -376,3 +377,48 @@ def test_each_recipe_refuses_a_bad_flag_before_any_collective(recipe, flags, lin
     with pytest.raises(SystemExit) as leaving:
         module.check_args(module.parse_args(flags), 1)
     assert leaving.value.code == 2 and capsys.readouterr().err == f"{line}\n"
+
+
+# ------------------------------------------------------------------------------ tools' bad input
+def refused(argv, line, code=2):
+    """`python ARGV` in a new interpreter: `line` alone on stderr, nothing on stdout, exit `code` (no traceback)."""
+    proc = subprocess.run([sys.executable, *map(str, argv)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert (proc.returncode, proc.stdout, proc.stderr) == (code, "", f"{line}\n")
+
+
+@pytest.mark.parametrize(("out", "line"), [
+    ("/proc/x/p.png", "--out /proc/x/p.png: cannot make or write its folder (No such file or directory); pass a path "
+     "you can write"),
+    ("{tmp}/file/p.png", "--out {tmp}/file/p.png: cannot make or write its folder (Not a directory); pass a path you "
+     "can write"),
+    ("{tmp}/p.txt", "--out {tmp}/p.txt: not a picture matplotlib can write (it goes by the suffix); give a .png, .svg "
+     "or .pdf path (or none: .png)"),
+    ("{tmp}", "--out {tmp} is a folder: pass a file path in it, such as {tmp}/plot.png"),  # was written to {tmp}.png
+], ids=["no-folder", "parent-is-a-file", "no-such-format", "a-folder"])
+def test_plot_tb_refuses_an_out_it_cannot_write_before_reading_the_events(tmp_path, out, line):
+    # Each was a traceback after the events were read and drawn (FileNotFoundError, FileExistsError, ValueError).
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(tmp_path / "tb")) as writer:
+        writer.add_scalar("train/lr", 0.1, 1)
+    (tmp_path / "file").write_text("a file, not a folder")
+    refused(["tools/plot_tb.py", tmp_path / "tb", "--out", out.format(tmp=tmp_path)],
+            "error: " + line.format(tmp=tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "tb"]  # nothing written
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["--export", "/proc/x"], "--export /proc/x: cannot make or write that folder (No such file or directory)"),
+    (["--export", "{tmp}/file/digits"], "--export {tmp}/file/digits: cannot make or write that folder (Not a "
+     "directory)"),
+    (["--out", "{tmp}/file/out"], "--out {tmp}/file/out: cannot make or write that folder (Not a directory)"),
+    (["--data", "{tmp}/file/data", "--out", "{tmp}/out"], "--data {tmp}/file/data: cannot make or write that folder "
+     "(Not a directory)"),
+], ids=["export-no-folder", "export-parent-is-a-file", "out-parent-is-a-file", "data-parent-is-a-file"])
+def test_real_data_refuses_a_folder_it_cannot_write_before_any_image(tmp_path, args, line):
+    # Each was a traceback from mkdir: at start-up (--out), or after the digits were loaded (--export, --data).
+    (tmp_path / "file").write_text("a file, not a folder")
+    refused(["tools/real_data.py", *(a.format(tmp=tmp_path) for a in args)],
+            f"real_data: error: {line.format(tmp=tmp_path)}; pass one you can write")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]

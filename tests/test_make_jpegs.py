@@ -3,6 +3,7 @@ the --odd and --corrupt files as PIL and torchvision read them, learnable classe
 
 import importlib.util
 import io
+import os
 import re
 import subprocess
 import sys
@@ -213,6 +214,26 @@ def test_a_root_that_cannot_be_made_is_one_line_and_exit_2(tmp_path, capsys, roo
     assert exit_.value.code == 2 and out == ""
     assert err.startswith(f"make_jpegs: error: {root}: cannot make or write that folder ("), err
     assert err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_a_disk_that_fills_midway_is_one_line_naming_the_folder_and_the_files_written(tmp_path, jobs):
+    # tests/faults' FAULT_DISK_FULL: the first open of train/c01/c01_11.JPEG (the 12th train file) takes 100 bytes,
+    # then ENOSPC, as a full disk; it was a traceback (from a --jobs worker: two, the worker's and the parent's).
+    root = tmp_path / "set"
+    env = {**{k: v for k, v in os.environ.items() if k != "RANK"}, "PYTHONPATH": str(REPO / "tests" / "faults"),
+           "FAULT_DISK_FULL": "c01_11.JPEG:1:100"}
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "make_jpegs.py"), str(root), "--train", "20", "--val",
+                           "4", "--classes", "2", "--size", "40x30", "--jobs", jobs], capture_output=True, text=True,
+                          env=env, timeout=60)
+    full = root / "train" / "c01" / "c01_11.JPEG"
+    assert proc.stdout == f"FAULT: {full} fills the disk after 100 bytes\n" and "Traceback" not in proc.stderr, proc
+    held = sorted(f.name for f in root.rglob("*") if f.is_file())
+    # cut short: gone. --jobs 2: the other worker's files, as many as it wrote before the pool was ended (any order)
+    assert not full.exists() and (len(held) == 11 if jobs == "1" else len(held) < 24), held
+    assert (proc.returncode, proc.stderr) == (1, (
+        f"make_jpegs: error: cannot write {full} (No space left on device); {len(held)} files of the set are written "
+        f"in {root}: free some space or pass another ROOT, then run again with --force\n"))
 
 
 def test_cli_prints_one_summary_line(tmp_path, capsys):

@@ -138,7 +138,7 @@ def test_plot_profile_bad_input_is_one_line_and_a_new_out_folder_is_made(tmp_pat
             ([tmp_path / "nostep"], f"{tmp_path / 'nostep' / 'trace_rank0.json'} records no ProfilerStep"),
             ([tmp_path / "broken"], f"{tmp_path / 'broken' / 'trace_rank0.json'} cannot be read as JSON ("),
             ([tmp_path / "notrace"], f"{tmp_path / 'notrace' / 'trace_rank0.json'} is not a Chrome trace"),
-            ([good, "--out", "/proc/x/p.png"], "--out /proc/x/p.png: cannot write it (")):
+            ([good, "--out", "/proc/x/p.png"], "--out /proc/x/p.png: cannot make or write its folder (")):
         assert plot_profile([*map(str, args)]) == 2, args
         out, err = capsys.readouterr()
         assert out == "" and err.startswith(f"error: {message}") and err.count("\n") == 1, (args, err)
@@ -151,6 +151,38 @@ def test_plot_profile_bad_input_is_one_line_and_a_new_out_folder_is_made(tmp_pat
     (good / "trace_rank1.json").write_text('{"traceEvents": [')
     assert plot_profile([str(good), "--out", str(png)]) == 0
     assert capsys.readouterr().out.endswith(": 1 ranks\n")
+
+
+@pytest.mark.parametrize(("event", "flaw"), [
+    ({"ph": "X", "ts": 250, "dur": 10, "tid": 1, "cat": "cpu_op"}, "traceEvents[5], a timed event, has no 'name'"),
+    ({"ph": "X", "name": "aten::mm", "dur": 10}, "traceEvents[5], a timed event, has no 'ts' or 'tid'"),
+    ({"ph": "X", "name": "aten::mm", "ts": "250", "dur": 10, "tid": 1},
+     "traceEvents[5]'s name is not a string, or its ts or dur not a number"),
+    ("aten::mm", "traceEvents[5] is not an object"),
+], ids=["no-name", "no-ts-no-tid", "ts-a-string", "not-an-object"])
+def test_plot_profile_names_a_trace_whose_events_it_cannot_read(tmp_path, event, flaw, capsys):
+    # A truncated or foreign Chrome trace: an event without name/ts/tid was a KeyError traceback from segments().
+    # In-process, as the tests above: a new interpreter spends 2-4 s importing torch (common.profiling) first.
+    step = [x(f"ProfilerStep#{i}", 100 * i, 100, cat="user_annotation") for i in range(2, 6)]
+    (tmp_path / "trace_rank0.json").write_text(json.dumps(trace_double(*step, event)))
+    code = plot_profile([str(tmp_path), "--out", str(tmp_path / "p.png")])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err, err
+    assert (code, out, err) == (2, "", (
+        f"error: {tmp_path / 'trace_rank0.json'} is not a trace --profile wrote ({flaw}): cut short or another tool's; "
+        "run the recipe with --profile again\n"))
+    assert not (tmp_path / "p.png").exists()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # matplotlib's pyparsing calls, on import
+def test_plot_profile_writes_an_out_without_a_suffix_as_a_png(tmp_path, capsys):
+    # --out profile was refused ("not a picture matplotlib can write"); savefig itself writes profile.png there, and
+    # the tool now names that file.
+    step = [x(f"ProfilerStep#{i}", 100 * i, 100, cat="user_annotation") for i in range(2, 6)]
+    (tmp_path / "trace_rank0.json").write_text(json.dumps(trace_double(*step, x("aten::mm", 200, 50))))
+    assert plot_profile([str(tmp_path), "--out", str(tmp_path / "profile")]) == 0
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'profile.png'}: 1 ranks\n"
+    assert (tmp_path / "profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "profile").exists()
 
 
 def test_a_run_shorter_than_the_schedule_writes_what_it_recorded(tmp_path):

@@ -291,6 +291,22 @@ def test_bad_input_one_line_exit_2(args, message, tmp_path, capsys):
     assert message.format(tmp=tmp_path) in err
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["--batches", "x"], "argument --batches: invalid int value: 'x'"),
+    (["--dataset", "mnist"], "argument --dataset: invalid choice: 'mnist' (choose from 'synthetic', 'cifar100', "
+     "'imagefolder')"),
+    (["--workers", "4"], "unrecognized arguments: --workers 4"),  # the recipes' flag; this tool sweeps it
+], ids=["not-a-number", "not-a-choice", "not-a-flag"])
+def test_a_flag_argparse_refuses_is_one_line_not_a_usage_block(args, message, capsys):
+    # argparse's own errors printed its 7-line usage block above the message (the other tools: tools/cli.py's one
+    # line). In-process: a new interpreter spends 2-4 s importing torch before the parser runs.
+    with pytest.raises(SystemExit) as exit_:
+        tune_loader.main(args)
+    out, err = capsys.readouterr()
+    assert "usage:" not in err and "Traceback" not in err, err
+    assert (exit_.value.code, out, err) == (2, "", f"tune_loader: error: {message}\n")
+
+
 def test_cuda_without_a_gpu_is_refused(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for args in (["--device", "cuda"], ["--device", "cuda", "--processes", "1"]):

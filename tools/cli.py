@@ -1,5 +1,6 @@
 """argparse for the tools, its errors one line: `NAME: error: MESSAGE` on stderr and exit 2, not argparse's usage
-block above the message (a bad flag should read as one line in a log). Standard library only."""
+block above the message (a bad flag should read as one line in a log); and the checks of an output path that run
+before a tool's work. Standard library only (picture_output imports matplotlib when it is called)."""
 
 import argparse
 import sys
@@ -45,3 +46,22 @@ def unwritable_output(*flags_and_paths):
         if why:
             return f"{flag} {path}: cannot make or write its folder ({why}); pass a path you can write"
     return None
+
+
+def picture_output(flag, path):
+    """(the file matplotlib's savefig writes for `path`, None), or (None, one line's message) where it can write none
+    there: savefig goes by the suffix, so one it has no writer for is refused now, not after the drawing, and a path
+    without one gets .png, as savefig itself adds it (its default format), so that the tool names the file it wrote.
+    A folder, and a path whose folder cannot be made or written (unwritable_output), are refused too."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    path = Path(path)
+    if path.is_dir():  # before the suffix: savefig would write a folder `runs` given as --out to runs.png beside it
+        return None, f"{flag} {path} is a folder: pass a file path in it, such as {path / 'plot.png'}"
+    if not path.suffix:
+        path = path.with_name(path.name.rstrip(".") + ".png")
+    if path.suffix[1:].lower() not in FigureCanvasBase.get_supported_filetypes():
+        return None, (f"{flag} {path}: not a picture matplotlib can write (it goes by the suffix); give a .png, .svg "
+                      "or .pdf path (or none: .png)")
+    problem = unwritable_output((flag, path))
+    return (None, problem) if problem else (path, None)

@@ -26,11 +26,13 @@ pixels, as a broken download leaves it: it opens, then PIL's load and torchvisio
 notimage_0.JPEG (random bytes). These are counted apart ("+N odd") and left out of the means. Prints one line: files,
 seconds, files/s, mean width x height, mean bytes a file. --force replaces ROOT's train/ and val/ (an earlier run's:
 none of its files, odd or corrupt, stays beside the new set) and leaves the rest of ROOT. Bad input (a ROOT that is
-not empty, without --force; one that cannot be made or written; a bad number): one line on stderr, exit 2.
-make_set() does the same from Python, without the checks.
+not empty, without --force; one that cannot be made or written; a bad number): one line on stderr, exit 2. A write
+that fails midway (a disk that fills up, a quota, an I/O error): one line naming ROOT, the file and how many files
+it holds, exit 1 (the file cut short is removed). make_set() does the same from Python, without the checks.
 """
 
 import argparse
+import contextlib
 import functools
 import importlib.util
 import io
@@ -54,6 +56,24 @@ SPLITS = ("train", "val")  # split ids 0 and 1 in each file's seed; the odd file
 # Class c: (photograph, centre x and y as fractions of it, the crop's short side as a fraction of its height).
 REGIONS = [(c % 2, *np.random.default_rng([65, c]).uniform((0.3, 0.3, 0.4), (0.7, 0.7, 0.75)))
            for c in range(MAX_CLASSES)]
+
+
+class WriteFailed(Exception):
+    """A file of the set that could not be written: (its path, why). Raised in a --jobs worker, it reaches the
+    parent whole (pickled by its args)."""
+
+    def __str__(self):
+        return f"cannot write {self.args[0]} ({self.args[1]})"
+
+
+def write(path, data):
+    """path's bytes, or WriteFailed; a file cut short (ENOSPC partway) is removed: it is no sample."""
+    try:
+        path.write_bytes(data)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+        raise WriteFailed(path, exc.strerror or str(exc)) from None
 
 
 def class_name(c):
@@ -102,7 +122,7 @@ def make_chunk(task):
         c = k % classes
         im = sample(np.random.default_rng([seed, split, k]), c, size)
         data = encode(im, quality=quality, subsampling="4:2:0")
-        (root / SPLITS[split] / class_name(c) / f"{class_name(c)}_{k}.JPEG").write_bytes(data)
+        write(root / SPLITS[split] / class_name(c) / f"{class_name(c)}_{k}.JPEG", data)
         totals += (1, *im.size, len(data))
     return totals
 
@@ -142,7 +162,7 @@ def make_set(root, train=20000, val=1000, classes=10, size=(500, 375), quality=9
         totals = sum(map(make_chunk, tasks))
     extra = odd_files(tuple(size), quality, seed, odd, corrupt)
     for name, data in extra.items():
-        (root / "train" / class_name(0) / f"{name}_0.JPEG").write_bytes(data)
+        write(root / "train" / class_name(0) / f"{name}_0.JPEG", data)
     files, width, height, nbytes = (int(t) for t in totals)
     return dict(files=files, extra=len(extra), seconds=time.perf_counter() - start, mean_width=width / files,
                 mean_height=height / files, mean_bytes=nbytes / files)
@@ -189,8 +209,14 @@ def main(argv=None):
     if args.force:  # an earlier run's files, a larger set's or its corrupt ones, must not stay among the new
         for split in SPLITS:
             shutil.rmtree(args.root / split, ignore_errors=True)
-    s = make_set(args.root, train=args.train, val=args.val, classes=args.classes, size=args.size,
-                 quality=args.quality, seed=args.seed, jobs=args.jobs, odd=args.odd, corrupt=args.corrupt)
+    try:
+        s = make_set(args.root, train=args.train, val=args.val, classes=args.classes, size=args.size,
+                     quality=args.quality, seed=args.seed, jobs=args.jobs, odd=args.odd, corrupt=args.corrupt)
+    except WriteFailed as exc:  # a disk that filled up midway: how far it got, not a traceback from a worker
+        held = sum(f.is_file() for split in SPLITS for f in (args.root / split).rglob("*"))
+        print(f"make_jpegs: error: {exc}; {held:,} files of the set are written in {args.root}: "
+              "free some space or pass another ROOT, then run again with --force", file=sys.stderr)
+        return 1
     extra = f" (+{s['extra']} odd)" if s["extra"] else ""
     print(f"make_jpegs: {s['files']:,} files{extra} in {s['seconds']:.1f} s (--jobs {args.jobs}): "
           f"{s['files'] / s['seconds']:,.0f} files/s, mean {s['mean_width']:.0f}x{s['mean_height']:.0f} px, "

@@ -10,14 +10,15 @@ counts from each rank's first recorded step: the ranks' steps end together (DDP'
 docs/slow.md shows two: DDP's all-reduce under backward, and a straggler.
 """
 
-import argparse
 import json
+import numbers
 import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.profiling import segments
+from tools.cli import OneLineParser, picture_output
 
 COLOURS = {"compute": "#4c72b0", "both": "#8172b2", "communication": "#c44e52", "data": "#dd8452",
            "optimizer": "#55a868", "idle": "#eeeeee"}
@@ -25,14 +26,17 @@ NAMES = {"both": "compute + a collective (overlapped)", "communication": "commun
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineParser("plot_profile", description=__doc__.split("\n")[0])
     p.add_argument("folder", help="OUT_DIR/profile of a run with --profile (trace_rank0.json, trace_rank1.json, ...)")
-    p.add_argument("--out", default="profile.png", help="the PNG to write")
+    p.add_argument("--out", default="profile.png", help="the picture to write: .png, .svg or .pdf; no suffix: .png")
     p.add_argument("--steps", type=int, help="draw only the first N recorded steps, N >= 1 (default: all)")
     p.add_argument("--title", help="the picture's title (default: the folder)")
     args = p.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         return error(f"--steps {args.steps} must be >= 1 (leave it out to draw every recorded step)")
+    out, problem = picture_output("--out", args.out)  # before the traces are read: a suffix matplotlib can write
+    if problem:  # (none: .png, as savefig adds it) in a folder that can be written
+        return error(problem)
     files = sorted(Path(args.folder).glob("trace_rank*.json"), key=lambda f: int(re.findall(r"\d+", f.name)[-1]))
     traces, world = [], None
     for f in files:
@@ -44,6 +48,10 @@ def main(argv=None):
             return error(f"{f} cannot be read as JSON ({exc}): run the recipe with --profile again")
         if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
             return error(f"{f} is not a Chrome trace (no traceEvents list): run the recipe with --profile again")
+        flaw = bad_event(trace)
+        if flaw:
+            return error(f"{f} is not a trace --profile wrote ({flaw}): cut short or another tool's; run the recipe "
+                         "with --profile again")
         traces.append(trace)
         world = world or trace.get("distributedInfo", {}).get("world_size")  # rank 0's run: how many are its
     files = files[:len(traces)]
@@ -53,12 +61,7 @@ def main(argv=None):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.backend_bases import FigureCanvasBase
 
-    out = Path(args.out)
-    if out.suffix[1:].lower() not in FigureCanvasBase.get_supported_filetypes():  # matplotlib goes by the suffix
-        return error(f"--out {out}: not a picture matplotlib can write (it goes by the suffix); give a .png (or .svg, "
-                     ".pdf) path")
     # Whole training steps only: a run cut short recorded a last step that ran on through eval and the save.
     cut = [segments(trace, complete=min(args.steps or 99, trace.get("completeSteps", 99))) for trace in traces]
     if None in cut:  # a trace cut short, or not --profile's
@@ -90,8 +93,34 @@ def main(argv=None):
         return error(f"--out {out}: cannot write it ({exc.strerror or exc}); pass a path you can write")
     finally:
         plt.close(fig)
-    print(f"wrote {args.out}: {len(files)} ranks")
+    print(f"wrote {out}: {len(files)} ranks")
     return 0
+
+
+def bad_event(trace):
+    """What in `trace` (a dict with a traceEvents list) this tool and common.profiling.segments() cannot read, or
+    None: each timed event ("ph" "X" with a "dur") needs a string "name", numbers "ts" and "dur", and a "tid", a GPU's
+    an "args" object; distributedInfo's world_size and completeSteps, where there, are counts."""
+    number = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)  # noqa: E731
+    info = trace.get("distributedInfo", {})
+    if not isinstance(info, dict) or not isinstance(info.get("world_size", 1), int):
+        return "distributedInfo has no world_size count"
+    if not isinstance(trace.get("completeSteps", 0), int):
+        return "completeSteps is not a count"
+    for i, e in enumerate(trace["traceEvents"]):
+        if not isinstance(e, dict):
+            return f"traceEvents[{i}] is not an object"
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        missing = [key for key in ("name", "ts", "dur", "tid") if key not in e]
+        if missing:
+            return f"traceEvents[{i}], a timed event, has no {' or '.join(map(repr, missing))}"
+        if not isinstance(e["name"], str) or not number(e["ts"]) or not number(e["dur"]):
+            return f"traceEvents[{i}]'s name is not a string, or its ts or dur not a number"
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver") and not isinstance(
+                e.get("args"), dict):
+            return f"traceEvents[{i}], a {e['cat']} event, has no args object"
+    return None
 
 
 def error(message):

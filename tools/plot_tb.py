@@ -10,9 +10,11 @@ rate, and images/s per epoch, all against the optimizer step. The events are rea
 resumed run's purged points are gone.
 """
 
-import argparse
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/ when run as a script
+from tools.cli import OneLineParser, picture_output
 
 PANELS = [("train/loss", "training loss (mean of the last --tb-every steps)"), ("epoch/val_acc1", "val top-1 (%)"),
           ("train/lr", "learning rate"), ("epoch/images_per_sec", "images/s (epoch)")]
@@ -72,19 +74,29 @@ def figure(runs):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineParser("plot_tb", description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+", help="one or more --tb-dir folders")
-    p.add_argument("--out", default="docs/tensorboard.png", help="the PNG to write (default docs/tensorboard.png)")
+    p.add_argument("--out", default="docs/tensorboard.png",
+                   help="the picture to write, .png (the default: docs/tensorboard.png), .svg or .pdf; no suffix: .png")
     args = p.parse_args(argv)
+    out, problem = picture_output("--out", args.out)  # before the event files are read, not after the drawing
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         runs = dict(zip(labels(args.runs), (read_scalars(d) for d in args.runs), strict=True))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     fig = figure(runs)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=100)
-    print(f"wrote {args.out} ({len(runs)} run(s))")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=100)
+    except OSError as exc:  # what the check above cannot see: a full disk, a file or a folder made since
+        print(f"error: --out {out}: cannot write it ({exc.strerror or exc}); pass a path you can write",
+              file=sys.stderr)
+        return 2
+    print(f"wrote {out} ({len(runs)} run(s))")
     return 0
 
 

@@ -17,7 +17,8 @@ after each epoch, the best, and epoch 1's val_loss (BatchNorm's running statisti
 there). A recipe whose run fails gets its stderr tail and the others still run; exit 1 if any failed. Some of the
 recipes in an --out that holds another run's table: --update keeps its other rows, or the tool refuses (a run of two
 recipes would replace bench/'s table of all). The recipes start with this interpreter (launch.sh's PYTHON), so
-`.venv/bin/python tools/real_data.py` needs no activated virtualenv. Bad flags: one line, exit 2.
+`.venv/bin/python tools/real_data.py` needs no activated virtualenv. Bad flags, and an --export, --data or --out
+folder that cannot be made or written: one line, exit 2, before any image is written.
 """
 
 import io
@@ -32,7 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # common/ when run as a script
-from tools.cli import OneLineParser  # noqa: E402
+from tools.cli import OneLineParser, unwritable  # noqa: E402
 
 RECIPES = {  # name: (recipe file, devices, flags beyond the shared ones)
     "dp": ("dp", "cpu", []),
@@ -144,6 +145,10 @@ def main(argv=None):
                                ("--size", args.size, 8)):
         if value < least:
             p.error(f"{flag} {value} must be at least {least}")
+    for flag, folder in [("--export", args.export)] if args.export else [("--data", args.data), ("--out", args.out)]:
+        why = folder and unwritable(folder, make=False)  # before the images and the runs (nothing is made here)
+        if why:
+            p.error(f"{flag} {folder}: cannot make or write that folder ({why}); pass one you can write")
     if args.export:
         train, val = export(args.export, args.size)
         print(f"wrote {train} train / {val} val images under {args.export} (and {args.export}/rec)")

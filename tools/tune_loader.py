@@ -50,7 +50,6 @@ without a GPU, an --out or --json whose folder cannot be written: checked before
 and exit code 2; an image that does not load, one line and exit 1.
 """
 
-import argparse
 import gc
 import itertools
 import json
@@ -78,7 +77,7 @@ from common.data import (
 )
 from common.loader import DataLoaderX
 from tools.bench import hardware
-from tools.cli import unwritable_output
+from tools.cli import OneLineParser, unwritable_output
 
 LOADERS = ("DataLoader", "DataLoaderX")
 TOLERANCE = 0.05  # rows within 5% of the fastest count as equally fast
@@ -89,8 +88,8 @@ CHART_SUFFIXES = (".png", ".svg", ".pdf")
 
 # ------------------------------------------------------------------------------------------- args
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                epilog=f"Recommended: {RULE}. See the top of tools/tune_loader.py.")
+    p = OneLineParser("tune_loader", description=__doc__.split("\n")[0],  # a bad flag: one line, not a usage block
+                      epilog=f"Recommended: {RULE}. See the top of tools/tune_loader.py.")
     p.add_argument("--dataset", choices=["synthetic", "cifar100", "imagefolder"], default="synthetic")
     p.add_argument("--data-root", default="./data", help="cifar100: download dir; imagefolder: has train/ val/")
     p.add_argument("--image-size", type=int, help="default: 32 (synthetic, cifar100), 224 (imagefolder)")
