@@ -457,7 +457,7 @@ def test_table_matches_result_lines(two_recipes):
     (lo, hi), (dp_lo, dp_hi) = medians["ddp_torchrun", "ranges"]["ips"], medians["dp", "ranges"]["ips"]
     assert ddp_vs_dp["verdict"] == ("within noise" if lo <= dp_hi and dp_lo <= hi else "faster" if lo > dp_hi
                                     else "slower")
-    assert "torch" in md and report["hardware"]["cores"] == os.cpu_count()
+    assert "torch" in md and report["hardware"]["cores"] == usable_cores()  # what launch.sh counts, not cpu_count
     assert next(line for line in md.splitlines() if line.startswith("| ddp_torchrun")) in proc.stdout  # printed too
 
 

@@ -98,17 +98,21 @@ def test_profile_writes_a_trace_per_rank_and_a_table_that_adds_up(tmp_path):
             reduces = [e["ts"] for e in events if e["name"] == "gloo:all_reduce"]
             assert all(any(a <= ts < b for ts in reduces) for a, b in steps), (out, rank, steps, reduces)
         assert sorted(p.name for p in (out / "profile").iterdir()) == [f"trace_rank{r}.json" for r in range(ranks)]
-        (own,) = OWN.findall(proc.stdout)  # the epoch line's spread over ranks: even ranks, no straggler
-        assert 0 < float(own[0]) <= float(own[1]) and float(own[2]) < 2, proc.stdout
+        # The epoch line's spread over ranks: even ranks, no straggler. max/min measured 1.11-1.57 alone, 1.01-1.27
+        # under load; the straggler drill's measures 7.0 and more, so 3 leaves room on both sides.
+        (own,) = OWN.findall(proc.stdout)
+        assert 0 < float(own[0]) <= float(own[1]) and float(own[2]) < 3, proc.stdout
     print("2 ranks:", table(two.stdout), "\n1 rank:", table(one.stdout))
     # In the table it is communication with 2 ranks (the rank that reaches it first waits for the other) and next to
     # nothing with one (gloo's all-reduce over one rank returns at once). Only the ranks' sum is steady: the rank that
     # arrives last waits little (0.5% in one loaded CI run, the other rank 7.2%). Alone, 2 ranks summed 13.6%; with
-    # a second copy of this test running, 4.5-35% in 6 runs. One rank's share is 0.0%, once 0.7% (a 2.4 ms all-reduce:
-    # descheduled). The floor is the all-reduce itself, 0.5-2 ms on each rank, in steps of 50-110 ms.
+    # a second copy of this test running, 4.5-35% in 6 runs. One rank's share is 0.0%, up to 1.7% (an all-reduce
+    # descheduled). The floor is the all-reduce itself, 0.5-2 ms on each rank, in steps of 50-110 ms. So 1 point over
+    # one rank's share, not twice it: at the worst pairing, 4.5 against 1.7, that leaves 1.8 points (twice: 1.1). A
+    # table that books the all-reduce elsewhere reads about 0 for both.
     comm = sum(row["communication"] + row["overlapped"] for row in table(two.stdout).values())
     alone = table(one.stdout)[0]["communication"] + table(one.stdout)[0]["overlapped"]
-    assert comm > max(1, 2 * alone), (table(two.stdout), alone)
+    assert comm > max(1, alone + 1), (table(two.stdout), alone)
     # The picture of it (docs/slow.md's): a PNG with a row per rank.
     assert plot_profile([str(tmp_path / "two" / "profile"), "--out", str(tmp_path / "two.png"), "--steps", "2"]) == 0
     assert (tmp_path / "two.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -236,8 +240,12 @@ def test_straggler_drill_names_the_slow_rank_on_the_epoch_line_and_in_the_profil
     (own,) = OWN.findall(proc.stdout)
     assert own[3] == "2" and float(own[2]) >= 5, own  # the slowest rank, and max/min
     rows = table(proc.stdout)
-    assert rows[2]["idle"] > 60 and rows[2]["communication"] < 10, rows  # it sleeps; nobody makes it wait
     assert all(rows[r]["communication"] > 60 for r in (0, 1)), rows  # they wait for it
+    # It sleeps, and waits far less than they do. Its communication measured 0.6-7.9% in 15 runs (7.3 under load):
+    # gloo's ring needs ranks 0 and 1 on the CPU, and when one is descheduled the wait is booked to rank 2. Theirs
+    # measured 75-91%, so the bound is relative to them: 0.3x, 22.5 at 75. A rank that waited like them: ~1x.
+    waiting = min(rows[r]["communication"] for r in (0, 1))
+    assert rows[2]["idle"] > 60 and rows[2]["communication"] < 0.3 * waiting, rows
     steps = [row["step_ms"] for row in rows.values()]
     # The same wall-clock step on every rank, within 10%: each rank's step boundaries sit at another point of the
     # shared step, and on 2 busy cores a rank held off the CPU near one moves it (5.7%, 250.6 against 236.2 ms, in a
