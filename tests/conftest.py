@@ -102,13 +102,13 @@ def spawn_gloo(worker, nprocs=2, results=None, inherit_output=False):
     new interpreters (mp.spawn), whose stdout and stderr are this process's as they print (capfd reads them); the
     warm server's processes print into files, copied here when they end (multiprocessing's fork server's print where
     the fork server does)."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from tools.free_port import free_port
+
+    # Not bind(0): that port comes from the ephemeral range, where the other worker's gloo connections draw their
+    # local ports, and one could take it before rank 0's store listens (tools/free_port.py says why).
+    port = free_port()
     results = mp.Manager().dict() if results is None else results
     if inherit_output:
         mp.spawn(worker, args=(port, results), nprocs=nprocs)

@@ -112,9 +112,12 @@ CASES = {
     "apex_amp:O0": Case("apex_amp", ("--opt-level", "O0"), precision="O0"),
     "apex_amp:O1": Case("apex_amp", ("--opt-level", "O1", *DEBUGGING), precision="O1"),
     "apex_amp:O2": Case("apex_amp", ("--opt-level", "O2"), precision="O2"),  # fp16 weights, fp32 masters
-    # fp16 weights updated in fp16: the ranks' fp16 gradients add in another order, one fp16 step (2^-10) apart.
-    # Its BatchNorm statistics, fp16 too, are recomputed at each epoch's end from activations through those weights.
-    "apex_amp:O3": Case("apex_amp", ("--opt-level", "O3"), precision="O3", weights_atol=1e-3, stats_atol=4e-3),
+    # fp16 weights updated in fp16: the ranks' fp16 gradients add in another order. Measured: 9.8e-4, one fp16 step
+    # (2^-10) of a BatchNorm gamma near 1.0; its fp16 BatchNorm statistics, recomputed at each epoch's end through
+    # those weights, 3.3e-3. Tolerances of two such steps (2e-3) and 8e-3 leave room for one more rounding on another
+    # CPU, and stay 10x below a lost lesson: no set_epoch gives weights 2.1e-2 and statistics 0.15 away, DDP without
+    # its initial broadcast 3.7e-2 and 0.44, no gradient all-reduce 6.6e-2 and 0.24, no recompute statistics 0.70.
+    "apex_amp:O3": Case("apex_amp", ("--opt-level", "O3"), precision="O3", weights_atol=2e-3, stats_atol=8e-3),
     # --channels-last: NHWC inputs and weights, the same arithmetic in fp32 but for the order of the sums: weights
     # 6e-8 from the reference, BatchNorm statistics 2.7e-6 (bf16 rounds a loss 1.7e-4 apart).
     "torch_amp:fp32": Case("torch_amp", ("--amp-dtype", "fp32", "--accum-steps", "4", "--clip-grad", "1.0",
@@ -220,9 +223,33 @@ def test_eval_is_exact_with_batchnorm(run):
     model.load_state_dict(torch.load(run["out"] / "model.pt", weights_only=True))
     loss, acc1, samples = evaluate(model, mixed, val_set)
     assert result["val_samples"] == samples == ARGS["val"]
-    assert result["val_acc1"] == pytest.approx(acc1, abs=1e-3)
+    # Top-1 is exact but for a sample whose best logits tie within two last-place units of a half-precision output:
+    # the ranks' batches of 16 may round them otherwise than one batch of 37 (measured: bf16, 2 such samples with
+    # their label among the tied; fp16, O1-O3: none, the closest 3 and 37 units apart; fp32: exact). Only those whole
+    # samples may move: the unweighted mean of the ranks' accuracies, 0.027 off in bf16, still fails. A padded shard
+    # (37 to 38) fails val_samples and val_loss (+0.011 or more); its duplicate, sample 0, is misclassified anyway.
+    certain, tied = top1_bounds(model, mixed, val_set)
+    scores = [100.0 * (certain + k) / samples for k in range(tied + 1)]
+    assert any(acc1 == pytest.approx(s, abs=1e-3) for s in scores), (acc1, scores)
+    assert any(result["val_acc1"] == pytest.approx(s, abs=1e-3) for s in scores), (result["val_acc1"], acc1, scores)
     printed_loss = float(re.findall(r"val_loss=([\d.]+)", proc.stdout)[-1])
     assert printed_loss == pytest.approx(loss, abs=1.5e-4)
+
+
+@torch.no_grad()
+def top1_bounds(model, mixed, val_set, units=2):
+    """(samples top-1 scores whatever the rounding, samples it may score or miss): those whose label is among best
+    logits that lie within `units` last-place units of the output's dtype (one unit each way) of each other. An fp32
+    output counts exact ties alone."""
+    images, labels = zip(*(val_set[i] for i in range(len(val_set))), strict=True)
+    labels = torch.tensor(labels)
+    with mixed.autocast():
+        output = model.eval()(mixed.cast_input(torch.stack(images)))
+    best = output.max(dim=1).values.abs()
+    unit = 0 if output.dtype == torch.float32 else units * (torch.nextafter(best, best + 1) - best).float()
+    candidates = output.float() >= output.float().max(dim=1).values.sub(unit)[:, None]
+    hit, tied = candidates[torch.arange(len(labels)), labels], candidates.sum(dim=1) > 1
+    return (hit & ~tied).sum().item(), (hit & tied).sum().item()
 
 
 def test_ddp_reduces_once_per_step_evaluates_outside_the_wrapper_and_never_reads_the_scaler_flag(run):

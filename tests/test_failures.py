@@ -15,6 +15,7 @@ from conftest import IMAGE_RECIPES, REPO, launch, make_imagefolder, run_direct, 
 from jobs import Job, cmdline, error_lines, job_mid_epoch, signal_all, survivors, tracebacks_beyond_multiprocessing
 
 from common.recordio import IndexedRecordReader
+from tools.free_port import free_port
 from tools.pack_rec import main as pack_rec
 from tools.procs import process_table
 
@@ -545,9 +546,7 @@ def test_an_out_dir_that_another_node_cannot_see_stops_both_nodes(tmp_path, reci
         earlier = launch(f"recipes/{recipe}.py", "cpu:1", *flags[:-2], "--out-dir", tmp_path / "node0")
         assert earlier.returncode == 0 and list((tmp_path / "node0").rglob("latest.pt")), earlier.stderr
     before = sorted(tmp_path.rglob("*"))
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = str(s.getsockname()[1])
+    port = str(free_port())  # below the ephemeral range, kept from other picks (tools/free_port.py)
     jobs = [Job(f"recipes/{recipe}.py", "cpu:1", *flags, "--out-dir", tmp_path / f"node{node}",
                 env={"NNODES": "2", "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
             for node in (0, 1)]

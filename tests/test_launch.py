@@ -466,6 +466,9 @@ def test_free_port_with_a_range_prints_only_a_port_in_it(tmp_path):
     # A range under 1000 ports: it made no draw and printed the kernel's pick, 41119 for 29500 29600, exit 0.
     ports = [int(free_port_cli(29500, 29600, tmp=tmp_path).stdout) for _ in range(3)]
     assert all(29500 <= port < 29600 for port in ports) and len(set(ports)) == 3, ports  # kept picks: 3 different
+    # ... kept in TMPDIR's file, not the user's in /tmp (a warm rank reads its own TMPDIR, as a new interpreter does)
+    kept = (tmp_path / f"ddp-cookbook-ports-{os.getuid()}").read_text().split()
+    assert sorted(map(int, kept[::2])) == sorted(ports), kept
     # A small range is walked: every port but one of ten was picked lately, so that one it is.
     with socket.socket() as s:
         s.bind(("", 0))
@@ -717,6 +720,15 @@ def test_a_failure_that_a_peer_reported_losing_is_ranked_after_the_cause(tmp_pat
     torchrun.VICTIMS.discard(5000)
 
 
+def launcher_left_sigint_to_its_default(pid):
+    """Whether process `pid` catches SIGUSR1 and neither catches nor ignores SIGINT (/proc/PID/status): what
+    tools/torchrun.py sets before it imports torch; a Python that has not got that far catches SIGINT itself."""
+    with open(f"/proc/{pid}/status") as f:
+        masks = dict(line.split(":\t", 1) for line in f.read().splitlines() if line.startswith(("SigCgt", "SigIgn")))
+    caught, ignored = (int(masks[name], 16) for name in ("SigCgt", "SigIgn"))  # bit N-1: signal N
+    return bool(caught >> (signal.SIGUSR1 - 1) & 1) and not (caught | ignored) >> (signal.SIGINT - 1) & 1
+
+
 @pytest.mark.real_path("Ctrl-C reaches the launcher itself")
 def test_ctrl_c_while_node_0_waits_for_the_others_stops_it_at_once(tmp_path):
     # NNODES=2 and no node 1: torchrun waits in the rendezvous (C++, up to 600 s), where Python's SIGINT handler
@@ -751,7 +763,13 @@ def test_ctrl_c_while_the_launcher_imports_torch_ends_it_without_a_traceback(tmp
     # KeyboardInterrupt traceback from inside the import, 35 lines. It ends by the signal, as the shell expects.
     proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "torchrun.py"), "--nproc-per-node=1", "x.py"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(0.3)  # python has started; torch's import takes 1.5 s or more
+    # Not a fixed sleep: under load the interpreter's start-up can outlast it, and a SIGINT before the script's
+    # signal.signal(SIGINT, SIG_DFL) meets Python's own handler (a traceback). Wait until the kernel shows SIGUSR1
+    # caught (the line before) and SIGINT at its default action: the script is past that line, into torch's import.
+    deadline = time.monotonic() + 60
+    while not launcher_left_sigint_to_its_default(proc.pid):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.005)
     assert proc.poll() is None
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=30)

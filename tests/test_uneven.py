@@ -41,10 +41,20 @@ FLAGS = ["--arch", "tiny_bn", "--workers", "0", "--epochs", EPOCHS, "--lr", LR, 
          "--synthetic-train", TRAIN, "--synthetic-val", 37, "--shard-size", SHARD, "--dist-timeout", 20]
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test, as each recipe process has (another thread count sums in another order); the
+    pytest process's own count put back after it, so that later tests of this worker do not depend on the order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def reference(world, batch):
     """(per-epoch mean loss over every rank's samples, the model, each rank's batch count) of the recipe's uneven
-    job, in one process."""
-    torch.set_num_threads(1)  # as each recipe process: another thread count sums in another order
+    job, in one process: under one_thread."""
+    assert torch.get_num_threads() == 1, "reference() runs under the one_thread fixture"
     train_set, _ = datasets()
     shard_of = load_recipe("ddp_uneven").shard_of
     loaders = [DataLoader(Subset(train_set, shard_of(len(train_set), SHARD, rank, world)), batch_size=batch // world,
@@ -83,7 +93,7 @@ def datasets():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("devices", "batch"), [("cpu:2", 32), ("cpu:3", 30)])
-def test_join_finishes_and_equals_the_reference_over_every_ranks_batches(tmp_path, devices, batch):
+def test_join_finishes_and_equals_the_reference_over_every_ranks_batches(tmp_path, devices, batch, one_thread):
     world = int(devices.split(":")[1])
     counted = tmp_path / "counts"
     counted.mkdir()

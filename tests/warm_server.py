@@ -87,6 +87,7 @@ def run_rank(request, server_fds):
         env = request["env"]
         os.environ.clear()
         os.environ.update(env)
+        tempfile.tempdir = None  # cached by this server's mkdtemp (LOCKS): read again from the rank's TMPDIR
         unbuffered = bool(env.get("PYTHONUNBUFFERED"))
         sys.stdin = open(0, closefd=False)
         sys.stdout = open(1, "w", buffering=1 if unbuffered else -1, closefd=False)
