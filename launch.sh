@@ -159,16 +159,18 @@ if [[ $devices == cpu ]]; then
 fi
 asked=$devices
 named="${cvd:-DEVICES }'$asked'" # DEVICES '0,1' or CUDA_VISIBLE_DEVICES='0,1'
+hint="" # where the list came from CUDA_VISIBLE_DEVICES, a fix of launch.sh's syntax there is no fix for CUDA
+[[ -z $cvd ]] || hint=" (with no DEVICES given, launch.sh reads CUDA_VISIBLE_DEVICES: fix or unset it, or pass DEVICES)"
 ranks_per_gpu=1
 if [[ $devices =~ ^([0-9]+):([0-9]+)$ ]]; then # G:N, N ranks on GPU G
   ranks_per_gpu=$((10#${BASH_REMATCH[2]}))
-  ((ranks_per_gpu >= 1)) || fail "bad $named: G:N needs N >= 1 processes, e.g. 0:2"
+  ((ranks_per_gpu >= 1)) || fail "bad $named: G:N needs N >= 1 processes, e.g. 0:2$hint"
   devices=${BASH_REMATCH[1]}
 fi
 if [[ $devices == cpu:* ]]; then
   n=${devices#cpu:}
   if ! [[ $n =~ ^[0-9]+$ ]] || ((10#$n < 1)); then
-    fail "bad $named: cpu:N needs a whole number N >= 1, e.g. cpu:2"
+    fail "bad $named: cpu:N needs a whole number N >= 1, e.g. cpu:2$hint"
   fi
   nprocs=$((10#$n))
   visible=""
@@ -179,7 +181,7 @@ elif [[ $devices =~ ^[0-9]+(,[0-9]+)*$ ]]; then
   visible=""
   for id in "${ids[@]}"; do
     id=$((10#$id))
-    [[ -z ${seen[$id]:-} ]] || fail "GPU $id is listed twice in $cvd'$asked'; list each GPU once, e.g. $(tr ',' '\n' <<<"$devices" | awk '!seen[$0 + 0]++' | paste -sd,)"
+    [[ -z ${seen[$id]:-} ]] || fail "GPU $id is listed twice in $cvd'$asked'; list each GPU once, e.g. $(tr ',' '\n' <<<"$devices" | awk '!seen[$0 + 0]++' | paste -sd,)$hint"
     seen[$id]=1
     visible+=${visible:+,}$id
   done
@@ -200,7 +202,7 @@ elif [[ $devices =~ ^[0-9]+(,[0-9]+)*$ ]]; then
 elif [[ $devices =~ ^(GPU|MIG)-[A-Za-z0-9/-]+(,(GPU|MIG)-[A-Za-z0-9/-]+)*$ ]]; then
   # UUIDs (nvidia-smi -L) or MIG instances, as schedulers set them: passed to CUDA as they are.
   IFS=, read -ra ids <<<"$devices"
-  [[ $(printf '%s\n' "${ids[@]}" | sort | uniq -d) == "" ]] || fail "a GPU is listed twice in $cvd'$asked'; list each once"
+  [[ $(printf '%s\n' "${ids[@]}" | sort | uniq -d) == "" ]] || fail "a GPU is listed twice in $cvd'$asked'; list each once$hint"
   if command -v nvidia-smi >/dev/null 2>&1; then # CUDA drops an id it does not know, and every id after it
     smi=$(smi_list) || exit $?
     listed=$(grep -o 'UUID: [^)]*' <<<"$smi" | cut -c7- | paste -sd, - || true)
@@ -216,9 +218,9 @@ elif [[ $devices =~ ^(GPU|MIG)-[A-Za-z0-9/-]+(,(GPU|MIG)-[A-Za-z0-9/-]+)*$ ]]; t
   nprocs=${#ids[@]}
   where="GPU $visible"
 elif [[ $devices =~ ^[0-9,]+$ ]]; then
-  fail "bad GPU list $cvd'$asked': an empty entry between commas; write ids separated by single commas, e.g. 0,1,3"
+  fail "bad GPU list $cvd'$asked': an empty entry between commas; write ids separated by single commas, e.g. 0,1,3$hint"
 else
-  fail "bad $named: expected a GPU list like 0,1,3, or G:N (N processes on GPU G), or cpu, or cpu:N"
+  fail "bad $named: expected a GPU list like 0,1,3, or G:N (N processes on GPU G), or cpu, or cpu:N$hint"
 fi
 
 # ---- rendezvous: nodes, address, port
@@ -355,9 +357,10 @@ env_vars=(CUDA_VISIBLE_DEVICES="$visible" CUDA_DEVICE_ORDER=PCI_BUS_ID OMP_NUM_T
 restarts=""
 ((max_restarts == 0)) || restarts=", up to $max_restarts restart(s)"
 started="$nprocs process(es) per node on $where"
-# A '# launcher: python' recipe gets the count only as NPROC_PER_NODE: one that never reads it (dp.py) is one process.
-if [[ $launcher == python ]] && ((nprocs > 1)) && ! grep -q NPROC_PER_NODE "$recipe"; then
-  started="1 process per node on ${where%% shared by*} ($(basename "$recipe") reads no NPROC_PER_NODE: it starts one process, not $nprocs)"
+# A '# launcher: python' recipe starts as one process and decides how many more: dp.py none, ddp_spawn.py
+# NPROC_PER_NODE (half with --model-parallel). Say what launch.sh knows, not a count it does not set.
+if [[ $launcher == python ]]; then
+  started="one $(basename "$recipe") per node on ${where%% shared by*}, which starts its own processes (NPROC_PER_NODE=$nprocs)"
 fi
 echo "launch.sh: $started, $nnodes node(s), $launcher$restarts, master $master_addr:$master_port" >&2
 if [[ $dry_run == 1 ]]; then

@@ -246,7 +246,8 @@ def top1_bounds(model, mixed, val_set, units=2):
     with mixed.autocast():
         output = model.eval()(mixed.cast_input(torch.stack(images)))
     best = output.max(dim=1).values.abs()
-    unit = 0 if output.dtype == torch.float32 else units * (torch.nextafter(best, best + 1) - best).float()
+    up = torch.nextafter(best, torch.full_like(best, float("inf")))  # toward inf: best + 1 rounds to best past 256
+    unit = 0 if output.dtype == torch.float32 else units * (up - best).float()
     candidates = output.float() >= output.float().max(dim=1).values.sub(unit)[:, None]
     hit, tied = candidates[torch.arange(len(labels)), labels], candidates.sum(dim=1) > 1
     return (hit & ~tied).sum().item(), (hit & tied).sum().item()

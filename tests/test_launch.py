@@ -138,16 +138,21 @@ def test_bad_devices(devices, gpus, message, fake_gpus, tmp_path):
     assert not (tmp_path / "ran").exists()
 
 
+# launch.sh's syntax (G:N, cpu:N) is no fix for CUDA_VISIBLE_DEVICES, which CUDA reads too
+HINT = " (with no DEVICES given, launch.sh reads CUDA_VISIBLE_DEVICES: fix or unset it, or pass DEVICES)"
+
+
 @pytest.mark.parametrize(("inherited", "gpus", "message"), [
     ("0,7", 4, "GPU 7 in CUDA_VISIBLE_DEVICES='0,7' does not exist: this machine has 4 GPU(s), ids 0-3; e.g. 0,1,2,3"),
     ("0,1", 0, "CUDA_VISIBLE_DEVICES='0,1' asks for GPUs, but this machine has none (nvidia-smi, or torch without it); "
                "unset it, or pass DEVICES cpu or cpu:N, e.g. cpu:2"),
     ("a,b", 4, "bad CUDA_VISIBLE_DEVICES='a,b': expected a GPU list like 0,1,3, or G:N (N processes on GPU G), or cpu, "
-               "or cpu:N"),
-    ("0:0", 4, "bad CUDA_VISIBLE_DEVICES='0:0': G:N needs N >= 1 processes, e.g. 0:2"),
-    ("0,1,1", 4, "GPU 1 is listed twice in CUDA_VISIBLE_DEVICES='0,1,1'; list each GPU once, e.g. 0,1"),
+               "or cpu:N" + HINT),
+    ("0:0", 4, "bad CUDA_VISIBLE_DEVICES='0:0': G:N needs N >= 1 processes, e.g. 0:2" + HINT),
+    ("0,1,1", 4, "GPU 1 is listed twice in CUDA_VISIBLE_DEVICES='0,1,1'; list each GPU once, e.g. 0,1" + HINT),
     ("0,,1", 4, "bad GPU list CUDA_VISIBLE_DEVICES='0,,1': an empty entry between commas; write ids separated by "
-                "single commas, e.g. 0,1,3"),
+                "single commas, e.g. 0,1,3" + HINT),
+    ("GPU-1,GPU-1", 2, "a GPU is listed twice in CUDA_VISIBLE_DEVICES='GPU-1,GPU-1'; list each once" + HINT),
     ("GPU-00000001,GPU-typo", 2, "GPU GPU-typo in CUDA_VISIBLE_DEVICES='GPU-00000001,GPU-typo' is not on this "
                                  "machine: nvidia-smi -L lists GPU-00000000,GPU-00000001; pass ids from it, or numbers "
                                  "like 0,1"),
@@ -227,15 +232,16 @@ def test_n_processes_share_one_gpu(fake_gpus):
 
 @pytest.mark.parametrize(("devices", "where", "asked"), [("cpu:4", "cpu", 4), ("0,1,3", "GPU 0,1,3", 3),
                                                          ("0:2", "GPU 0", 2)])
-def test_a_one_process_recipe_is_said_as_one_process(devices, where, asked, fake_gpus):
-    # dp.py ('# launcher: python', reads no NPROC_PER_NODE) is one process: "4 process(es) per node on cpu" was false.
-    _, argv, stderr = dry_run("recipes/dp.py", devices, env=fake_gpus(4))
-    assert stderr.splitlines()[-1].startswith(
-        f"launch.sh: 1 process per node on {where} (dp.py reads no NPROC_PER_NODE: it starts one process, not "
-        f"{asked}), 1 node(s), python, master "), stderr
-    assert argv[1:] == ["recipes/dp.py"]
-    # ddp_spawn.py reads NPROC_PER_NODE and starts that many
-    assert "launch.sh: 4 process(es) per node on cpu," in dry_run("recipes/ddp_spawn.py", "cpu:4")[2]
+def test_a_recipe_that_starts_its_own_processes_is_not_given_a_count(devices, where, asked, fake_gpus):
+    # A '# launcher: python' recipe decides its processes: dp.py one ("4 process(es) per node on cpu" was false),
+    # ddp_spawn.py NPROC_PER_NODE, half that with --model-parallel. launch.sh says what it set, not a count.
+    for recipe in ("dp.py", "ddp_spawn.py"):
+        env, argv, stderr = dry_run(f"recipes/{recipe}", devices, env=fake_gpus(4))
+        assert stderr.splitlines()[-1].startswith(
+            f"launch.sh: one {recipe} per node on {where}, which starts its own processes (NPROC_PER_NODE={asked}), "
+            "1 node(s), python, master "), stderr
+        assert argv[1:] == [f"recipes/{recipe}"] and env["NPROC_PER_NODE"] == str(asked)
+    assert "launch.sh: 4 process(es) per node on cpu," in dry_run("recipes/ddp_torchrun.py", "cpu:4")[2]
 
 
 @pytest.mark.parametrize("devices", [

@@ -259,12 +259,15 @@ def test_the_rows_per_expert_are_counted_exactly_past_float32s_integers(monkeypa
     # up to 2^24, which a long interval at a large batch passes: 2^24 + 1 would read 2^24).
     recipe = load_recipe("lm_moe")
     monkeypatch.setattr(recipe.dist, "all_reduce", lambda tensor, *args, **kwargs: None)  # one process's sum
-    counts = torch.tensor([2**24 + 1, 1, 2**40 + 3])
-    block = types.SimpleNamespace(mlp=types.SimpleNamespace(routed=(counts, torch.full((3,), 1 / 3), torch.ones(()))))
+    counts, gate = [2**24 + 1, 1, 2**30 + 3], [0.5, 0.3, 0.2]
+    block = types.SimpleNamespace(mlp=types.SimpleNamespace(routed=(torch.tensor(counts), torch.tensor(gate),
+                                                                    torch.ones(()))))
     aux, _, load = recipe.balance_loss(types.SimpleNamespace(blocks={"0": block}), 3)
-    interval = load + load  # as the loop sums the steps' counts
-    assert interval.tolist() == [[2 * (2**24 + 1), 2, 2 * (2**40 + 3)]], interval
-    assert aux.dtype == torch.float32 and abs(aux.item() - 1.0) < 1e-6, aux
+    interval = 0 + load + load  # as the loop sums the steps' counts, from its 0
+    assert interval.tolist() == [[2 * (2**24 + 1), 2, 2 * (2**30 + 3)]], interval
+    # E sum_e f_e P_e, worked out here in float64: a float32 dtype of its own, the shares still right
+    expected = 3 * sum(c * p for c, p in zip(counts, gate, strict=True)) / sum(counts)
+    assert aux.dtype == torch.float32 and aux.item() == pytest.approx(expected, rel=1e-6), (aux, expected)
 
 
 def test_a_stop_on_sigusr1_with_async_saves_resumes_bitwise(runs, tmp_path):

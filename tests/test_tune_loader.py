@@ -296,8 +296,7 @@ def test_bad_input_one_line_exit_2(args, message, tmp_path, capsys):
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--batches", "x"], "argument --batches: invalid int value: 'x'"),
-    (["--dataset", "mnist"], "argument --dataset: invalid choice: 'mnist' (choose from 'synthetic', 'cifar100', "
-     "'imagefolder')"),
+    (["--dataset", "mnist"], "argument --dataset: invalid choice: 'mnist' (choose from "),  # quoted by version
     (["--workers", "4"], "unrecognized arguments: --workers 4"),  # the recipes' flag; this tool sweeps it
 ], ids=["not-a-number", "not-a-choice", "not-a-flag"])
 def test_a_flag_argparse_refuses_is_one_line_not_a_usage_block(args, message, capsys):
@@ -307,7 +306,7 @@ def test_a_flag_argparse_refuses_is_one_line_not_a_usage_block(args, message, ca
         tune_loader.main(args)
     out, err = capsys.readouterr()
     assert "usage:" not in err and "Traceback" not in err, err
-    assert (exit_.value.code, out, err) == (2, "", f"tune_loader: error: {message}\n")
+    assert (exit_.value.code, out, err.count("\n")) == (2, "", 1) and err.startswith(f"tune_loader: error: {message}")
 
 
 def test_cuda_without_a_gpu_is_refused(monkeypatch, capsys):
