@@ -2,7 +2,8 @@
 and what a researcher may delete or swap for their own tooling when copying a recipe. Recipes import this module
 as one name, so every such line reads `harness.NAME(...)` and shows itself for what it is.
 
-    harness.add_flags(parser)             --max-steps, --tb-dir, --tb-every, --profile, --debug-collectives
+    harness.add_flags(parser)             --max-steps, --tb-dir, --tb-every, --profile, --debug-collectives; argparse's
+                                          usage and --help once per node, not once per rank
     harness.check_flags(args, world_size) start-up: nan/inf floats, counts below their minimum, an unknown --arch
                                           or one that cannot take the run's image size, a --batch-size the processes
                                           cannot split, --sync-bn without GPUs
@@ -79,7 +80,8 @@ ABOVE_ZERO = ("lr", "dist_timeout", "clip_grad")  # rates and seconds: 0 is neve
 def add_flags(parser, collectives=True):
     """The harness's own flags: --max-steps (smoke runs, benchmarks), --tb-dir and --tb-every (TensorBoard), --profile
     (docs/slow.md), and where the recipe has a process group (collectives=True), --debug-collectives
-    (docs/failures.md)."""
+    (docs/failures.md). And argparse's usage once per node (usage_once_per_node)."""
+    usage_once_per_node(parser)
     parser.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs, benchmarks)")
     parser.add_argument("--tb-dir", help="write TensorBoard curves here (rank 0): tensorboard --logdir TB_DIR")
     parser.add_argument("--tb-every", type=int, default=20, help="--tb-dir: the training loss every N optimizer steps")
@@ -87,6 +89,15 @@ def add_flags(parser, collectives=True):
     if collectives:
         parser.add_argument("--debug-collectives", action="store_true", help="each collective first checks that "
                             "every rank called the same one, with the same shapes (torch's DETAIL level; slow)")
+
+
+def usage_once_per_node(parser):
+    """argparse's usage block and --help from each node's local rank 0 alone, as die() says its line: a mistyped flag
+    on 8 GPUs printed 8 usage blocks. On the other ranks a bad flag goes to die() (nothing printed; exit 2 after its
+    grace, so that rank 0 is not stopped before it has said it) and --help prints nothing."""
+    if int(os.environ.get("LOCAL_RANK", 0)) != 0:
+        parser.error = die
+        parser.print_help = lambda file=None: None
 
 
 def add_profile_flag(parser):

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.harness import add_profile_flag
+from common.harness import add_profile_flag, usage_once_per_node
 
 CORPUS_LIST = Path(__file__).with_name("lm_corpus.txt")
 VAL_FRACTION = 0.05
@@ -262,6 +262,7 @@ def add_flags(p, name, sharded=False):
     """The flags every language-model recipe shares: the model's shape, the text, the schedule, AdamW, evaluation,
     checkpoints and the harness's own. Each recipe adds --batch-size (whose split is its lesson) and its layout flags.
     sharded: OUT_DIR/checkpoint/ holds DCP shards and a latest.pt naming them (lm_tp, lm_pp, lm_fsdp_tp)."""
+    usage_once_per_node(p)  # a mistyped flag: argparse's usage from each node's local rank 0 alone
     p.add_argument("--text", help="a UTF-8 file or a folder of them (default: the Python standard library's source)")
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)

@@ -379,6 +379,25 @@ def test_each_recipe_refuses_a_bad_flag_before_any_collective(recipe, flags, lin
     assert leaving.value.code == 2 and capsys.readouterr().err == f"{line}\n"
 
 
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in (REPO / "recipes").glob("*.py")))
+def test_a_mistyped_flag_prints_argparse_s_usage_on_each_node_s_local_rank_0_alone(recipe, monkeypatch, capsys):
+    # Every rank parses the command line: a typo on 8 GPUs printed 8 usage blocks. Local rank 0 prints argparse's
+    # usage and error; another rank goes to die() (nothing printed, exit 2 after its grace) and --help prints nothing.
+    module = load_recipe(recipe)
+    monkeypatch.setattr(utils, "DIE_GRACE_SECONDS", 0)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    for local_rank, printed in (("1", ""), ("0", "usage: ")):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        with pytest.raises(SystemExit) as leaving:
+            module.parse_args(["--no-such-flag"])
+        out, err = capsys.readouterr()
+        assert leaving.value.code == 2 and out == "" and err.startswith(printed), (local_rank, err)
+        assert err.count("usage:") == (local_rank == "0") and err.count("unrecognized arguments") == err.count("usage:")
+        with pytest.raises(SystemExit) as leaving:
+            module.parse_args(["--help"])
+        assert leaving.value.code == 0 and capsys.readouterr().out.count("usage:") == (local_rank == "0")
+
+
 # ------------------------------------------------------------------------------ tools' bad input
 def refused(argv, line, code=2):
     """`python ARGV` in a new interpreter: `line` alone on stderr, nothing on stdout, exit `code` (no traceback)."""
