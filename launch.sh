@@ -112,7 +112,7 @@ cvd="" # CUDA_VISIBLE_DEVICES= where the list came from it: the errors below nam
 if [[ $# -gt 0 && $1 =~ ^-[0-9] ]]; then # CUDA_VISIBLE_DEVICES' -1, typed as DEVICES: read as a recipe flag
   fail "bad DEVICES '$1': to run without GPUs pass cpu or cpu:N, e.g. cpu:2"
 fi
-# launch.sh's own words after the recipe's flags would reach every rank, each printing its usage: --dry-run (unless
+# launch.sh's own words after the recipe's flags would reach the recipe, which refuses them: --dry-run (unless
 # the recipe takes one of its own) and DEVICES ("cpu", "cpu:2" where no flag takes it as its value).
 if [[ " $* " == *" --dry-run "* ]] && ! grep -q -e --dry-run "$recipe"; then
   fail "--dry-run goes before RECIPE: ./launch.sh --dry-run RECIPE [DEVICES] [recipe args...]"
@@ -357,8 +357,8 @@ env_vars=(CUDA_VISIBLE_DEVICES="$visible" CUDA_DEVICE_ORDER=PCI_BUS_ID OMP_NUM_T
 restarts=""
 ((max_restarts == 0)) || restarts=", up to $max_restarts restart(s)"
 started="$nprocs process(es) per node on $where"
-# A '# launcher: python' recipe starts as one process and decides how many more: dp.py none, ddp_spawn.py
-# NPROC_PER_NODE (half with --model-parallel). Say what launch.sh knows, not a count it does not set.
+# A '# launcher: python' recipe starts as one process and decides how many more: dp.py none, ddp_spawn.py one per
+# GPU (half with --model-parallel), on the CPU --nproc (default NPROC_PER_NODE). Say what launch.sh set, no count.
 if [[ $launcher == python ]]; then
   started="one $(basename "$recipe") per node on ${where%% shared by*}, which starts its own processes (NPROC_PER_NODE=$nprocs)"
 fi
