@@ -51,8 +51,8 @@ while [[ $# -gt 0 && $1 == -* ]]; do
   esac
   shift
 done
-# Only 1 prints: any other word (true, yes) would run the job for real.
-if [[ ! ${LAUNCH_DRY_RUN:-0} =~ ^[01]$ ]]; then
+# Only 1 prints: any other word (true, yes) would run the job for real (unless --dry-run says to print).
+if [[ $dry_run != 1 && ! ${LAUNCH_DRY_RUN:-0} =~ ^[01]$ ]]; then
   fail "LAUNCH_DRY_RUN='$LAUNCH_DRY_RUN' must be 1 (print the command, as --dry-run does) or 0 (run it); unset it to run"
 fi
 [[ $# -ge 1 ]] || { usage >&2; exit 2; }
@@ -226,15 +226,15 @@ fi
 # ---- rendezvous: nodes, address, port
 nnodes=${NNODES:-1}
 node_rank=${NODE_RANK:-0}
-# 10#: a leading zero ("08") would otherwise be read as octal.
-if ! [[ $nnodes =~ ^[0-9]+$ ]] || ((10#$nnodes < 1)); then
-  fail "NNODES='$nnodes' must be a whole number >= 1"
+# 10#: a leading zero ("08") would otherwise be read as octal. At most 6 digits: bash arithmetic wraps past 2^63.
+if ! [[ $nnodes =~ ^0*[1-9][0-9]{0,5}$ ]]; then
+  fail "NNODES='$nnodes' must be a whole number from 1 to 999999 (the number of nodes)"
 fi
 nnodes=$((10#$nnodes))
 if [[ -z ${NNODES:-} && $node_rank =~ ^0*[1-9][0-9]*$ ]]; then # a node of a multi-node job, told too little
   fail "NODE_RANK=$node_rank needs NNODES, the number of nodes: set NNODES (and MASTER_ADDR, MASTER_PORT) the same on every node, or unset NODE_RANK for a one-node job"
 fi
-if ! [[ $node_rank =~ ^[0-9]+$ ]] || ((10#$node_rank >= nnodes)); then
+if ! [[ $node_rank =~ ^0*[0-9]{1,6}$ ]] || ((10#$node_rank >= nnodes)); then
   fail "NODE_RANK='$node_rank' must be 0..$((nnodes - 1)) (NNODES=$nnodes)"
 fi
 node_rank=$((10#$node_rank))

@@ -362,6 +362,8 @@ def test_launch_dry_run_other_than_1_or_0_is_refused_not_run(value, tmp_path):
     proc = launch(script, "cpu:1", env={"LAUNCH_DRY_RUN": value})
     assert error_line(proc) == (f"launch.sh: error: LAUNCH_DRY_RUN='{value}' must be 1 (print the command, as "
                                 "--dry-run does) or 0 (run it); unset it to run")
+    proc = launch("--dry-run", script, "cpu:1", env={"LAUNCH_DRY_RUN": value})  # the flag prints: nothing runs
+    assert proc.returncode == 0 and "ran" not in proc.stdout and f"{script}" in proc.stdout, proc
 
 
 def test_master_port_from_environment_is_used():
@@ -543,7 +545,11 @@ def test_multi_node_environment_is_passed_to_torchrun():
 @pytest.mark.parametrize(("env", "message"), [
     ({"NNODES": "2"}, "NNODES=2 needs MASTER_ADDR (node 0's address) and MASTER_PORT"),
     ({"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}, "NODE_RANK='2' must be 0..1"),
-    ({"NNODES": "0"}, "NNODES='0' must be a whole number >= 1"),
+    ({"NNODES": "0"}, "NNODES='0' must be a whole number from 1 to 999999 (the number of nodes)"),
+    # 20 digits wrapped in bash arithmetic: 2^64 + 1 nodes read as 1, a NODE_RANK of 2^64 as 0
+    ({"NNODES": str(2**64 + 1)}, f"NNODES='{2**64 + 1}' must be a whole number from 1 to 999999"),
+    ({"NNODES": "2", "NODE_RANK": str(2**64), "MASTER_ADDR": "h", "MASTER_PORT": "29500"},
+     f"NODE_RANK='{2**64}' must be 0..1"),
 ])
 def test_bad_multi_node_environment(env, message):
     proc = launch("recipes/ddp_torchrun.py", "cpu", env=env)

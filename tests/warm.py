@@ -246,7 +246,7 @@ def launch_job(args, env, cwd):
     or None where the job must take the real path (the reason in last_real_path_reason)."""
     global last_real_path_reason
     last_real_path_reason = reason_for_real_path(env)
-    if str(args[0]).startswith("-") or env.get("LAUNCH_DRY_RUN") == "1":
+    if str(args[0]).startswith("-") or env.get("LAUNCH_DRY_RUN", "0") not in ("", "0"):  # 1, or one it refuses
         last_real_path_reason = "launch.sh's own options (--dry-run, --help): its output is the result"
     if last_real_path_reason:
         return None
