@@ -571,7 +571,7 @@ def test_results_that_cannot_be_written_are_printed_first_and_one_line(tmp_path,
     line says what could not be written; exit 1."""
     steady = tmp_path / "steady.py"
     steady.write_text(FLAKY)  # its first run succeeds
-    monkeypatch.setattr("tools.bench.unwritable", lambda folder: None)
+    monkeypatch.setattr("tools.bench.unwritable_folder", lambda label, folder: None)
     code, out, err = bench_here(monkeypatch, capsys, "--recipes", "steady", "--repeats", 1, "--out", "/proc/benchout",
                                 *FAST, "--add-entry", f"steady={steady}")
     assert code == 1 and table(out)["steady", "-"]["images/s"] == "1000.0 (1000.0–1000.0)", err[-4000:]

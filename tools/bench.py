@@ -88,7 +88,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common/ when run as a script
 from common.data import build_datasets, usable_cores
 from common.models import build_model
-from tools.cli import unwritable
+from tools.cli import unwritable_folder
 from tools.procs import run_group
 
 REPO = Path(__file__).resolve().parents[1]
@@ -615,10 +615,9 @@ def main(argv=None):
     except ValueError as exc:
         print(f"bench: error: {exc}", file=sys.stderr)
         return 2
-    why = unwritable(args.out)  # now, not after every run: a benchmark whose results cannot be written is lost
-    if why:
-        print(f"bench: error: --out {args.out}: cannot make or write that folder ({why}); pass one you can write",
-              file=sys.stderr)
+    problem = unwritable_folder(f"--out {args.out}", args.out)  # now, not after every run: a benchmark whose results
+    if problem:  # cannot be written is lost
+        print(f"bench: error: {problem}", file=sys.stderr)
         return 2
     # Before the bare loop's first CUDA call: number GPUs as nvidia-smi and launch.sh do, all of them visible.
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"

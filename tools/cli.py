@@ -37,6 +37,29 @@ def unwritable(folder, make=True):
     return None
 
 
+def unwritable_folder(label, folder, make=True):
+    """unwritable(folder, make) as one line's message ("--out x: cannot make or write that folder (why); ..."), or
+    None when a file can be written there. label: the flag, or the folder alone for a positional argument."""
+    why = unwritable(folder, make)
+    return f"{label}: cannot make or write that folder ({why}); pass one you can write" if why else None
+
+
+def write_failed(flag, path, exc):
+    """The one line for a write that failed after the checks before the work (a full disk, a file or a folder made
+    at that path since)."""
+    return f"{flag} {path}: cannot write it ({exc.strerror or exc}); pass a path you can write"
+
+
+def save_picture(fig, flag, path, dpi):
+    """fig.savefig(path, dpi=dpi) with the path's folder made: None, or write_failed's line."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=dpi)
+    except OSError as exc:
+        return write_failed(flag, path, exc)
+    return None
+
+
 def unwritable_output(*flags_and_paths):
     """The first of (flag, path) pairs whose file cannot be written, as one line's message ("--json x/y.json: cannot
     make or write its folder (why); ..."), None when each can (a path of None is skipped). Nothing is made: the

@@ -98,7 +98,7 @@ from common.models import build_model, check_arch, check_image_size  # noqa: E40
 from common.schedule import default_lr, warmup_cosine  # noqa: E402
 from common.utils import AverageMeter, accuracy, first_line  # noqa: E402
 from tools import junit  # noqa: E402
-from tools.cli import OneLineParser, unwritable_output  # noqa: E402
+from tools.cli import OneLineParser, unwritable_output, write_failed  # noqa: E402
 from tools.free_port import free_port  # noqa: E402
 from tools.recipes import load_recipe  # noqa: E402
 
@@ -1341,8 +1341,7 @@ def render_main(args, command):
         args.md.parent.mkdir(parents=True, exist_ok=True)
         args.md.write_text(text)
     except OSError as exc:
-        print(f"gpu_bench: error: --md {args.md}: cannot write it ({exc.strerror or exc}); pass a path you can write",
-              file=sys.stderr)
+        print(f"gpu_bench: error: {write_failed('--md', args.md, exc)}", file=sys.stderr)
         return 2
     print(f"gpu_bench: wrote {args.md}", flush=True)
     return 0

@@ -48,7 +48,7 @@ import numpy as np
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/ when run as a script
-from tools.cli import OneLineParser, unwritable
+from tools.cli import OneLineParser, unwritable_folder
 
 PHOTOS = ("china.jpg", "flower.jpg")
 MAX_CLASSES = 100
@@ -203,9 +203,9 @@ def main(argv=None):
     if importlib.util.find_spec("sklearn") is None:  # before any file is made
         p.error("scikit-learn is not installed, and its two sample photographs are the source: "
                 "pip install -r requirements-dev.txt")
-    why = unwritable(args.root)  # made here, before any file: a folder that cannot be written is one line
-    if why:
-        p.error(f"{args.root}: cannot make or write that folder ({why}); pass one you can write")
+    problem = unwritable_folder(args.root, args.root)  # made here, before any file: a folder that cannot be written
+    if problem:  # is one line
+        p.error(problem)
     if args.force:  # an earlier run's files, a larger set's or its corrupt ones, must not stay among the new
         for split in SPLITS:
             shutil.rmtree(args.root / split, ignore_errors=True)

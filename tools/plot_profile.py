@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.profiling import segments
-from tools.cli import OneLineParser, picture_output
+from tools.cli import OneLineParser, picture_output, save_picture
 
 COLOURS = {"compute": "#4c72b0", "both": "#8172b2", "communication": "#c44e52", "data": "#dd8452",
            "optimizer": "#55a868", "idle": "#eeeeee"}
@@ -87,12 +87,11 @@ def main(argv=None):
               bbox_to_anchor=(0.5, -0.35 if len(files) < 3 else -0.22), frameon=False)
     fig.tight_layout()
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=110)
-    except OSError as exc:
-        return error(f"--out {out}: cannot write it ({exc.strerror or exc}); pass a path you can write")
+        problem = save_picture(fig, "--out", out, dpi=110)
     finally:
         plt.close(fig)
+    if problem:
+        return error(problem)
     print(f"wrote {out}: {len(files)} ranks")
     return 0
 

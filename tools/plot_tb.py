@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/ when run as a script
-from tools.cli import OneLineParser, picture_output
+from tools.cli import OneLineParser, picture_output, save_picture
 
 PANELS = [("train/loss", "training loss (mean of the last --tb-every steps)"), ("epoch/val_acc1", "val top-1 (%)"),
           ("train/lr", "learning rate"), ("epoch/images_per_sec", "images/s (epoch)")]
@@ -89,12 +89,9 @@ def main(argv=None):
         print(f"error: {exc}", file=sys.stderr)
         return 2
     fig = figure(runs)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=100)
-    except OSError as exc:  # what the check above cannot see: a full disk, a file or a folder made since
-        print(f"error: --out {out}: cannot write it ({exc.strerror or exc}); pass a path you can write",
-              file=sys.stderr)
+    problem = save_picture(fig, "--out", out, dpi=100)  # what the check above cannot see: a full disk, ...
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     print(f"wrote {out} ({len(runs)} run(s))")
     return 0

@@ -33,7 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # common/ when run as a script
-from tools.cli import OneLineParser, unwritable  # noqa: E402
+from tools.cli import OneLineParser, unwritable_folder  # noqa: E402
 
 RECIPES = {  # name: (recipe file, devices, flags beyond the shared ones)
     "dp": ("dp", "cpu", []),
@@ -146,9 +146,9 @@ def main(argv=None):
         if value < least:
             p.error(f"{flag} {value} must be at least {least}")
     for flag, folder in [("--export", args.export)] if args.export else [("--data", args.data), ("--out", args.out)]:
-        why = folder and unwritable(folder, make=False)  # before the images and the runs (nothing is made here)
-        if why:
-            p.error(f"{flag} {folder}: cannot make or write that folder ({why}); pass one you can write")
+        problem = folder and unwritable_folder(f"{flag} {folder}", folder, make=False)  # before the images and the
+        if problem:  # runs (nothing is made here)
+            p.error(problem)
     if args.export:
         train, val = export(args.export, args.size)
         print(f"wrote {train} train / {val} val images under {args.export} (and {args.export}/rec)")
