@@ -22,6 +22,11 @@ def x(name, ts, dur, tid=1, cat="cpu_op", **args):
     return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1, "cat": cat, "args": args}
 
 
+def profiler_steps():
+    """Four recorded steps (ProfilerStep#2-5, 100 us each, back to back), as the plot_profile tests' traces hold."""
+    return [x(f"ProfilerStep#{i}", 100 * i, 100, cat="user_annotation") for i in range(2, 6)]
+
+
 def trace_double(*events, gloo_tid=9):
     """A Chrome trace as torch.profiler's export_chrome_trace writes it, cut down to what breakdown() reads."""
     meta = {"ph": "M", "name": "thread_name", "tid": gloo_tid, "pid": 1, "args": {"name": "pt_gloo_runloop"}}
@@ -130,7 +135,7 @@ def test_plot_profile_bad_input_is_one_line_and_a_new_out_folder_is_made(tmp_pat
     # --out p.txt matplotlib's ValueError after the drawing, and --out newdir/p.png a FileNotFoundError.
     good = tmp_path / "good"
     good.mkdir()
-    step = [x(f"ProfilerStep#{i}", 100 * i, 100, cat="user_annotation") for i in range(2, 6)]
+    step = profiler_steps()
     (good / "trace_rank0.json").write_text(json.dumps(trace_double(*step, x("aten::mm", 200, 50))))
     for name, text in (("nostep", json.dumps(trace_double(x("aten::mm", 0, 10)))), ("broken", '{"traceEvents": ['),
                        ("notrace", "[1, 2]")):
@@ -167,7 +172,7 @@ def test_plot_profile_bad_input_is_one_line_and_a_new_out_folder_is_made(tmp_pat
 def test_plot_profile_names_a_trace_whose_events_it_cannot_read(tmp_path, event, flaw, capsys):
     # A truncated or foreign Chrome trace: an event without name/ts/tid was a KeyError traceback from segments().
     # In-process, as the tests above: a new interpreter spends 2-4 s importing torch (common.profiling) first.
-    step = [x(f"ProfilerStep#{i}", 100 * i, 100, cat="user_annotation") for i in range(2, 6)]
+    step = profiler_steps()
     (tmp_path / "trace_rank0.json").write_text(json.dumps(trace_double(*step, event)))
     code = plot_profile([str(tmp_path), "--out", str(tmp_path / "p.png")])
     out, err = capsys.readouterr()
@@ -182,7 +187,7 @@ def test_plot_profile_names_a_trace_whose_events_it_cannot_read(tmp_path, event,
 def test_plot_profile_writes_an_out_without_a_suffix_as_a_png(tmp_path, capsys):
     # --out profile was refused ("not a picture matplotlib can write"); savefig itself writes profile.png there, and
     # the tool now names that file.
-    step = [x(f"ProfilerStep#{i}", 100 * i, 100, cat="user_annotation") for i in range(2, 6)]
+    step = profiler_steps()
     (tmp_path / "trace_rank0.json").write_text(json.dumps(trace_double(*step, x("aten::mm", 200, 50))))
     assert plot_profile([str(tmp_path), "--out", str(tmp_path / "profile")]) == 0
     assert capsys.readouterr().out == f"wrote {tmp_path / 'profile.png'}: 1 ranks\n"
